@@ -1,0 +1,102 @@
+//! Little-endian encoding helpers for on-disk structures.
+//!
+//! [`ByteReader`] never trusts a length it reads: every access is bounds
+//! checked and fails with a message instead of panicking, because its input
+//! comes from the medium.
+
+/// Appends little-endian integers to a buffer.
+#[derive(Default)]
+pub struct ByteWriter {
+    pub buf: Vec<u8>,
+}
+
+impl ByteWriter {
+    pub fn new() -> Self {
+        ByteWriter { buf: Vec::new() }
+    }
+    pub fn u8(&mut self, value: u8) {
+        self.buf.push(value);
+    }
+    pub fn u16(&mut self, value: u16) {
+        self.buf.extend_from_slice(&value.to_le_bytes());
+    }
+    pub fn u32(&mut self, value: u32) {
+        self.buf.extend_from_slice(&value.to_le_bytes());
+    }
+    pub fn i32(&mut self, value: i32) {
+        self.buf.extend_from_slice(&value.to_le_bytes());
+    }
+    pub fn u64(&mut self, value: u64) {
+        self.buf.extend_from_slice(&value.to_le_bytes());
+    }
+    pub fn bytes(&mut self, value: &[u8]) {
+        self.buf.extend_from_slice(value);
+    }
+}
+
+/// Reads little-endian integers with bounds checks.
+pub struct ByteReader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> ByteReader<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        ByteReader { bytes, pos: 0 }
+    }
+
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    pub fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+
+    pub fn take(&mut self, len: usize) -> Result<&'a [u8], String> {
+        if self.remaining() < len {
+            return Err(format!(
+                "truncated: wanted {len} bytes at offset {}, only {} left",
+                self.pos,
+                self.remaining()
+            ));
+        }
+        let slice = &self.bytes[self.pos..self.pos + len];
+        self.pos += len;
+        Ok(slice)
+    }
+
+    pub fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16, String> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    }
+    pub fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    pub fn i32(&mut self) -> Result<i32, String> {
+        Ok(i32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    pub fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reader_reports_truncation_instead_of_panicking() {
+        let mut writer = ByteWriter::new();
+        writer.u32(7);
+        writer.u64(u64::MAX);
+        let mut reader = ByteReader::new(&writer.buf);
+        assert_eq!(reader.u32(), Ok(7));
+        assert_eq!(reader.u64(), Ok(u64::MAX));
+        assert!(reader.u8().is_err());
+        assert!(ByteReader::new(&[1, 2]).u32().is_err());
+        assert!(ByteReader::new(&[]).take(usize::MAX).is_err());
+    }
+}

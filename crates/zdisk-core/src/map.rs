@@ -1,0 +1,617 @@
+//! The logical-to-physical map.
+//!
+//! The map is sparse: a B-tree of chunks of [`CHUNK_BLOCKS`] blocks, created
+//! only where blocks have been written, so its RAM grows with the data, not
+//! with the logical size. A chunk whose blocks all share one state (all
+//! zeros, or during recovery all trimmed) is stored as a single value.
+//!
+//! Every entry carries the version of the write that produced it. In normal
+//! operation the newest write always wins, so versions only matter during
+//! recovery, where records are replayed out of order and
+//! [`Map::set_if_newer`] keeps the highest version; equal versions denote the
+//! same data at a new location (a relocated copy), and the later one wins.
+//! Recovery keeps trimmed entries as versioned tombstones so that an older
+//! record replayed later cannot resurrect a trimmed block; [`Map::compact`]
+//! drops them afterwards.
+//!
+//! Invariant: `data_blocks`, `zero_blocks`, `damaged_blocks` and
+//! `stored_bytes` always equal what a full scan of the entries would count
+//! (checked by `check_counts`).
+
+use std::collections::BTreeMap;
+
+use crate::units::{Lba, SegmentId};
+
+pub const CHUNK_SHIFT: u32 = 8;
+/// Blocks per map chunk (1 MiB of logical space).
+pub const CHUNK_BLOCKS: u64 = 1 << CHUNK_SHIFT;
+const CHUNK_MASK: u64 = CHUNK_BLOCKS - 1;
+
+/// Where a block's record lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Location {
+    pub segment: SegmentId,
+    /// Byte offset of the record within the segment.
+    pub offset: u32,
+    /// Bytes the record occupies, alignment included.
+    pub len: u32,
+}
+
+/// The state of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// Unwritten or trimmed: reads as zeros, not allocated.
+    Hole,
+    /// Allocated zeros: reads as zeros, takes no payload space.
+    Zero,
+    Data(Location),
+    /// Its data was found damaged; reads fail until it is rewritten.
+    Damaged,
+}
+
+/// The states a whole range can be set to at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeState {
+    Hole,
+    Zero,
+    Damaged,
+}
+
+impl RangeState {
+    pub fn slot(self) -> Slot {
+        match self {
+            RangeState::Hole => Slot::Hole,
+            RangeState::Zero => Slot::Zero,
+            RangeState::Damaged => Slot::Damaged,
+        }
+    }
+}
+
+const STATE_HOLE: u64 = 0;
+const STATE_ZERO: u64 = 1;
+const STATE_DATA: u64 = 2;
+const STATE_DAMAGED: u64 = 3;
+/// Versions are stored in 48 bits.
+pub const VERSION_MAX: u64 = (1 << 48) - 1;
+const LEN_MAX: u32 = (1 << 13) - 1;
+
+/// One packed entry: 16 bytes.
+/// `w0` = segment << 32 | offset; `w1` = version << 16 | len << 2 | state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Entry {
+    pub w0: u64,
+    pub w1: u64,
+}
+
+impl Entry {
+    pub fn new(slot: Slot, version: u64) -> Entry {
+        assert!(version <= VERSION_MAX, "version {version} exceeds 48 bits");
+        match slot {
+            Slot::Hole => Entry { w0: 0, w1: version << 16 | STATE_HOLE },
+            Slot::Zero => Entry { w0: 0, w1: version << 16 | STATE_ZERO },
+            Slot::Damaged => Entry { w0: 0, w1: version << 16 | STATE_DAMAGED },
+            Slot::Data(loc) => {
+                assert!(loc.len > 0 && loc.len <= LEN_MAX, "record length {} out of range", loc.len);
+                Entry {
+                    w0: (loc.segment.0 as u64) << 32 | loc.offset as u64,
+                    w1: version << 16 | (loc.len as u64) << 2 | STATE_DATA,
+                }
+            }
+        }
+    }
+
+    pub fn slot(self) -> Slot {
+        match self.w1 & 3 {
+            STATE_HOLE => Slot::Hole,
+            STATE_ZERO => Slot::Zero,
+            STATE_DAMAGED => Slot::Damaged,
+            _ => Slot::Data(Location {
+                segment: SegmentId((self.w0 >> 32) as u32),
+                offset: self.w0 as u32,
+                len: ((self.w1 >> 2) & LEN_MAX as u64) as u32,
+            }),
+        }
+    }
+
+    pub fn version(self) -> u64 {
+        self.w1 >> 16
+    }
+
+    /// Validates an entry decoded from a checkpoint.
+    pub fn is_well_formed(self) -> bool {
+        match self.w1 & 3 {
+            STATE_DATA => {
+                let len = ((self.w1 >> 2) & LEN_MAX as u64) as u32;
+                len > 0 && self.w1 & 0x8000 == 0
+            }
+            _ => self.w0 == 0 && (self.w1 >> 2) & 0x3FFF == 0,
+        }
+    }
+}
+
+/// A chunk of [`CHUNK_BLOCKS`] entries.
+#[derive(Debug, Clone)]
+pub enum Chunk {
+    /// Every block in this state at this version.
+    Uniform { state: RangeState, version: u64 },
+    Mixed(Box<[Entry; CHUNK_BLOCKS as usize]>),
+}
+
+/// Block counts by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MapCounts {
+    pub data_blocks: u64,
+    pub zero_blocks: u64,
+    pub damaged_blocks: u64,
+    pub stored_bytes: u64,
+}
+
+impl MapCounts {
+    fn add(&mut self, slot: Slot, count: u64) {
+        match slot {
+            Slot::Hole => {}
+            Slot::Zero => self.zero_blocks += count,
+            Slot::Damaged => self.damaged_blocks += count,
+            Slot::Data(loc) => {
+                self.data_blocks += count;
+                self.stored_bytes += loc.len as u64 * count;
+            }
+        }
+    }
+
+    fn sub(&mut self, slot: Slot, count: u64) {
+        match slot {
+            Slot::Hole => {}
+            Slot::Zero => self.zero_blocks -= count,
+            Slot::Damaged => self.damaged_blocks -= count,
+            Slot::Data(loc) => {
+                self.data_blocks -= count;
+                self.stored_bytes -= loc.len as u64 * count;
+            }
+        }
+    }
+}
+
+/// The sparse logical-to-physical map.
+pub struct Map {
+    chunks: BTreeMap<u64, Chunk>,
+    counts: MapCounts,
+    /// Keep trimmed entries with their versions (during recovery).
+    keep_tombstones: bool,
+    mixed_chunks: u64,
+}
+
+impl Map {
+    pub fn new(keep_tombstones: bool) -> Map {
+        Map {
+            chunks: BTreeMap::new(),
+            counts: MapCounts::default(),
+            keep_tombstones,
+            mixed_chunks: 0,
+        }
+    }
+
+    pub fn counts(&self) -> MapCounts {
+        self.counts
+    }
+
+    /// Approximate heap bytes used.
+    pub fn memory_bytes(&self) -> u64 {
+        let node_overhead = 48u64;
+        self.chunks.len() as u64 * (std::mem::size_of::<Chunk>() as u64 + 8 + node_overhead)
+            + self.mixed_chunks * std::mem::size_of::<[Entry; CHUNK_BLOCKS as usize]>() as u64
+    }
+
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// The entry for `lba` (a hole at version 0 if never written).
+    pub fn get(&self, lba: Lba) -> Entry {
+        match self.chunks.get(&(lba.0 >> CHUNK_SHIFT)) {
+            None => Entry::default(),
+            Some(Chunk::Uniform { state, version }) => Entry::new(state.slot(), *version),
+            Some(Chunk::Mixed(entries)) => entries[(lba.0 & CHUNK_MASK) as usize],
+        }
+    }
+
+    fn mixed_entry(&mut self, lba: Lba) -> &mut Entry {
+        let index = lba.0 >> CHUNK_SHIFT;
+        let chunk = self
+            .chunks
+            .entry(index)
+            .or_insert(Chunk::Uniform { state: RangeState::Hole, version: 0 });
+        if let Chunk::Uniform { state, version } = *chunk {
+            *chunk = Chunk::Mixed(Box::new([Entry::new(state.slot(), version); CHUNK_BLOCKS as usize]));
+            self.mixed_chunks += 1;
+        }
+        match chunk {
+            Chunk::Mixed(entries) => &mut entries[(lba.0 & CHUNK_MASK) as usize],
+            Chunk::Uniform { .. } => unreachable!(),
+        }
+    }
+
+    /// Sets one block unconditionally; returns the previous entry.
+    pub fn set(&mut self, lba: Lba, slot: Slot, version: u64) -> Entry {
+        let new = Entry::new(slot, version);
+        let entry = self.mixed_entry(lba);
+        let old = *entry;
+        *entry = new;
+        self.counts.sub(old.slot(), 1);
+        self.counts.add(slot, 1);
+        if slot == Slot::Hole && !self.keep_tombstones {
+            self.drop_chunk_if_empty(lba.0 >> CHUNK_SHIFT);
+        }
+        old
+    }
+
+    /// Sets one block if `version` is at least the current version; returns
+    /// the previous entry if it was replaced.
+    pub fn set_if_newer(&mut self, lba: Lba, slot: Slot, version: u64) -> Option<Entry> {
+        if self.get(lba).version() > version {
+            return None;
+        }
+        Some(self.set(lba, slot, version))
+    }
+
+    fn drop_chunk_if_empty(&mut self, index: u64) {
+        let empty = match self.chunks.get(&index) {
+            Some(Chunk::Mixed(entries)) => entries.iter().all(|e| e.slot() == Slot::Hole),
+            Some(Chunk::Uniform { state, .. }) => *state == RangeState::Hole,
+            None => false,
+        };
+        if empty {
+            if let Some(Chunk::Mixed(_)) = self.chunks.remove(&index) {
+                self.mixed_chunks -= 1;
+            }
+        }
+    }
+
+    /// Sets `count` blocks from `first` to `state`, calling `displaced` with
+    /// every data location that stops being referenced. With `only_newer`,
+    /// blocks holding a higher version are left alone (recovery).
+    pub fn set_range(
+        &mut self,
+        first: Lba,
+        count: u64,
+        state: RangeState,
+        version: u64,
+        only_newer: bool,
+        displaced: &mut dyn FnMut(Location),
+    ) {
+        let end = first.0.checked_add(count).expect("range overflows");
+        let mut lba = first.0;
+        while lba < end {
+            let index = lba >> CHUNK_SHIFT;
+            let chunk_start = index << CHUNK_SHIFT;
+            let chunk_end = chunk_start + CHUNK_BLOCKS;
+            let run_end = end.min(chunk_end);
+            let whole = lba == chunk_start && run_end == chunk_end;
+            let drop_whole = whole && state == RangeState::Hole && !self.keep_tombstones;
+            if whole && (drop_whole || !only_newer || self.chunk_max_version(index) <= version) {
+                // Replace the whole chunk at once.
+                let old = if drop_whole {
+                    self.chunks.remove(&index)
+                } else {
+                    self.chunks.insert(index, Chunk::Uniform { state, version })
+                };
+                match old {
+                    Some(Chunk::Mixed(entries)) => {
+                        self.mixed_chunks -= 1;
+                        for entry in entries.iter() {
+                            let slot = entry.slot();
+                            self.counts.sub(slot, 1);
+                            if let Slot::Data(loc) = slot {
+                                displaced(loc);
+                            }
+                        }
+                    }
+                    Some(Chunk::Uniform { state: old_state, .. }) => {
+                        self.counts.sub(old_state.slot(), CHUNK_BLOCKS);
+                    }
+                    None => {}
+                }
+                if !drop_whole {
+                    self.counts.add(state.slot(), CHUNK_BLOCKS);
+                }
+            } else if !self.chunks.contains_key(&index) && state == RangeState::Hole && !self.keep_tombstones {
+                // Trimming blocks that were never written: nothing to do.
+            } else {
+                for block in lba..run_end {
+                    let replaced = if only_newer {
+                        self.set_if_newer(Lba(block), state.slot(), version)
+                    } else {
+                        Some(self.set(Lba(block), state.slot(), version))
+                    };
+                    if let Some(old) = replaced {
+                        if let Slot::Data(loc) = old.slot() {
+                            displaced(loc);
+                        }
+                    }
+                }
+                if state == RangeState::Hole && !self.keep_tombstones {
+                    self.drop_chunk_if_empty(index);
+                }
+            }
+            lba = run_end;
+        }
+    }
+
+    fn chunk_max_version(&self, index: u64) -> u64 {
+        match self.chunks.get(&index) {
+            None => 0,
+            Some(Chunk::Uniform { version, .. }) => *version,
+            Some(Chunk::Mixed(entries)) => entries.iter().map(|e| e.version()).max().unwrap_or(0),
+        }
+    }
+
+    /// Calls `f` with each block's entry in `first..first+count`, in order.
+    pub fn for_each_in(&self, first: Lba, count: u64, mut f: impl FnMut(Lba, Entry)) {
+        let end = first.0 + count;
+        let mut lba = first.0;
+        while lba < end {
+            let index = lba >> CHUNK_SHIFT;
+            let run_end = end.min((index + 1) << CHUNK_SHIFT);
+            match self.chunks.get(&index) {
+                None => (lba..run_end).for_each(|b| f(Lba(b), Entry::default())),
+                Some(Chunk::Uniform { state, version }) => {
+                    let entry = Entry::new(state.slot(), *version);
+                    (lba..run_end).for_each(|b| f(Lba(b), entry));
+                }
+                Some(Chunk::Mixed(entries)) => {
+                    (lba..run_end).for_each(|b| f(Lba(b), entries[(b & CHUNK_MASK) as usize]))
+                }
+            }
+            lba = run_end;
+        }
+    }
+
+    /// Runs of equal state starting at `first`, for block status: returns
+    /// (state, blocks) pairs covering at most `count` blocks and `max_runs` runs.
+    /// Large unwritten areas are skipped without visiting each block.
+    pub fn runs(&self, first: Lba, count: u64, max_runs: usize) -> Vec<(Slot, u64)> {
+        let end = first.0.saturating_add(count);
+        let mut runs: Vec<(Slot, u64)> = Vec::new();
+        let push = |runs: &mut Vec<(Slot, u64)>, slot: Slot, blocks: u64| {
+            let kind = match slot {
+                Slot::Data(_) => Slot::Data(Location { segment: SegmentId(0), offset: 0, len: 1 }),
+                other => other,
+            };
+            match runs.last_mut() {
+                Some((last, n)) if *last == kind => *n += blocks,
+                _ => runs.push((kind, blocks)),
+            }
+        };
+        let mut lba = first.0;
+        while lba < end && runs.len() <= max_runs {
+            let index = lba >> CHUNK_SHIFT;
+            match self.chunks.range(index..).next() {
+                None => {
+                    push(&mut runs, Slot::Hole, end - lba);
+                    lba = end;
+                }
+                Some((&next, chunk)) => {
+                    let next_start = next << CHUNK_SHIFT;
+                    if next_start > lba {
+                        let gap_end = next_start.min(end);
+                        push(&mut runs, Slot::Hole, gap_end - lba);
+                        lba = gap_end;
+                        continue;
+                    }
+                    let run_end = end.min(next_start + CHUNK_BLOCKS);
+                    match chunk {
+                        Chunk::Uniform { state, .. } => push(&mut runs, state.slot(), run_end - lba),
+                        Chunk::Mixed(entries) => {
+                            for b in lba..run_end {
+                                push(&mut runs, entries[(b & CHUNK_MASK) as usize].slot(), 1);
+                            }
+                        }
+                    }
+                    lba = run_end;
+                }
+            }
+        }
+        runs.truncate(max_runs.max(1));
+        runs
+    }
+
+    /// True if some block in the range holds exactly `version` (the record
+    /// with that version still determines it).
+    pub fn any_at_version(&self, first: Lba, count: u64, version: u64) -> bool {
+        self.any_in(first, count, |entry_version| entry_version == version)
+    }
+
+    /// True if every block in the range holds a version newer than `version`
+    /// (a record with that version no longer determines any of them).
+    pub fn all_newer_than(&self, first: Lba, count: u64, version: u64) -> bool {
+        !self.any_in(first, count, |entry_version| entry_version <= version)
+    }
+
+    fn any_in(&self, first: Lba, count: u64, test: impl Fn(u64) -> bool) -> bool {
+        let end = first.0.saturating_add(count);
+        let mut lba = first.0;
+        while lba < end {
+            let index = lba >> CHUNK_SHIFT;
+            let run_end = end.min((index + 1) << CHUNK_SHIFT);
+            let hit = match self.chunks.get(&index) {
+                None => test(0),
+                Some(Chunk::Uniform { version, .. }) => test(*version),
+                Some(Chunk::Mixed(entries)) => {
+                    (lba..run_end).any(|b| test(entries[(b & CHUNK_MASK) as usize].version()))
+                }
+            };
+            if hit {
+                return true;
+            }
+            lba = run_end;
+        }
+        false
+    }
+
+    /// Every chunk in block order (for checkpoint dumps and checks).
+    pub fn chunks(&self) -> impl Iterator<Item = (u64, &Chunk)> {
+        self.chunks.iter().map(|(index, chunk)| (*index, chunk))
+    }
+
+    /// Installs a chunk read from a checkpoint; a chunk listed twice is an error.
+    pub fn insert_chunk(&mut self, index: u64, chunk: Chunk) -> Result<(), String> {
+        if self.chunks.contains_key(&index) {
+            return Err(format!("map chunk {index} appears twice"));
+        }
+        match &chunk {
+            Chunk::Uniform { state, .. } => self.counts.add(state.slot(), CHUNK_BLOCKS),
+            Chunk::Mixed(entries) => {
+                self.mixed_chunks += 1;
+                for entry in entries.iter() {
+                    self.counts.add(entry.slot(), 1);
+                }
+            }
+        }
+        self.chunks.insert(index, chunk);
+        Ok(())
+    }
+
+    /// Every data block and its location.
+    pub fn for_each_data(&self, mut f: impl FnMut(Lba, Location, u64)) {
+        for (&index, chunk) in &self.chunks {
+            if let Chunk::Mixed(entries) = chunk {
+                for (i, entry) in entries.iter().enumerate() {
+                    if let Slot::Data(loc) = entry.slot() {
+                        f(Lba((index << CHUNK_SHIFT) + i as u64), loc, entry.version());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every damaged block.
+    pub fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
+        for (&index, chunk) in &self.chunks {
+            match chunk {
+                Chunk::Uniform { state: RangeState::Damaged, .. } => {
+                    (0..CHUNK_BLOCKS).for_each(|i| f(Lba((index << CHUNK_SHIFT) + i)))
+                }
+                Chunk::Uniform { .. } => {}
+                Chunk::Mixed(entries) => {
+                    for (i, entry) in entries.iter().enumerate() {
+                        if entry.slot() == Slot::Damaged {
+                            f(Lba((index << CHUNK_SHIFT) + i as u64));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drops tombstones and switches to normal operation (end of recovery).
+    pub fn compact(&mut self) {
+        self.keep_tombstones = false;
+        let indices: Vec<u64> = self.chunks.keys().copied().collect();
+        for index in indices {
+            self.drop_chunk_if_empty(index);
+        }
+    }
+
+    /// Recounts everything from scratch and compares with the running totals.
+    pub fn check_counts(&self) -> Result<(), String> {
+        let mut counts = MapCounts::default();
+        for chunk in self.chunks.values() {
+            match chunk {
+                Chunk::Uniform { state, .. } => counts.add(state.slot(), CHUNK_BLOCKS),
+                Chunk::Mixed(entries) => entries.iter().for_each(|e| counts.add(e.slot(), 1)),
+            }
+        }
+        if counts != self.counts {
+            return Err(format!("map counts drifted: running {:?}, recount {:?}", self.counts, counts));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loc(segment: u32, offset: u32, len: u32) -> Slot {
+        Slot::Data(Location {
+            segment: SegmentId(segment),
+            offset,
+            len,
+        })
+    }
+
+    #[test]
+    fn entries_pack_and_unpack() {
+        for slot in [Slot::Hole, Slot::Zero, Slot::Damaged, loc(7, 123_456, 4128), loc(u32::MAX - 1, u32::MAX - 15, 48)] {
+            let entry = Entry::new(slot, VERSION_MAX);
+            assert_eq!(entry.slot(), slot);
+            assert_eq!(entry.version(), VERSION_MAX);
+            assert!(entry.is_well_formed());
+        }
+    }
+
+    #[test]
+    fn unwritten_space_costs_no_memory() {
+        let map = Map::new(false);
+        assert_eq!(map.get(Lba(1 << 40)).slot(), Slot::Hole);
+        assert_eq!(map.memory_bytes(), 0);
+        assert_eq!(map.runs(Lba(0), 1 << 40, 10), vec![(Slot::Hole, 1 << 40)]);
+    }
+
+    #[test]
+    fn set_and_trim_keep_counts_and_free_chunks() {
+        let mut map = Map::new(false);
+        map.set(Lba(5), loc(1, 0, 100), 1);
+        map.set(Lba(6), Slot::Zero, 2);
+        assert_eq!(map.counts().data_blocks, 1);
+        assert_eq!(map.counts().stored_bytes, 100);
+        assert_eq!(map.counts().zero_blocks, 1);
+        let mut freed = Vec::new();
+        map.set_range(Lba(0), 10, RangeState::Hole, 3, false, &mut |l| freed.push(l));
+        assert_eq!(freed.len(), 1);
+        assert_eq!(map.counts(), MapCounts::default());
+        assert_eq!(map.chunk_count(), 0, "an all-hole chunk is dropped");
+        map.check_counts().unwrap();
+    }
+
+    #[test]
+    fn whole_chunk_ranges_are_stored_compactly() {
+        let mut map = Map::new(false);
+        map.set(Lba(300), loc(2, 16, 64), 1);
+        let mut freed = Vec::new();
+        map.set_range(Lba(0), 1 << 20, RangeState::Zero, 2, false, &mut |l| freed.push(l));
+        assert_eq!(freed.len(), 1);
+        assert_eq!(map.counts().zero_blocks, 1 << 20);
+        assert_eq!(map.chunk_count(), (1 << 20) / CHUNK_BLOCKS as usize);
+        assert!(map.memory_bytes() < 16 * 4096 * 8);
+        assert_eq!(map.runs(Lba(10), 100, 10), vec![(Slot::Zero, 100)]);
+        map.check_counts().unwrap();
+    }
+
+    #[test]
+    fn recovery_keeps_the_highest_version() {
+        let mut map = Map::new(true);
+        map.set_if_newer(Lba(1), loc(1, 0, 48), 10);
+        assert!(map.set_if_newer(Lba(1), loc(2, 0, 48), 9).is_none());
+        map.set_range(Lba(0), 4, RangeState::Hole, 12, true, &mut |_| {});
+        assert_eq!(map.get(Lba(1)).slot(), Slot::Hole);
+        assert_eq!(map.get(Lba(1)).version(), 12, "the tombstone keeps its version");
+        assert!(map.set_if_newer(Lba(1), loc(3, 0, 48), 11).is_none(), "an older write cannot resurrect");
+        assert!(map.set_if_newer(Lba(1), loc(3, 0, 48), 12).is_some(), "equal versions: later copy wins");
+        map.compact();
+        map.check_counts().unwrap();
+    }
+
+    #[test]
+    fn runs_merge_equal_states() {
+        let mut map = Map::new(false);
+        for lba in 10..20 {
+            map.set(Lba(lba), loc(1, lba as u32 * 64, 64), lba);
+        }
+        map.set(Lba(20), Slot::Zero, 50);
+        let runs = map.runs(Lba(0), 1000, 100);
+        let kinds: Vec<u64> = runs.iter().map(|r| r.1).collect();
+        assert_eq!(kinds, vec![10, 10, 1, 979]);
+        assert_eq!(map.runs(Lba(0), 1000, 2).len(), 2);
+    }
+}

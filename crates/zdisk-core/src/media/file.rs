@@ -1,0 +1,283 @@
+//! A medium on a regular file (created sparse) or an existing block device.
+//!
+//! Layout: two metadata slots of [`FILE_META_SLOT_SIZE`] bytes at the start,
+//! then segments back to back from [`FILE_DATA_OFFSET`]. Erasing a segment
+//! punches a hole in a regular file so the host filesystem gets the space
+//! back; on a block device erase is a no-op, since the engine never relies
+//! on erased contents (every record names its segment incarnation).
+//!
+//! The file is locked with `flock` for as long as the medium is open:
+//! exclusively for read-write use, shared for read-only use. A second
+//! server on the same image therefore fails at once with [`Error::Locked`].
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use super::{check_read_range, Media, MediaGeometry, PageDiscipline};
+use crate::error::{Error, Result};
+use crate::units::{PageIndex, SegmentId};
+
+/// Size of each of the two metadata slots.
+pub const FILE_META_SLOT_SIZE: u32 = 512 * 1024;
+/// Byte offset of segment 0.
+pub const FILE_DATA_OFFSET: u64 = 2 * FILE_META_SLOT_SIZE as u64;
+/// Page size used on files and block devices.
+pub const FILE_PAGE_SIZE: u32 = 4096;
+
+pub struct FileMedia {
+    file: File,
+    path: PathBuf,
+    geometry: MediaGeometry,
+    physical_size_bytes: u64,
+    is_block_device: bool,
+    discipline: PageDiscipline,
+}
+
+fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    let mode = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    // SAFETY: flock on a valid descriptor owned by `file`.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(Error::Locked {
+                path: path.display().to_string(),
+            });
+        }
+        return Err(Error::io(format!("locking {}", path.display()), err));
+    }
+    Ok(())
+}
+
+fn device_size(file: &File, path: &Path) -> Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut handle = file;
+    handle
+        .seek(SeekFrom::End(0))
+        .map_err(|e| Error::io(format!("measuring {}", path.display()), e))
+}
+
+/// Geometry of a file medium of `physical_size_bytes` with the given segment size.
+pub fn file_geometry(physical_size_bytes: u64, segment_size_bytes: u64) -> Result<MediaGeometry> {
+    if physical_size_bytes <= FILE_DATA_OFFSET {
+        return Err(Error::InvalidArgument(format!(
+            "physical size {physical_size_bytes} is too small: the metadata area alone takes {FILE_DATA_OFFSET} bytes"
+        )));
+    }
+    let segment_count = (physical_size_bytes - FILE_DATA_OFFSET) / segment_size_bytes.max(1);
+    let geometry = MediaGeometry {
+        page_size_bytes: FILE_PAGE_SIZE,
+        segment_size_bytes,
+        segment_count: segment_count.min(u32::MAX as u64 - 1) as u32,
+        meta_slot_size_bytes: FILE_META_SLOT_SIZE,
+    };
+    geometry.validate()?;
+    Ok(geometry)
+}
+
+impl FileMedia {
+    /// Creates a new image. A regular file must not exist yet unless `overwrite`;
+    /// it is created sparse with `physical_size_bytes`. For a block device,
+    /// `physical_size_bytes` of `None` means the whole device.
+    pub fn create(
+        path: &Path,
+        physical_size_bytes: Option<u64>,
+        segment_size_bytes: u64,
+        overwrite: bool,
+    ) -> Result<FileMedia> {
+        let existing = std::fs::metadata(path).ok();
+        let is_block_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+        if existing.is_some() && !is_block_device && !overwrite {
+            return Err(Error::InvalidArgument(format!(
+                "{} already exists; pass --force to overwrite it",
+                path.display()
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(!is_block_device)
+            .truncate(!is_block_device)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        lock_file(&file, path, true)?;
+        let physical = if is_block_device {
+            let device = device_size(&file, path)?;
+            match physical_size_bytes {
+                Some(size) if size > device => {
+                    return Err(Error::InvalidArgument(format!(
+                        "physical size {size} exceeds the size of {} ({device} bytes)",
+                        path.display()
+                    )))
+                }
+                Some(size) => size,
+                None => device,
+            }
+        } else {
+            let size = physical_size_bytes.ok_or_else(|| {
+                Error::InvalidArgument("a physical size is required for a regular file".into())
+            })?;
+            file.set_len(size)
+                .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+            size
+        };
+        let geometry = file_geometry(physical, segment_size_bytes)?;
+        // Clear both metadata slots so no stale root survives on a reused device.
+        let zeros = vec![0u8; FILE_META_SLOT_SIZE as usize];
+        for slot in 0..2u64 {
+            file.write_all_at(&zeros, slot * FILE_META_SLOT_SIZE as u64)
+                .map_err(|e| Error::io(format!("clearing metadata of {}", path.display()), e))?;
+        }
+        Ok(FileMedia {
+            file,
+            path: path.to_path_buf(),
+            discipline: PageDiscipline::new(&geometry),
+            geometry,
+            physical_size_bytes: physical,
+            is_block_device,
+        })
+    }
+
+    /// Opens an existing image, reading its geometry from the metadata slots.
+    pub fn open(path: &Path, read_only: bool) -> Result<FileMedia> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        lock_file(&file, path, !read_only)?;
+        let metadata = file
+            .metadata()
+            .map_err(|e| Error::io(format!("inspecting {}", path.display()), e))?;
+        let is_block_device = metadata.file_type().is_block_device();
+        let physical = device_size(&file, path)?;
+        let mut best: Option<(u64, MediaGeometry)> = None;
+        for slot in 0..2u64 {
+            let mut bytes = vec![0u8; FILE_META_SLOT_SIZE as usize];
+            if physical < (slot + 1) * FILE_META_SLOT_SIZE as u64 {
+                break;
+            }
+            file.read_exact_at(&mut bytes, slot * FILE_META_SLOT_SIZE as u64)
+                .map_err(|e| Error::io(format!("reading metadata of {}", path.display()), e))?;
+            if let Some((generation, geometry)) = crate::meta::probe_geometry(&bytes) {
+                if best.is_none_or(|(g, _)| generation > g) {
+                    best = Some((generation, geometry));
+                }
+            }
+        }
+        let (_, geometry) = best.ok_or_else(|| {
+            Error::CorruptImage(format!(
+                "{} is not a zdisk image (no valid superblock in either metadata slot)",
+                path.display()
+            ))
+        })?;
+        geometry.validate()?;
+        let needed = FILE_DATA_OFFSET + geometry.log_capacity_bytes();
+        if physical < needed {
+            return Err(Error::CorruptImage(format!(
+                "{} is {physical} bytes but its superblock describes {needed} bytes; was it truncated?",
+                path.display()
+            )));
+        }
+        Ok(FileMedia {
+            file,
+            path: path.to_path_buf(),
+            discipline: PageDiscipline::new(&geometry),
+            geometry,
+            physical_size_bytes: physical,
+            is_block_device,
+        })
+    }
+
+    fn segment_offset(&self, segment: SegmentId) -> u64 {
+        FILE_DATA_OFFSET + segment.0 as u64 * self.geometry.segment_size_bytes
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Media for FileMedia {
+    fn geometry(&self) -> MediaGeometry {
+        self.geometry
+    }
+
+    fn physical_size_bytes(&self) -> u64 {
+        self.physical_size_bytes
+    }
+
+    fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
+        self.discipline.on_write(segment, first_page, data.len());
+        let offset = self.segment_offset(segment) + first_page.0 as u64 * self.geometry.page_size_bytes as u64;
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| Error::io(format!("writing segment {segment} of {}", self.path.display()), e))
+    }
+
+    fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
+        check_read_range(&self.geometry, segment, offset_bytes, buf.len())?;
+        self.file
+            .read_exact_at(buf, self.segment_offset(segment) + offset_bytes)
+            .map_err(|e| Error::io(format!("reading segment {segment} of {}", self.path.display()), e))
+    }
+
+    fn erase_segment(&self, segment: SegmentId) -> Result<()> {
+        assert!(segment.0 < self.geometry.segment_count, "erase of segment {segment} beyond the medium");
+        if !self.is_block_device {
+            // SAFETY: fallocate on a valid descriptor; range within the file.
+            let rc = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    self.segment_offset(segment) as libc::off_t,
+                    self.geometry.segment_size_bytes as libc::off_t,
+                )
+            };
+            if rc != 0 {
+                let err = std::io::Error::last_os_error();
+                // Filesystems without hole punching still work: erase is only a hint.
+                if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                    return Err(Error::io(format!("erasing segment {segment} of {}", self.path.display()), err));
+                }
+            }
+        }
+        self.discipline.on_erase(segment);
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| Error::io(format!("syncing {}", self.path.display()), e))
+    }
+
+    fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert!(slot < 2, "metadata slot {slot} does not exist");
+        assert!(data.len() <= FILE_META_SLOT_SIZE as usize, "metadata record too large");
+        self.file
+            .write_all_at(data, slot as u64 * FILE_META_SLOT_SIZE as u64)
+            .map_err(|e| Error::io(format!("writing metadata slot {slot} of {}", self.path.display()), e))
+    }
+
+    fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>> {
+        assert!(slot < 2, "metadata slot {slot} does not exist");
+        let mut bytes = vec![0u8; FILE_META_SLOT_SIZE as usize];
+        self.file
+            .read_exact_at(&mut bytes, slot as u64 * FILE_META_SLOT_SIZE as u64)
+            .map_err(|e| Error::io(format!("reading metadata slot {slot} of {}", self.path.display()), e))?;
+        Ok(bytes)
+    }
+
+    fn describe(&self) -> String {
+        if self.is_block_device {
+            format!("block device {}", self.path.display())
+        } else {
+            format!("file {}", self.path.display())
+        }
+    }
+}

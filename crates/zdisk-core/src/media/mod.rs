@@ -1,0 +1,175 @@
+//! The medium the engine stores its log on.
+//!
+//! The engine sees storage only through [`Media`], shaped like flash: a set
+//! of equal segments (erase units) written sequentially in whole pages, plus
+//! two small metadata slots for the superblock and checkpoint root. Keeping
+//! to flash's rules on every medium means the same engine runs on a file,
+//! in RAM under crash simulation, and on emulated NAND.
+//!
+//! Contract the engine keeps (checked by [`PageDiscipline`]):
+//! - a segment is erased before it is written;
+//! - after an erase, its pages are written in increasing order, each once;
+//! - `write_pages` gets whole pages only.
+//!
+//! Contract the engine relies on:
+//! - a read returns the last bytes written, durable or not;
+//! - after `sync` returns, every earlier write and erase survives power loss;
+//! - a write or erase not yet synced may be lost, partly applied, or torn at
+//!   512-byte granularity; nothing else changes (see docs/semantics.md);
+//! - a metadata slot write is atomic only in the sense that a torn one fails
+//!   its checksum.
+
+mod file;
+mod mem;
+
+pub use file::{FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
+pub use mem::{CrashConfig, MemMedia};
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::error::{Error, Result};
+use crate::units::{PageIndex, SegmentId};
+
+/// Shape of a medium.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MediaGeometry {
+    /// The unit of writing.
+    pub page_size_bytes: u32,
+    /// The unit of erasing and of log writing; a multiple of the page size.
+    pub segment_size_bytes: u64,
+    pub segment_count: u32,
+    /// Largest metadata slot payload.
+    pub meta_slot_size_bytes: u32,
+}
+
+impl MediaGeometry {
+    pub fn pages_per_segment(&self) -> u32 {
+        (self.segment_size_bytes / self.page_size_bytes as u64) as u32
+    }
+
+    /// Bytes available for the log.
+    pub fn log_capacity_bytes(&self) -> u64 {
+        self.segment_size_bytes * self.segment_count as u64
+    }
+
+    /// Checks that the geometry is one the engine can use.
+    pub fn validate(&self) -> Result<()> {
+        let page = self.page_size_bytes as u64;
+        if !page.is_power_of_two() || !(512..=1 << 20).contains(&page) {
+            return Err(Error::InvalidArgument(format!(
+                "page size {page} must be a power of two between 512 B and 1 MiB"
+            )));
+        }
+        if self.segment_size_bytes < 8 * 4096 || self.segment_size_bytes % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "segment size {} must be at least 32 KiB and a multiple of the page size {page}",
+                self.segment_size_bytes
+            )));
+        }
+        if self.segment_size_bytes > 1 << 30 {
+            return Err(Error::InvalidArgument(format!(
+                "segment size {} exceeds 1 GiB",
+                self.segment_size_bytes
+            )));
+        }
+        if self.segment_count < 8 {
+            return Err(Error::InvalidArgument(format!(
+                "the medium holds only {} segments of {} bytes; at least 8 are needed",
+                self.segment_count, self.segment_size_bytes
+            )));
+        }
+        if self.meta_slot_size_bytes < 4096 {
+            return Err(Error::InvalidArgument("metadata slots must hold at least 4 KiB".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A place to keep a volume's log. See the module documentation for the contract.
+pub trait Media: Send + Sync {
+    fn geometry(&self) -> MediaGeometry;
+
+    /// Total bytes of the medium, metadata area included.
+    fn physical_size_bytes(&self) -> u64;
+
+    /// Writes whole pages starting at `first_page` of `segment`.
+    fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()>;
+
+    /// Reads `buf.len()` bytes at `offset_bytes` within `segment`.
+    fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// Erases a segment so that it can be written again from page 0.
+    fn erase_segment(&self, segment: SegmentId) -> Result<()>;
+
+    /// Makes every earlier write and erase durable.
+    fn sync(&self) -> Result<()>;
+
+    /// Replaces the contents of metadata slot 0 or 1 (durable after `sync`).
+    fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()>;
+
+    /// Reads metadata slot 0 or 1 (its whole capacity; trailing bytes are junk).
+    fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>>;
+
+    /// A short human description, e.g. "file demo.zdisk".
+    fn describe(&self) -> String;
+}
+
+/// Enforces flash write rules: erase before write, pages in order, each once.
+/// A violation is an engine bug, so it panics.
+pub struct PageDiscipline {
+    /// Next page that may be written per segment; `UNKNOWN` until erased.
+    next_page: Vec<AtomicU32>,
+    pages_per_segment: u32,
+    page_size_bytes: u32,
+}
+
+const UNKNOWN: u32 = u32::MAX;
+
+impl PageDiscipline {
+    pub fn new(geometry: &MediaGeometry) -> Self {
+        PageDiscipline {
+            next_page: (0..geometry.segment_count).map(|_| AtomicU32::new(UNKNOWN)).collect(),
+            pages_per_segment: geometry.pages_per_segment(),
+            page_size_bytes: geometry.page_size_bytes,
+        }
+    }
+
+    pub fn on_erase(&self, segment: SegmentId) {
+        self.next_page[segment.index()].store(0, Ordering::Release);
+    }
+
+    /// Checks a `write_pages` call and advances the segment's write pointer.
+    pub fn on_write(&self, segment: SegmentId, first_page: PageIndex, len_bytes: usize) {
+        assert!(
+            segment.index() < self.next_page.len(),
+            "write to segment {segment} beyond the medium"
+        );
+        assert!(
+            len_bytes > 0 && len_bytes % self.page_size_bytes as usize == 0,
+            "write of {len_bytes} bytes to segment {segment} is not whole pages"
+        );
+        let pages = (len_bytes / self.page_size_bytes as usize) as u32;
+        let expected = self.next_page[segment.index()].load(Ordering::Acquire);
+        assert_ne!(expected, UNKNOWN, "segment {segment} written without an erase");
+        assert_eq!(
+            first_page.0, expected,
+            "segment {segment}: page {} written out of order (next writable page is {expected})",
+            first_page.0
+        );
+        assert!(
+            first_page.0 + pages <= self.pages_per_segment,
+            "segment {segment}: write of {pages} pages at page {} runs past the segment end",
+            first_page.0
+        );
+        self.next_page[segment.index()].store(expected + pages, Ordering::Release);
+    }
+}
+
+pub(crate) fn check_read_range(geometry: &MediaGeometry, segment: SegmentId, offset: u64, len: usize) -> Result<()> {
+    if segment.0 >= geometry.segment_count || offset + len as u64 > geometry.segment_size_bytes {
+        return Err(Error::CorruptImage(format!(
+            "read of {len} bytes at segment {segment} offset {offset} is outside the medium"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,389 @@
+//! The metadata slots: superblock, settings and checkpoint root.
+//!
+//! The medium has two slots, written alternately (generation `g` goes to
+//! slot `g % 2`), each holding one self-checksummed [`Root`]. On open, the
+//! valid root with the highest generation wins, so a torn slot write can
+//! only ever cost the root being written, never the last good one.
+//!
+//! A root is small: the map itself lives in the log as checkpoint chunk
+//! records (see `checkpoint.rs`), and the root only lists the segments that
+//! hold them. See docs/format.md for the byte layout.
+
+use crate::bytes::{ByteReader, ByteWriter};
+use crate::codec::Codec;
+use crate::error::{Error, Result};
+use crate::gc::GcPolicy;
+use crate::media::MediaGeometry;
+use crate::stats::Counters;
+use crate::units::SegmentId;
+
+pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What kind of medium an image lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    File = 1,
+    Memory = 2,
+    Nand = 3,
+}
+
+impl MediaKind {
+    fn from_u8(value: u8) -> Option<MediaKind> {
+        match value {
+            1 => Some(MediaKind::File),
+            2 => Some(MediaKind::Memory),
+            3 => Some(MediaKind::Nand),
+            _ => None,
+        }
+    }
+}
+
+/// Fixed facts about a volume, set at creation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub uuid: [u8; 16],
+    pub logical_size_bytes: u64,
+    pub physical_size_bytes: u64,
+    pub geometry: MediaGeometry,
+    pub media_kind: MediaKind,
+    /// Medium-specific parameters (e.g. an emulated NAND profile), opaque here.
+    pub media_params: Vec<u8>,
+    pub created_unix_secs: u64,
+}
+
+/// Settings that may change between runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    pub codec: Codec,
+    pub gc_policy: GcPolicy,
+}
+
+/// Where an open segment's records stood when a checkpoint was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenSegmentPos {
+    pub segment: SegmentId,
+    pub seq: u64,
+    pub offset_bytes: u64,
+}
+
+/// The segments holding a checkpoint's map dump, in two identical copies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DumpRef {
+    pub copies: [Vec<SegmentId>; 2],
+    pub record_count: u64,
+    /// Generation of the root that wrote the dump; its chunk records carry it.
+    pub generation: u64,
+}
+
+impl DumpRef {
+    pub fn segments(&self) -> impl Iterator<Item = SegmentId> + '_ {
+        self.copies.iter().flatten().copied()
+    }
+}
+
+/// The state recovery starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointRoot {
+    /// True only when written by a clean shutdown: nothing after it to replay.
+    pub clean: bool,
+    /// Segments whose sequence number is at least this were opened after
+    /// the map snapshot; recovery replays them.
+    pub seq_boundary: u64,
+    pub next_seq: u64,
+    pub next_version: u64,
+    /// Segments that were open at the snapshot; recovery replays them from
+    /// the recorded offset.
+    pub open_segments: Vec<OpenSegmentPos>,
+    pub dump: Option<DumpRef>,
+    pub counters: Counters,
+}
+
+/// Everything in one metadata slot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Root {
+    pub generation: u64,
+    pub superblock: Superblock,
+    pub settings: Settings,
+    pub checkpoint: CheckpointRoot,
+}
+
+impl Root {
+    pub fn slot(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = ByteWriter::new();
+        out.bytes(META_MAGIC);
+        out.u32(FORMAT_VERSION);
+        out.u32(0); // total length, patched below
+        out.u64(self.generation);
+
+        let sb = &self.superblock;
+        out.bytes(&sb.uuid);
+        out.u64(sb.logical_size_bytes);
+        out.u64(sb.physical_size_bytes);
+        out.u32(sb.geometry.page_size_bytes);
+        out.u64(sb.geometry.segment_size_bytes);
+        out.u32(sb.geometry.segment_count);
+        out.u32(sb.geometry.meta_slot_size_bytes);
+        out.u8(sb.media_kind as u8);
+        out.u32(sb.media_params.len() as u32);
+        out.bytes(&sb.media_params);
+        out.u64(sb.created_unix_secs);
+
+        let (codec_id, codec_level) = self.settings.codec.to_parts();
+        out.u8(codec_id as u8);
+        out.i32(codec_level);
+        out.u8(self.settings.gc_policy.to_u8());
+
+        let cp = &self.checkpoint;
+        out.u8(cp.clean as u8);
+        out.u64(cp.seq_boundary);
+        out.u64(cp.next_seq);
+        out.u64(cp.next_version);
+        out.u32(cp.open_segments.len() as u32);
+        for open in &cp.open_segments {
+            out.u32(open.segment.0);
+            out.u64(open.seq);
+            out.u64(open.offset_bytes);
+        }
+        match &cp.dump {
+            None => out.u8(0),
+            Some(dump) => {
+                out.u8(1);
+                out.u64(dump.record_count);
+                out.u64(dump.generation);
+                for copy in &dump.copies {
+                    out.u32(copy.len() as u32);
+                    for segment in copy {
+                        out.u32(segment.0);
+                    }
+                }
+            }
+        }
+        cp.counters.encode(&mut out);
+
+        let total = out.buf.len() as u32 + 4;
+        out.buf[12..16].copy_from_slice(&total.to_le_bytes());
+        let crc = crc32c::crc32c(&out.buf);
+        out.u32(crc);
+        out.buf
+    }
+
+    /// Decodes a slot. Any damage, including a torn write, is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Root, String> {
+        let mut header = ByteReader::new(bytes);
+        if header.take(8)? != META_MAGIC {
+            return Err("no zdisk metadata magic".into());
+        }
+        let version = header.u32()?;
+        if version != FORMAT_VERSION {
+            return Err(format!("format version {version}, this zdisk reads version {FORMAT_VERSION}"));
+        }
+        let total = header.u32()? as usize;
+        if total < 24 || total > bytes.len() {
+            return Err(format!("impossible root length {total}"));
+        }
+        let stored_crc = u32::from_le_bytes(bytes[total - 4..total].try_into().expect("4 bytes"));
+        let actual_crc = crc32c::crc32c(&bytes[..total - 4]);
+        if stored_crc != actual_crc {
+            return Err(format!("root checksum mismatch ({stored_crc:#010x} != {actual_crc:#010x})"));
+        }
+        let mut input = ByteReader::new(&bytes[16..total - 4]);
+        let generation = input.u64()?;
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(input.take(16)?);
+        let logical_size_bytes = input.u64()?;
+        let physical_size_bytes = input.u64()?;
+        let geometry = MediaGeometry {
+            page_size_bytes: input.u32()?,
+            segment_size_bytes: input.u64()?,
+            segment_count: input.u32()?,
+            meta_slot_size_bytes: input.u32()?,
+        };
+        let media_kind = MediaKind::from_u8(input.u8()?).ok_or("unknown media kind")?;
+        let params_len = input.u32()? as usize;
+        if params_len > 64 * 1024 {
+            return Err(format!("media parameters of {params_len} bytes"));
+        }
+        let media_params = input.take(params_len)?.to_vec();
+        let created_unix_secs = input.u64()?;
+        let codec_id = input.u8()?;
+        let codec_level = input.i32()?;
+        let codec = Codec::from_parts(codec_id, codec_level)
+            .ok_or_else(|| format!("unknown codec {codec_id} level {codec_level}"))?;
+        let gc_policy = GcPolicy::from_u8(input.u8()?).ok_or("unknown GC policy")?;
+
+        let clean = input.u8()? != 0;
+        let seq_boundary = input.u64()?;
+        let next_seq = input.u64()?;
+        let next_version = input.u64()?;
+        let open_count = input.u32()? as usize;
+        if open_count > 16 {
+            return Err(format!("{open_count} open segments"));
+        }
+        let mut open_segments = Vec::with_capacity(open_count);
+        for _ in 0..open_count {
+            open_segments.push(OpenSegmentPos {
+                segment: SegmentId(input.u32()?),
+                seq: input.u64()?,
+                offset_bytes: input.u64()?,
+            });
+        }
+        let dump = match input.u8()? {
+            0 => None,
+            1 => {
+                let record_count = input.u64()?;
+                let generation = input.u64()?;
+                let mut copies = [Vec::new(), Vec::new()];
+                for copy in copies.iter_mut() {
+                    let count = input.u32()? as usize;
+                    if count > input.remaining() / 4 {
+                        return Err(format!("dump list of {count} segments overruns the root"));
+                    }
+                    for _ in 0..count {
+                        copy.push(SegmentId(input.u32()?));
+                    }
+                }
+                Some(DumpRef {
+                    copies,
+                    record_count,
+                    generation,
+                })
+            }
+            other => return Err(format!("bad dump marker {other}")),
+        };
+        let counters = Counters::decode(&mut input)?;
+        Ok(Root {
+            generation,
+            superblock: Superblock {
+                uuid,
+                logical_size_bytes,
+                physical_size_bytes,
+                geometry,
+                media_kind,
+                media_params,
+                created_unix_secs,
+            },
+            settings: Settings { codec, gc_policy },
+            checkpoint: CheckpointRoot {
+                clean,
+                seq_boundary,
+                next_seq,
+                next_version,
+                open_segments,
+                dump,
+                counters,
+            },
+        })
+    }
+}
+
+/// Reads a slot far enough to learn the geometry (used by media that must
+/// know their layout before the engine opens them).
+pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
+    Root::decode(slot_bytes).ok().map(|root| (root.generation, root.superblock.geometry))
+}
+
+/// Reads both slots and returns the newest valid root, with the error of
+/// each slot that did not decode (for diagnostics).
+pub fn read_newest_root(media: &dyn crate::media::Media) -> Result<(Root, Vec<String>)> {
+    let mut best: Option<Root> = None;
+    let mut problems = Vec::new();
+    for slot in 0..2 {
+        let bytes = media.read_meta_slot(slot)?;
+        match Root::decode(&bytes) {
+            Ok(root) => {
+                if root.slot() != slot {
+                    problems.push(format!("slot {slot}: holds generation {} of the other slot", root.generation));
+                    continue;
+                }
+                if best.as_ref().is_none_or(|b| root.generation > b.generation) {
+                    best = Some(root);
+                }
+            }
+            Err(problem) => problems.push(format!("slot {slot}: {problem}")),
+        }
+    }
+    match best {
+        Some(root) => Ok((root, problems)),
+        None => Err(Error::CorruptImage(format!(
+            "no valid superblock in either metadata slot ({})",
+            problems.join("; ")
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample_root() -> Root {
+        Root {
+            generation: 7,
+            superblock: Superblock {
+                uuid: [3; 16],
+                logical_size_bytes: 1 << 40,
+                physical_size_bytes: 1 << 30,
+                geometry: MediaGeometry {
+                    page_size_bytes: 4096,
+                    segment_size_bytes: 4 << 20,
+                    segment_count: 255,
+                    meta_slot_size_bytes: 512 * 1024,
+                },
+                media_kind: MediaKind::File,
+                media_params: vec![1, 2, 3],
+                created_unix_secs: 1_700_000_000,
+            },
+            settings: Settings {
+                codec: Codec::Zstd { level: -3 },
+                gc_policy: GcPolicy::Greedy,
+            },
+            checkpoint: CheckpointRoot {
+                clean: true,
+                seq_boundary: 40,
+                next_seq: 45,
+                next_version: 123_456,
+                open_segments: vec![OpenSegmentPos {
+                    segment: SegmentId(9),
+                    seq: 39,
+                    offset_bytes: 8192,
+                }],
+                dump: Some(DumpRef {
+                    copies: [vec![SegmentId(1), SegmentId(2)], vec![SegmentId(3), SegmentId(4)]],
+                    record_count: 17,
+                    generation: 6,
+                }),
+                counters: Counters {
+                    host_write_bytes: 5,
+                    ..Counters::default()
+                },
+            },
+        }
+    }
+
+    #[test]
+    fn roots_round_trip() {
+        let root = sample_root();
+        let bytes = root.encode();
+        assert_eq!(Root::decode(&bytes).unwrap(), root);
+        let mut padded = bytes.clone();
+        padded.resize(4096, 0xAA);
+        assert_eq!(Root::decode(&padded).unwrap(), root);
+    }
+
+    #[test]
+    fn any_damage_to_a_root_is_detected() {
+        let bytes = sample_root().encode();
+        for at in 0..bytes.len() {
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 0x10;
+            assert!(Root::decode(&damaged).is_err(), "flip at byte {at} went unnoticed");
+        }
+        for len in 0..bytes.len() {
+            assert!(Root::decode(&bytes[..len]).is_err(), "truncation to {len} went unnoticed");
+        }
+    }
+}

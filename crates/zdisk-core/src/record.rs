@@ -1,0 +1,287 @@
+//! Log records: the self-describing unit the log is made of.
+//!
+//! Every record starts with a 32-byte header and is padded to a multiple of
+//! 16 bytes, so compressed extents pack byte-tight into segments. A record
+//! names its block, its version and the segment incarnation (`seg_seq`) it
+//! was written into, and carries a CRC32C over its payload and header. A
+//! reader therefore never trusts a location alone: it checks that the record
+//! there is the one it expected. See docs/format.md for the byte layout.
+//!
+//! Integers are little-endian. Lengths read from the medium are checked
+//! against per-kind limits before anything is allocated.
+
+use crate::units::{align_up, BLOCK_SIZE};
+
+/// The first two bytes of every record: "ZR" read as little-endian u16.
+pub const RECORD_MAGIC: u16 = u16::from_le_bytes(*b"ZR");
+/// Size of a record header in bytes.
+pub const HEADER_SIZE: usize = 32;
+/// Records start at multiples of this many bytes within a segment.
+pub const RECORD_ALIGN: u64 = 16;
+/// Largest payload of a checkpoint chunk record.
+pub const MAP_CHUNK_PAYLOAD_MAX: u32 = 1 << 20;
+/// Payload of a range record (Trim, Zero, Damaged): the block count.
+pub const RANGE_PAYLOAD_LEN: u32 = 8;
+/// On-disk size of a raw (uncompressed) data record.
+pub const RAW_RECORD_LEN: u64 = (HEADER_SIZE + BLOCK_SIZE) as u64;
+
+/// What a record describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum RecordKind {
+    /// One block's (possibly compressed) contents.
+    Data = 1,
+    /// A run of blocks became holes.
+    Trim = 2,
+    /// A run of blocks became allocated zeros.
+    Zero = 3,
+    /// A part of a checkpoint's map dump.
+    MapChunk = 4,
+    /// A run of blocks whose data was found damaged and can no longer be read.
+    Damaged = 5,
+}
+
+impl RecordKind {
+    pub fn from_u8(value: u8) -> Option<RecordKind> {
+        match value {
+            1 => Some(RecordKind::Data),
+            2 => Some(RecordKind::Trim),
+            3 => Some(RecordKind::Zero),
+            4 => Some(RecordKind::MapChunk),
+            5 => Some(RecordKind::Damaged),
+            _ => None,
+        }
+    }
+
+    /// True for records that describe a run of blocks with a block count payload.
+    pub fn is_range(self) -> bool {
+        matches!(self, RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged)
+    }
+}
+
+/// A decoded record header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub kind: RecordKind,
+    /// A [`crate::codec::CodecId`] for data records; 0 otherwise.
+    pub codec: u8,
+    /// Low 32 bits of the sequence number of the segment incarnation.
+    pub seg_seq: u32,
+    /// Block number (Data), first block (range records) or chunk index (MapChunk).
+    pub lba: u64,
+    /// Write version (Data and range records) or checkpoint generation (MapChunk).
+    pub version: u64,
+    pub payload_len: u32,
+    pub crc: u32,
+}
+
+/// Why bytes could not be decoded as a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordError {
+    /// Fewer bytes than a header or than the header says.
+    Truncated,
+    /// All-zero header: padding or never-written space.
+    Empty,
+    BadMagic,
+    BadKind(u8),
+    BadLength(u32),
+    /// The record belongs to another incarnation of the segment.
+    WrongSegment { expected: u32, found: u32 },
+    Checksum { expected: u32, actual: u32 },
+}
+
+impl std::fmt::Display for RecordError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordError::Truncated => write!(f, "record truncated"),
+            RecordError::Empty => write!(f, "no record (empty space)"),
+            RecordError::BadMagic => write!(f, "bad record magic"),
+            RecordError::BadKind(kind) => write!(f, "unknown record kind {kind}"),
+            RecordError::BadLength(len) => write!(f, "impossible payload length {len}"),
+            RecordError::WrongSegment { expected, found } => {
+                write!(f, "record from segment incarnation {found}, expected {expected}")
+            }
+            RecordError::Checksum { expected, actual } => {
+                write!(f, "checksum mismatch: stored {expected:#010x}, computed {actual:#010x}")
+            }
+        }
+    }
+}
+
+impl RecordHeader {
+    /// Total bytes the record occupies, alignment padding included.
+    pub fn record_len(&self) -> u64 {
+        record_len_for_payload(self.payload_len as usize)
+    }
+
+    /// Encodes the header into `out`, with `self.crc` as the checksum field.
+    pub fn encode(&self, out: &mut [u8]) {
+        assert!(out.len() >= HEADER_SIZE);
+        out[0..2].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        out[2] = self.kind as u8;
+        out[3] = self.codec;
+        out[4..8].copy_from_slice(&self.seg_seq.to_le_bytes());
+        out[8..16].copy_from_slice(&self.lba.to_le_bytes());
+        out[16..24].copy_from_slice(&self.version.to_le_bytes());
+        out[24..28].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[28..32].copy_from_slice(&self.crc.to_le_bytes());
+    }
+
+    /// Decodes and sanity-checks a header without verifying the checksum.
+    pub fn decode(bytes: &[u8]) -> Result<RecordHeader, RecordError> {
+        if bytes.len() < HEADER_SIZE {
+            return Err(RecordError::Truncated);
+        }
+        let word = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        let dword = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let magic = u16::from_le_bytes([bytes[0], bytes[1]]);
+        if magic != RECORD_MAGIC {
+            if bytes[..HEADER_SIZE].iter().all(|&b| b == 0) {
+                return Err(RecordError::Empty);
+            }
+            return Err(RecordError::BadMagic);
+        }
+        let kind = RecordKind::from_u8(bytes[2]).ok_or(RecordError::BadKind(bytes[2]))?;
+        let payload_len = word(24);
+        let length_ok = match kind {
+            RecordKind::Data => payload_len >= 1 && payload_len as usize <= BLOCK_SIZE,
+            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => payload_len == RANGE_PAYLOAD_LEN,
+            RecordKind::MapChunk => payload_len >= 1 && payload_len <= MAP_CHUNK_PAYLOAD_MAX,
+        };
+        if !length_ok {
+            return Err(RecordError::BadLength(payload_len));
+        }
+        Ok(RecordHeader {
+            kind,
+            codec: bytes[3],
+            seg_seq: word(4),
+            lba: dword(8),
+            version: dword(16),
+            payload_len,
+            crc: word(28),
+        })
+    }
+}
+
+/// Bytes a record with `payload_len` bytes of payload occupies.
+pub fn record_len_for_payload(payload_len: usize) -> u64 {
+    align_up((HEADER_SIZE + payload_len) as u64, RECORD_ALIGN)
+}
+
+/// The record checksum: CRC32C over the payload, continued over header bytes
+/// 0..28. Payload first, so the payload part can be computed before the
+/// header fields assigned at append time are known.
+pub fn record_crc(payload_crc: u32, header: &[u8]) -> u32 {
+    crc32c::crc32c_append(payload_crc, &header[..28])
+}
+
+/// Writes a complete record (header, payload, zero padding) into `out`,
+/// which must be exactly `record_len_for_payload(payload.len())` bytes.
+/// `payload_crc` must be `crc32c(payload)`.
+pub fn encode_record(out: &mut [u8], mut header: RecordHeader, payload: &[u8], payload_crc: u32) {
+    debug_assert_eq!(payload_crc, crc32c::crc32c(payload));
+    assert_eq!(header.payload_len as usize, payload.len());
+    assert_eq!(out.len() as u64, record_len_for_payload(payload.len()));
+    header.crc = 0;
+    header.encode(&mut out[..HEADER_SIZE]);
+    let crc = record_crc(payload_crc, &out[..HEADER_SIZE]);
+    out[28..32].copy_from_slice(&crc.to_le_bytes());
+    out[HEADER_SIZE..HEADER_SIZE + payload.len()].copy_from_slice(payload);
+    out[HEADER_SIZE + payload.len()..].fill(0);
+}
+
+/// Decodes and verifies the record at the start of `bytes`. With
+/// `expected_seq`, a record from another segment incarnation is rejected.
+pub fn decode_record(bytes: &[u8], expected_seq: Option<u32>) -> Result<(RecordHeader, &[u8]), RecordError> {
+    let header = RecordHeader::decode(bytes)?;
+    if let Some(expected) = expected_seq {
+        if header.seg_seq != expected {
+            return Err(RecordError::WrongSegment {
+                expected,
+                found: header.seg_seq,
+            });
+        }
+    }
+    let end = HEADER_SIZE + header.payload_len as usize;
+    if bytes.len() < end {
+        return Err(RecordError::Truncated);
+    }
+    let payload = &bytes[HEADER_SIZE..end];
+    let actual = record_crc(crc32c::crc32c(payload), &bytes[..HEADER_SIZE]);
+    if actual != header.crc {
+        return Err(RecordError::Checksum {
+            expected: header.crc,
+            actual,
+        });
+    }
+    Ok((header, payload))
+}
+
+/// The block count carried by a range record's payload.
+pub fn range_count(payload: &[u8]) -> u64 {
+    u64::from_le_bytes(payload[..8].try_into().expect("range payload is 8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(kind: RecordKind, payload: &[u8]) -> Vec<u8> {
+        let header = RecordHeader {
+            kind,
+            codec: 1,
+            seg_seq: 77,
+            lba: 123_456,
+            version: 9_000_000_001,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let mut out = vec![0xEE; record_len_for_payload(payload.len()) as usize];
+        encode_record(&mut out, header, payload, crc32c::crc32c(payload));
+        out
+    }
+
+    #[test]
+    fn records_round_trip_and_align() {
+        let payload = b"hello, compressed world".to_vec();
+        let bytes = sample(RecordKind::Data, &payload);
+        assert_eq!(bytes.len() % RECORD_ALIGN as usize, 0);
+        let (header, body) = decode_record(&bytes, Some(77)).unwrap();
+        assert_eq!(header.lba, 123_456);
+        assert_eq!(header.version, 9_000_000_001);
+        assert_eq!(body, &payload[..]);
+        assert_eq!(header.record_len(), bytes.len() as u64);
+    }
+
+    #[test]
+    fn every_flipped_bit_is_detected() {
+        let bytes = sample(RecordKind::Data, &[0x5a; 100]);
+        for bit in 0..(HEADER_SIZE + 100) * 8 {
+            let mut damaged = bytes.clone();
+            damaged[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode_record(&damaged, Some(77)).is_err(), "bit {bit} went unnoticed");
+        }
+    }
+
+    #[test]
+    fn wrong_incarnation_and_empty_space_are_told_apart() {
+        let bytes = sample(RecordKind::Trim, &5u64.to_le_bytes());
+        assert!(matches!(
+            decode_record(&bytes, Some(78)),
+            Err(RecordError::WrongSegment { expected: 78, found: 77 })
+        ));
+        assert_eq!(decode_record(&[0u8; 64], None), Err(RecordError::Empty));
+        assert_eq!(decode_record(&[0xFFu8; 64], None), Err(RecordError::BadMagic));
+        assert_eq!(decode_record(&bytes[..20], None), Err(RecordError::Truncated));
+    }
+
+    #[test]
+    fn impossible_lengths_are_rejected_before_use() {
+        let mut bytes = sample(RecordKind::Data, &[1; 16]);
+        bytes[24..28].copy_from_slice(&(BLOCK_SIZE as u32 + 1).to_le_bytes());
+        assert_eq!(decode_record(&bytes, None), Err(RecordError::BadLength(4097)));
+        let mut range = sample(RecordKind::Zero, &3u64.to_le_bytes());
+        range[24..28].copy_from_slice(&9u32.to_le_bytes());
+        assert_eq!(decode_record(&range, None), Err(RecordError::BadLength(9)));
+    }
+}

@@ -1,0 +1,189 @@
+//! The segment table: the state, incarnation and live bytes of every segment.
+//!
+//! Life of a segment: `Free` → (erase) `Open` for one writer stream →
+//! `Sealed` when full → picked by the cleaner, its live records relocated →
+//! `Reclaimable` until a durability barrier makes the relocations and every
+//! write that superseded its dead records durable → `Free` again. Segments
+//! holding a checkpoint's map dump are `Dump` until a newer checkpoint is
+//! durable.
+//!
+//! Invariant: `live_bytes` of a segment equals the sum of the record lengths
+//! of map entries pointing into it (checked by `Volume::check_invariants`).
+
+use std::collections::VecDeque;
+
+use crate::units::SegmentId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentState {
+    Free,
+    Open,
+    Sealed,
+    Dump,
+    /// Cleaned; becomes free once barrier generation `release_gen` is durable.
+    Reclaimable { release_gen: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub state: SegmentState,
+    /// Sequence number of the current incarnation (0 if never written).
+    pub seq: u64,
+    pub live_bytes: u64,
+    /// Bytes written so far (a page multiple once sealed).
+    pub fill_bytes: u64,
+    /// Highest version of any record written into this incarnation.
+    pub max_version: u64,
+}
+
+impl SegmentInfo {
+    fn free() -> SegmentInfo {
+        SegmentInfo {
+            state: SegmentState::Free,
+            seq: 0,
+            live_bytes: 0,
+            fill_bytes: 0,
+            max_version: 0,
+        }
+    }
+}
+
+pub struct SegmentTable {
+    infos: Vec<SegmentInfo>,
+    /// Free segments, oldest-freed first, so that wear spreads evenly.
+    free: VecDeque<SegmentId>,
+}
+
+impl SegmentTable {
+    /// A table with every segment free.
+    pub fn new(segment_count: u32) -> SegmentTable {
+        SegmentTable {
+            infos: vec![SegmentInfo::free(); segment_count as usize],
+            free: (0..segment_count).map(SegmentId).collect(),
+        }
+    }
+
+    /// A table from known infos; free segments are queued in index order.
+    pub fn from_infos(infos: Vec<SegmentInfo>) -> SegmentTable {
+        let free = infos
+            .iter()
+            .enumerate()
+            .filter(|(_, info)| info.state == SegmentState::Free)
+            .map(|(index, _)| SegmentId(index as u32))
+            .collect();
+        SegmentTable { infos, free }
+    }
+
+    pub fn len(&self) -> usize {
+        self.infos.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.infos.is_empty()
+    }
+
+    pub fn get(&self, segment: SegmentId) -> &SegmentInfo {
+        &self.infos[segment.index()]
+    }
+
+    pub fn get_mut(&mut self, segment: SegmentId) -> &mut SegmentInfo {
+        &mut self.infos[segment.index()]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
+        self.infos.iter().enumerate().map(|(i, info)| (SegmentId(i as u32), info))
+    }
+
+    pub fn free_count(&self) -> u64 {
+        self.free.len() as u64
+    }
+
+    pub fn count_in(&self, wanted: impl Fn(SegmentState) -> bool) -> u64 {
+        self.infos.iter().filter(|info| wanted(info.state)).count() as u64
+    }
+
+    /// Takes the longest-free segment and makes it `Open` with `seq`.
+    pub fn allocate(&mut self, seq: u64) -> Option<SegmentId> {
+        let segment = self.free.pop_front()?;
+        let info = &mut self.infos[segment.index()];
+        assert_eq!(info.state, SegmentState::Free, "segment {segment} on the free list is not free");
+        *info = SegmentInfo {
+            state: SegmentState::Open,
+            seq,
+            live_bytes: 0,
+            fill_bytes: 0,
+            max_version: 0,
+        };
+        Some(segment)
+    }
+
+    /// Returns a segment to the free list.
+    pub fn release(&mut self, segment: SegmentId) {
+        let info = &mut self.infos[segment.index()];
+        assert_ne!(info.state, SegmentState::Free, "segment {segment} freed twice");
+        assert_ne!(info.state, SegmentState::Open, "open segment {segment} freed");
+        assert_eq!(info.live_bytes, 0, "segment {segment} freed with live data");
+        info.state = SegmentState::Free;
+        self.free.push_back(segment);
+    }
+
+    /// Releases every reclaimable segment whose barrier is durable.
+    pub fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
+        let ready: Vec<SegmentId> = self
+            .iter()
+            .filter(|(_, info)| matches!(info.state, SegmentState::Reclaimable { release_gen } if release_gen <= synced_gen))
+            .map(|(segment, _)| segment)
+            .collect();
+        for &segment in &ready {
+            self.release(segment);
+        }
+        ready.len() as u64
+    }
+
+    pub fn add_live(&mut self, segment: SegmentId, bytes: u64) {
+        let info = &mut self.infos[segment.index()];
+        info.live_bytes += bytes;
+    }
+
+    pub fn sub_live(&mut self, segment: SegmentId, bytes: u64) {
+        let info = &mut self.infos[segment.index()];
+        assert!(
+            info.live_bytes >= bytes,
+            "segment {segment}: live bytes {} would go negative (-{bytes})",
+            info.live_bytes
+        );
+        info.live_bytes -= bytes;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cycle_through_their_states() {
+        let mut table = SegmentTable::new(4);
+        let a = table.allocate(1).unwrap();
+        assert_eq!(table.get(a).state, SegmentState::Open);
+        assert_eq!(table.free_count(), 3);
+        table.add_live(a, 100);
+        table.get_mut(a).state = SegmentState::Sealed;
+        table.sub_live(a, 100);
+        table.get_mut(a).state = SegmentState::Reclaimable { release_gen: 5 };
+        assert_eq!(table.release_reclaimable(4), 0);
+        assert_eq!(table.release_reclaimable(5), 1);
+        assert_eq!(table.free_count(), 4);
+        // Freed segments queue behind the ones that were already free.
+        assert_ne!(table.allocate(2), Some(a));
+    }
+
+    #[test]
+    #[should_panic(expected = "freed with live data")]
+    fn freeing_live_data_is_a_bug() {
+        let mut table = SegmentTable::new(2);
+        let a = table.allocate(1).unwrap();
+        table.add_live(a, 1);
+        table.get_mut(a).state = SegmentState::Sealed;
+        table.release(a);
+    }
+}

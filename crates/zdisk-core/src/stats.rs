@@ -1,0 +1,170 @@
+//! Counters and the statistics snapshot that `zdisk stats`, `/stats` and
+//! `/metrics` report.
+//!
+//! [`Counters`] are cumulative and persist in every checkpoint root, so they
+//! survive restarts. After a crash, counts since the last checkpoint are
+//! lost except for what recovery replays. Everything else in [`Stats`] is
+//! derived from the map and the segment table at the time of the snapshot.
+
+use serde::Serialize;
+
+use crate::bytes::{ByteReader, ByteWriter};
+
+macro_rules! counters {
+    ($($id:literal => $name:ident: $doc:literal,)*) => {
+        /// Cumulative event counters, persisted in the checkpoint root.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+        pub struct Counters {
+            $(#[doc = $doc] pub $name: u64,)*
+        }
+
+        impl Counters {
+            /// Encodes as a count followed by (id, value) pairs, so that
+            /// older and newer versions can read each other's roots.
+            pub fn encode(&self, out: &mut ByteWriter) {
+                let pairs = [$(($id, self.$name)),*];
+                out.u16(pairs.len() as u16);
+                for (id, value) in pairs {
+                    out.u16(id);
+                    out.u64(value);
+                }
+            }
+
+            pub fn decode(input: &mut ByteReader) -> Result<Counters, String> {
+                let mut counters = Counters::default();
+                let count = input.u16()?;
+                for _ in 0..count {
+                    let id = input.u16()?;
+                    let value = input.u64()?;
+                    match id {
+                        $($id => counters.$name = value,)*
+                        _ => {}
+                    }
+                }
+                Ok(counters)
+            }
+        }
+    };
+}
+
+counters! {
+    1 => host_write_bytes: "Bytes the host wrote with WRITE.",
+    2 => host_read_bytes: "Bytes the host read.",
+    3 => media_write_bytes: "Bytes written to the medium: host, GC, metadata and padding.",
+    4 => padding_bytes: "Bytes of padding written to fill partial pages at flushes.",
+    5 => gc_write_bytes: "Bytes the cleaner rewrote (relocated records).",
+    6 => gc_read_bytes: "Bytes the cleaner read from victim segments.",
+    7 => meta_write_bytes: "Bytes of checkpoints and metadata slots written.",
+    8 => segments_cleaned: "Segments reclaimed by the cleaner.",
+    9 => checkpoints: "Checkpoints written.",
+    10 => flushes: "FLUSH requests and FUA writes served.",
+    11 => media_read_bytes: "Bytes read from the medium for host reads.",
+    12 => host_trim_bytes: "Bytes the host trimmed.",
+    13 => host_zero_bytes: "Bytes the host zeroed with WRITE_ZEROES.",
+    14 => recoveries: "Starts that replayed the log after an unclean stop.",
+    15 => damaged_blocks_found: "Blocks found damaged by reads, the cleaner or check.",
+    16 => host_write_requests: "WRITE requests served.",
+}
+
+/// A point-in-time view of a volume, with the stable key names scripts use.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub logical_size_bytes: u64,
+    pub physical_size_bytes: u64,
+    /// Logical bytes holding data (not zeros, not holes).
+    pub mapped_bytes: u64,
+    /// Logical bytes in the allocated-zero state.
+    pub zero_bytes: u64,
+    /// Bytes of live extents on the medium, record headers included.
+    pub stored_bytes: u64,
+    /// Bytes of the medium in use: metadata area plus written parts of non-free segments.
+    pub physical_used_bytes: u64,
+    /// `mapped_bytes / stored_bytes`; null while nothing is stored.
+    pub compression_ratio: Option<f64>,
+    pub host_write_bytes: u64,
+    pub media_write_bytes: u64,
+    pub padding_bytes: u64,
+    /// `media_write_bytes / host_write_bytes`; null before the first write.
+    pub write_amplification: Option<f64>,
+    pub gc_write_bytes: u64,
+    pub gc_read_bytes: u64,
+    pub free_segments: u64,
+    pub segments_cleaned: u64,
+    pub segment_count: u64,
+    pub segment_size_bytes: u64,
+    pub page_size_bytes: u64,
+    pub codec: String,
+    pub gc_policy: String,
+    pub damaged_blocks: u64,
+    /// RAM used by the logical-to-physical map.
+    pub map_memory_bytes: u64,
+    pub counters: Counters,
+}
+
+impl Stats {
+    /// Prometheus text exposition of every numeric field.
+    pub fn to_prometheus(&self) -> String {
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, value: f64| {
+            out.push_str(&format!("# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"));
+        };
+        let ratio = |value: Option<f64>| value.unwrap_or(f64::NAN);
+        gauge("logical_size_bytes", "Logical size of the volume.", self.logical_size_bytes as f64);
+        gauge("physical_size_bytes", "Size of the medium.", self.physical_size_bytes as f64);
+        gauge("mapped_bytes", "Logical bytes holding data.", self.mapped_bytes as f64);
+        gauge("zero_bytes", "Logical bytes allocated as zeros.", self.zero_bytes as f64);
+        gauge("stored_bytes", "Bytes of live extents including headers.", self.stored_bytes as f64);
+        gauge("physical_used_bytes", "Bytes of the medium in use.", self.physical_used_bytes as f64);
+        gauge("compression_ratio", "mapped_bytes / stored_bytes.", ratio(self.compression_ratio));
+        gauge("write_amplification", "media_write_bytes / host_write_bytes.", ratio(self.write_amplification));
+        gauge("free_segments", "Segments free for writing.", self.free_segments as f64);
+        gauge("segment_count", "Segments on the medium.", self.segment_count as f64);
+        gauge("damaged_blocks", "Blocks currently marked damaged.", self.damaged_blocks as f64);
+        gauge("map_memory_bytes", "RAM used by the block map.", self.map_memory_bytes as f64);
+        let mut counter = |name: &str, help: &str, value: u64| {
+            out.push_str(&format!("# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} counter\nzdisk_{name} {value}\n"));
+        };
+        let c = &self.counters;
+        counter("host_write_bytes_total", "Bytes written by the host.", c.host_write_bytes);
+        counter("host_read_bytes_total", "Bytes read by the host.", c.host_read_bytes);
+        counter("media_write_bytes_total", "Bytes written to the medium.", c.media_write_bytes);
+        counter("padding_bytes_total", "Padding bytes written at flushes.", c.padding_bytes);
+        counter("gc_write_bytes_total", "Bytes relocated by the cleaner.", c.gc_write_bytes);
+        counter("gc_read_bytes_total", "Bytes read by the cleaner.", c.gc_read_bytes);
+        counter("meta_write_bytes_total", "Checkpoint and metadata bytes written.", c.meta_write_bytes);
+        counter("segments_cleaned_total", "Segments reclaimed by the cleaner.", c.segments_cleaned);
+        counter("checkpoints_total", "Checkpoints written.", c.checkpoints);
+        counter("flushes_total", "Flushes served.", c.flushes);
+        counter("host_trim_bytes_total", "Bytes trimmed by the host.", c.host_trim_bytes);
+        counter("host_zero_bytes_total", "Bytes zeroed by the host.", c.host_zero_bytes);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_round_trip_and_skip_unknown_ids() {
+        let counters = Counters {
+            host_write_bytes: 10,
+            padding_bytes: 3,
+            segments_cleaned: 99,
+            ..Counters::default()
+        };
+        let mut writer = ByteWriter::new();
+        counters.encode(&mut writer);
+        let decoded = Counters::decode(&mut ByteReader::new(&writer.buf)).unwrap();
+        assert_eq!(decoded, counters);
+
+        let mut future = ByteWriter::new();
+        future.u16(2);
+        future.u16(1);
+        future.u64(5);
+        future.u16(999);
+        future.u64(6);
+        let decoded = Counters::decode(&mut ByteReader::new(&future.buf)).unwrap();
+        assert_eq!(decoded.host_write_bytes, 5);
+    }
+}

@@ -1,0 +1,664 @@
+//! The volume: zdisk's engine, tying the map, the log writer, the cleaner,
+//! checkpoints and recovery together behind [`BlockDevice`].
+//!
+//! Concurrency: one mutex guards [`State`] (map, segment table, stream
+//! buffers). Compression, decompression and medium reads happen outside
+//! it; appending records and updating the map happen inside. Syncs are
+//! group-committed under their own lock, so one `fdatasync` covers every
+//! flush waiting for it. The cleaner and checkpoints are serialised by a
+//! maintenance lock and run on a background thread, or in the writer's
+//! thread when a write finds no room (which is how writes are throttled).
+//!
+//! Lock order: maintenance → sync → state. The stripe locks of
+//! read-modify-write come before all three.
+
+pub mod checkpoint;
+mod check;
+mod clean;
+mod io;
+mod recovery;
+pub mod scan;
+pub mod state;
+
+pub use check::CheckReport;
+pub use recovery::OpenReport;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::codec::Codec;
+use crate::device::{BlockDevice, Extent, ExtentState};
+use crate::error::{Error, Result};
+use crate::gc::GcPolicy;
+use crate::map::Slot;
+use crate::media::{Media, MediaGeometry};
+use crate::meta::{read_newest_root, CheckpointRoot, MediaKind, Root, Settings, Superblock};
+use crate::stats::{Counters, Stats};
+use crate::units::{Lba, BLOCK_SIZE_U64};
+
+use state::{State, Stream};
+
+/// Number of stripe locks serialising read-modify-write of partial blocks.
+const RMW_STRIPES: usize = 256;
+
+/// How a new volume is laid out.
+#[derive(Debug, Clone)]
+pub struct CreateOptions {
+    pub logical_size_bytes: u64,
+    pub codec: Codec,
+    pub gc_policy: GcPolicy,
+    pub media_kind: MediaKind,
+    pub media_params: Vec<u8>,
+}
+
+impl CreateOptions {
+    pub fn new(logical_size_bytes: u64) -> Self {
+        CreateOptions {
+            logical_size_bytes,
+            codec: Codec::default(),
+            gc_policy: GcPolicy::default(),
+            media_kind: MediaKind::File,
+            media_params: Vec::new(),
+        }
+    }
+}
+
+/// How a volume runs.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    pub read_only: bool,
+    /// Codec for new writes (persisted); `None` keeps the image's setting.
+    pub codec: Option<Codec>,
+    /// Cleaner policy (persisted); `None` keeps the image's setting.
+    pub gc_policy: Option<GcPolicy>,
+    /// Run the cleaner and periodic checkpoints on a background thread.
+    pub background: bool,
+    /// Log bytes written between periodic checkpoints.
+    pub checkpoint_interval_bytes: u64,
+    /// Stream buffers write to the medium in batches of this many bytes.
+    pub write_batch_bytes: usize,
+    /// The background cleaner starts below this many free segments
+    /// (`None`: derived from the segment count).
+    pub gc_low_free_segments: Option<u64>,
+    /// ... and stops once this many are free.
+    pub gc_high_free_segments: Option<u64>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            read_only: false,
+            codec: None,
+            gc_policy: None,
+            background: true,
+            checkpoint_interval_bytes: 1 << 30,
+            write_batch_bytes: 128 * 1024,
+            gc_low_free_segments: None,
+            gc_high_free_segments: None,
+        }
+    }
+}
+
+pub struct Volume {
+    media: Arc<dyn Media>,
+    geometry: MediaGeometry,
+    superblock: Superblock,
+    settings: Settings,
+    options: OpenOptions,
+    read_only: bool,
+    state: Mutex<State>,
+    /// Highest barrier generation made durable; its lock serialises syncs.
+    synced: Mutex<u64>,
+    maintenance: Mutex<()>,
+    stripes: Vec<Mutex<()>>,
+    wake: Condvar,
+    wake_lock: Mutex<bool>,
+    stop: AtomicBool,
+    closed: AtomicBool,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    open_report: Mutex<OpenReport>,
+    gc_active: AtomicBool,
+    gc_low_free_segments: u64,
+    gc_high_free_segments: u64,
+}
+
+impl Volume {
+    /// Writes a fresh, empty volume onto `media` and opens it.
+    pub fn create(media: Arc<dyn Media>, create: CreateOptions, options: OpenOptions) -> Result<Arc<Volume>> {
+        let geometry = media.geometry();
+        geometry.validate()?;
+        let logical = create.logical_size_bytes;
+        if logical == 0 || logical % BLOCK_SIZE_U64 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "logical size {logical} must be a positive multiple of {BLOCK_SIZE_U64} bytes"
+            )));
+        }
+        if logical / BLOCK_SIZE_U64 > 1 << 40 {
+            return Err(Error::InvalidArgument(format!("logical size {logical} exceeds 4 EiB")));
+        }
+        let uuid = {
+            use rand::RngCore;
+            let mut uuid = [0u8; 16];
+            rand::thread_rng().fill_bytes(&mut uuid);
+            uuid
+        };
+        let root = Root {
+            generation: 1,
+            superblock: Superblock {
+                uuid,
+                logical_size_bytes: logical,
+                physical_size_bytes: media.physical_size_bytes(),
+                geometry,
+                media_kind: create.media_kind,
+                media_params: create.media_params,
+                created_unix_secs: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+            },
+            settings: Settings {
+                codec: create.codec,
+                gc_policy: create.gc_policy,
+            },
+            checkpoint: CheckpointRoot {
+                clean: true,
+                seq_boundary: 1,
+                next_seq: 1,
+                next_version: 1,
+                open_segments: Vec::new(),
+                dump: None,
+                counters: Counters::default(),
+            },
+        };
+        let bytes = root.encode();
+        if bytes.len() > geometry.meta_slot_size_bytes as usize {
+            return Err(Error::InvalidArgument("the superblock does not fit a metadata slot".into()));
+        }
+        media.write_meta_slot(root.slot(), &bytes)?;
+        media.write_meta_slot(1 - root.slot(), &[0u8; 64])?;
+        media.sync()?;
+        Volume::open(media, options)
+    }
+
+    /// Opens an existing volume, replaying the log if it was not shut down cleanly.
+    pub fn open(media: Arc<dyn Media>, options: OpenOptions) -> Result<Arc<Volume>> {
+        let started = Instant::now();
+        let (mut root, slot_problems) = read_newest_root(media.as_ref())?;
+        let geometry = media.geometry();
+        if root.superblock.geometry != geometry {
+            return Err(Error::CorruptImage(format!(
+                "superblock geometry {:?} does not match the medium {:?}",
+                root.superblock.geometry, geometry
+            )));
+        }
+        let mut recovered = recovery::recover(media.as_ref(), &root)?;
+        recovered.report.slot_problems = slot_problems;
+        if let Some(codec) = options.codec {
+            root.settings.codec = codec;
+        }
+        if let Some(policy) = options.gc_policy {
+            root.settings.gc_policy = policy;
+        }
+        let segment_count = geometry.segment_count as u64;
+        let gc_low = options
+            .gc_low_free_segments
+            .unwrap_or_else(|| (segment_count / 50).clamp(4, 64));
+        let gc_high = options
+            .gc_high_free_segments
+            .unwrap_or_else(|| gc_low + (segment_count / 50).clamp(2, 64))
+            .max(gc_low + 1);
+        let state = State {
+            media: media.clone(),
+            geometry,
+            write_batch_bytes: options
+                .write_batch_bytes
+                .max(geometry.page_size_bytes as usize),
+            map: recovered.map,
+            segments: recovered.segments,
+            streams: [Stream::default(), Stream::default()],
+            next_version: recovered.next_version,
+            next_seq: recovered.next_seq,
+            barrier_gen: 0,
+            synced_gen: 0,
+            counters: recovered.counters,
+            generation: root.generation,
+            durable_boundary: root.checkpoint.seq_boundary,
+            durable_open: root.checkpoint.open_segments.clone(),
+            dump: root.checkpoint.dump.clone(),
+            log_bytes_since_checkpoint: 0,
+            failed: None,
+        };
+        let read_only = options.read_only;
+        let mut report = recovered.report;
+        let volume = Arc::new(Volume {
+            media,
+            geometry,
+            superblock: root.superblock.clone(),
+            settings: root.settings,
+            read_only,
+            state: Mutex::new(state),
+            synced: Mutex::new(0),
+            maintenance: Mutex::new(()),
+            stripes: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(false),
+            stop: AtomicBool::new(false),
+            closed: AtomicBool::new(read_only),
+            worker: Mutex::new(None),
+            open_report: Mutex::new(OpenReport::default()),
+            gc_active: AtomicBool::new(false),
+            gc_low_free_segments: gc_low,
+            gc_high_free_segments: gc_high,
+            options,
+        });
+        if !read_only {
+            if report.replayed_records > 0 || !root.checkpoint.clean {
+                // Fold the replayed log into a checkpoint, so the next start
+                // does not replay it again and its trims are safe to clean.
+                // If even cleaning cannot make room for the dump, the volume
+                // opens on the old checkpoint, marked dirty; a later
+                // checkpoint catches up.
+                if let Err(Error::NoSpace { .. }) = volume.checkpoint_making_room(false) {
+                    volume.write_root(false)?;
+                }
+            } else {
+                volume.write_root(false)?;
+            }
+        }
+        report.duration = started.elapsed();
+        *volume.open_report.lock().expect("report lock") = report;
+        if volume.options.background && !read_only {
+            let weak = Arc::downgrade(&volume);
+            let handle = std::thread::Builder::new()
+                .name("zdisk-maintenance".into())
+                .spawn(move || maintenance_loop(weak))
+                .map_err(|e| Error::io("starting the maintenance thread", e))?;
+            *volume.worker.lock().expect("worker lock") = Some(handle);
+        }
+        Ok(volume)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("volume state lock poisoned")
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.superblock
+    }
+
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    pub fn geometry(&self) -> MediaGeometry {
+        self.geometry
+    }
+
+    pub fn media(&self) -> &Arc<dyn Media> {
+        &self.media
+    }
+
+    /// What happened when the volume was opened (recovery, damaged slots).
+    pub fn open_report(&self) -> OpenReport {
+        self.open_report.lock().expect("report lock").clone()
+    }
+
+    pub fn logical_blocks(&self) -> u64 {
+        self.superblock.logical_size_bytes / BLOCK_SIZE_U64
+    }
+
+    /// Makes every acknowledged write, trim and zero durable.
+    pub fn flush(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let gen = {
+            let mut state = self.lock();
+            state.counters.flushes += 1;
+            state.barrier()?
+        };
+        self.sync_to(gen)
+    }
+
+    /// Waits until barrier generation `gen` is durable, syncing if needed.
+    /// Concurrent callers share one sync (group commit).
+    fn sync_to(&self, gen: u64) -> Result<()> {
+        let mut synced = self.synced.lock().expect("sync lock poisoned");
+        if *synced >= gen {
+            return Ok(());
+        }
+        let target = self.lock().barrier_gen;
+        if let Err(error) = self.media.sync() {
+            let mut state = self.lock();
+            if state.failed.is_none() {
+                state.failed = Some(error.to_string());
+            }
+            return Err(error);
+        }
+        *synced = target;
+        self.lock().note_synced(target);
+        Ok(())
+    }
+
+    /// Writes a root that points at the current checkpoint dump.
+    fn write_root(&self, clean: bool) -> Result<()> {
+        let root = {
+            let mut state = self.lock();
+            state.generation += 1;
+            self.root_from(&state, clean)
+        };
+        self.commit_root(&root)
+    }
+
+    fn root_from(&self, state: &State, clean: bool) -> Root {
+        Root {
+            generation: state.generation,
+            superblock: self.superblock.clone(),
+            settings: self.settings,
+            checkpoint: CheckpointRoot {
+                clean,
+                seq_boundary: state.durable_boundary,
+                next_seq: state.next_seq,
+                next_version: state.next_version,
+                open_segments: state.durable_open.clone(),
+                dump: state.dump.clone(),
+                counters: state.counters,
+            },
+        }
+    }
+
+    fn commit_root(&self, root: &Root) -> Result<()> {
+        let bytes = root.encode();
+        if bytes.len() > self.geometry.meta_slot_size_bytes as usize {
+            return Err(Error::CorruptImage(format!(
+                "checkpoint root of {} bytes exceeds the {}-byte metadata slot",
+                bytes.len(),
+                self.geometry.meta_slot_size_bytes
+            )));
+        }
+        self.media.write_meta_slot(root.slot(), &bytes)?;
+        self.media.sync()?;
+        let mut state = self.lock();
+        state.counters.meta_write_bytes += bytes.len() as u64;
+        state.counters.media_write_bytes += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes a checkpoint now (the background thread does this periodically).
+    pub fn checkpoint(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.checkpoint_making_room(false)
+    }
+
+    fn checkpoint_with(&self, clean: bool) -> Result<()> {
+        let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
+        self.checkpoint_locked(clean)
+    }
+
+    /// Checkpoints, cleaning first if the medium has no room for the dump.
+    fn checkpoint_making_room(&self, clean: bool) -> Result<()> {
+        let mut last = Ok(());
+        for _ in 0..=self.geometry.segment_count {
+            last = self.checkpoint_with(clean);
+            if !matches!(last, Err(Error::NoSpace { .. })) {
+                return last;
+            }
+            if self.lock().reclaimable_count() > 0 {
+                self.flush()?;
+            } else if !self.clean_one(0)? {
+                break;
+            }
+        }
+        last
+    }
+
+    /// Stops background work, writes a clean checkpoint and stops accepting writes.
+    pub fn close(&self) -> Result<()> {
+        self.stop_background();
+        if self.read_only || self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.checkpoint_making_room(true)?;
+        let mut state = self.lock();
+        state.failed = Some("the volume is closed".into());
+        Ok(())
+    }
+
+    fn stop_background(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.poke();
+        let handle = self.worker.lock().expect("worker lock").take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+
+    /// Wakes the background thread (space is short or a checkpoint is due).
+    fn poke(&self) {
+        *self.wake_lock.lock().expect("wake lock") = true;
+        self.wake.notify_all();
+    }
+
+    /// One round of background work; returns true if it did something.
+    pub fn maintenance_tick(&self) -> Result<bool> {
+        if self.read_only {
+            return Ok(false);
+        }
+        let (free, reclaimable, checkpoint_due) = {
+            let state = self.lock();
+            (
+                state.segments.free_count(),
+                state.reclaimable_count(),
+                state.log_bytes_since_checkpoint >= self.options.checkpoint_interval_bytes,
+            )
+        };
+        if checkpoint_due {
+            self.checkpoint()?;
+            return Ok(true);
+        }
+        let low = self.gc_low_free_segments.max(self.lock().reserved_segments() + 2);
+        let high = self.gc_high_free_segments.max(low + 1);
+        if free + reclaimable < low || (free + reclaimable < high && self.gc_active()) {
+            self.set_gc_active(true);
+            if free < low && reclaimable > 0 {
+                self.flush()?;
+                return Ok(true);
+            }
+            let cleaned = self.clean_one(self.geometry.segment_size_bytes / 16)?;
+            if !cleaned {
+                self.set_gc_active(false);
+            }
+            return Ok(cleaned);
+        }
+        self.set_gc_active(false);
+        Ok(false)
+    }
+
+    fn gc_active(&self) -> bool {
+        self.gc_active.load(Ordering::Relaxed)
+    }
+
+    fn set_gc_active(&self, active: bool) {
+        self.gc_active.store(active, Ordering::Relaxed);
+    }
+
+    /// A one-line description of a block's map entry and its segment, for
+    /// diagnosing simulation failures.
+    #[doc(hidden)]
+    pub fn describe_block(&self, lba: u64) -> String {
+        let state = self.lock();
+        let entry = state.map.get(Lba(lba));
+        let segment = match entry.slot() {
+            Slot::Data(loc) => format!("{:?}", state.segments.get(loc.segment)),
+            _ => String::new(),
+        };
+        format!(
+            "block {lba}: {:?} v{} {segment}; durable boundary {} open {:?}",
+            entry.slot(),
+            entry.version(),
+            state.durable_boundary,
+            state.durable_open
+        )
+    }
+
+    /// A snapshot of the volume's statistics.
+    pub fn stats(&self) -> Stats {
+        let state = self.lock();
+        let counts = state.map.counts();
+        let segment_size = self.geometry.segment_size_bytes;
+        let mut used_segments_bytes = 0;
+        for (_, info) in state.segments.iter() {
+            if !matches!(info.state, crate::segments::SegmentState::Free) {
+                used_segments_bytes += info.fill_bytes.min(segment_size);
+            }
+        }
+        let meta_bytes = self
+            .media
+            .physical_size_bytes()
+            .saturating_sub(self.geometry.log_capacity_bytes());
+        let counters = state.counters;
+        let ratio = |num: u64, den: u64| if den == 0 { None } else { Some(num as f64 / den as f64) };
+        Stats {
+            logical_size_bytes: self.superblock.logical_size_bytes,
+            physical_size_bytes: self.media.physical_size_bytes(),
+            mapped_bytes: counts.data_blocks * BLOCK_SIZE_U64,
+            zero_bytes: counts.zero_blocks * BLOCK_SIZE_U64,
+            stored_bytes: counts.stored_bytes,
+            physical_used_bytes: meta_bytes + used_segments_bytes,
+            compression_ratio: ratio(counts.data_blocks * BLOCK_SIZE_U64, counts.stored_bytes),
+            host_write_bytes: counters.host_write_bytes,
+            media_write_bytes: counters.media_write_bytes,
+            padding_bytes: counters.padding_bytes,
+            write_amplification: ratio(counters.media_write_bytes, counters.host_write_bytes),
+            gc_write_bytes: counters.gc_write_bytes,
+            gc_read_bytes: counters.gc_read_bytes,
+            free_segments: state.segments.free_count(),
+            segments_cleaned: counters.segments_cleaned,
+            segment_count: self.geometry.segment_count as u64,
+            segment_size_bytes: segment_size,
+            page_size_bytes: self.geometry.page_size_bytes as u64,
+            codec: self.settings.codec.to_string(),
+            gc_policy: self.settings.gc_policy.to_string(),
+            damaged_blocks: counts.damaged_blocks,
+            map_memory_bytes: state.map.memory_bytes(),
+            counters,
+        }
+    }
+
+    fn check_access(&self, offset: u64, len: u64, write: bool) -> Result<()> {
+        if write && self.read_only {
+            return Err(Error::ReadOnly);
+        }
+        let size = self.superblock.logical_size_bytes;
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::OutOfRange {
+                offset,
+                length: len,
+                size,
+            }),
+        }
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn maintenance_loop(volume: Weak<Volume>) {
+    loop {
+        let Some(strong) = volume.upgrade() else { return };
+        if strong.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let worked = match strong.maintenance_tick() {
+            Ok(worked) => worked,
+            Err(error) => {
+                // The error is visible to the next writer through `failed`
+                // or as NoSpace; back off instead of spinning.
+                let _ = error;
+                false
+            }
+        };
+        if !worked {
+            let guard = strong.wake_lock.lock().expect("wake lock");
+            let (mut guard, _) = strong
+                .wake
+                .wait_timeout_while(guard, Duration::from_millis(100), |poked| !*poked && !strong.stop.load(Ordering::SeqCst))
+                .expect("wake lock");
+            *guard = false;
+        }
+    }
+}
+
+impl BlockDevice for Volume {
+    fn size_bytes(&self) -> u64 {
+        self.superblock.logical_size_bytes
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_access(offset, buf.len() as u64, false)?;
+        self.read_bytes(offset, buf)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_access(offset, data.len() as u64, true)?;
+        self.write_bytes(offset, data, fua)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
+        self.check_access(offset, len, true)?;
+        let mode = if may_punch { io::Discard::ZeroPunch } else { io::Discard::Zero };
+        self.discard(offset, len, mode, fua)
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check_access(offset, len, true)?;
+        self.discard(offset, len, io::Discard::Trim, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        Volume::flush(self)
+    }
+
+    fn block_status(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>> {
+        self.check_access(offset, len, false)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / BLOCK_SIZE_U64;
+        let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
+        let runs = self.lock().map.runs(Lba(first), end - first, max_extents.max(1));
+        let mut extents = Vec::with_capacity(runs.len());
+        let mut position = offset;
+        let limit = offset + len;
+        let mut run_start = first * BLOCK_SIZE_U64;
+        for (slot, blocks) in runs {
+            let run_end = (run_start + blocks * BLOCK_SIZE_U64).min(limit);
+            if run_end > position {
+                let state = match slot {
+                    Slot::Hole => ExtentState::Hole,
+                    Slot::Zero => ExtentState::Zero,
+                    Slot::Data(_) | Slot::Damaged => ExtentState::Data,
+                };
+                extents.push(Extent {
+                    length_bytes: run_end - position,
+                    state,
+                });
+                position = run_end;
+            }
+            run_start += blocks * BLOCK_SIZE_U64;
+        }
+        Ok(extents)
+    }
+}

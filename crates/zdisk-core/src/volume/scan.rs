@@ -1,0 +1,127 @@
+//! Sequential parsing of a segment's records, shared by recovery, the
+//! cleaner and `zdisk check`.
+//!
+//! A segment holds records back to back from offset 0. An all-zero header
+//! means padding: the rest of that page is empty and the next record, if
+//! any, starts on the next page. Anything else that fails to decode (a torn
+//! write, a record of an older incarnation, bit rot) ends the scan, because
+//! its length cannot be trusted.
+
+use std::ops::Range;
+
+use crate::record::{decode_record, RecordError, RecordHeader, HEADER_SIZE};
+use crate::units::align_up;
+
+#[derive(Debug, Clone)]
+pub struct Scanned {
+    pub offset: u64,
+    pub header: RecordHeader,
+    pub payload: Range<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ScanResult {
+    pub records: Vec<Scanned>,
+    /// End of the last valid record, rounded up to a page.
+    pub end_offset: u64,
+    /// Where and why the scan stopped early, if it did.
+    pub stopped: Option<(u64, RecordError)>,
+}
+
+/// Parses the records of one segment incarnation (`seq32`) in `bytes`,
+/// starting at `start`.
+pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> ScanResult {
+    let mut records = Vec::new();
+    let mut pos = start as usize;
+    let mut end = start;
+    let mut stopped = None;
+    while pos + HEADER_SIZE <= bytes.len() {
+        if bytes[pos] == 0 && bytes[pos + 1] == 0 {
+            // No record starts with a zero magic: this is flush padding,
+            // which runs to the end of the page (it may be shorter than a
+            // header), or never-written space.
+            let page_end = (align_up(pos as u64 + 1, page_size) as usize).min(bytes.len());
+            if bytes[pos..page_end].iter().all(|&b| b == 0) {
+                pos = page_end;
+                continue;
+            }
+            stopped = Some((pos as u64, RecordError::BadMagic));
+            break;
+        }
+        match decode_record(&bytes[pos..], Some(seq32)) {
+            Ok((header, _)) => {
+                let payload = pos + HEADER_SIZE..pos + HEADER_SIZE + header.payload_len as usize;
+                records.push(Scanned {
+                    offset: pos as u64,
+                    header,
+                    payload,
+                });
+                pos += header.record_len() as usize;
+                end = pos as u64;
+            }
+            Err(error) => {
+                stopped = Some((pos as u64, error));
+                break;
+            }
+        }
+    }
+    ScanResult {
+        records,
+        end_offset: align_up(end, page_size),
+        stopped,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{encode_record, record_len_for_payload, RecordKind};
+
+    fn put(bytes: &mut [u8], at: usize, seq: u32, lba: u64, payload: &[u8]) -> usize {
+        let header = RecordHeader {
+            kind: RecordKind::Data,
+            codec: 1,
+            seg_seq: seq,
+            lba,
+            version: lba + 100,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let len = record_len_for_payload(payload.len()) as usize;
+        encode_record(&mut bytes[at..at + len], header, payload, crc32c::crc32c(payload));
+        at + len
+    }
+
+    #[test]
+    fn scans_across_padding_and_stops_at_damage() {
+        let mut bytes = vec![0u8; 4 * 4096];
+        let next = put(&mut bytes, 0, 5, 1, &[1; 100]);
+        put(&mut bytes, next, 5, 2, &[2; 100]);
+        // A flush padded the first page; the next record starts on page 1.
+        let next = put(&mut bytes, 4096, 5, 3, &[3; 4000]);
+        let result = scan_segment(&bytes, 0, 5, 4096);
+        assert_eq!(result.records.iter().map(|r| r.header.lba).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert!(result.stopped.is_none());
+        assert_eq!(result.end_offset, 2 * 4096);
+
+        // Padding shorter than a header before the next page is skipped too.
+        let mut short_gap = vec![0u8; 2 * 4096];
+        let gap_start = put(&mut short_gap, 0, 5, 1, &[1; 4048]);
+        assert_eq!(gap_start, 4096 - 16);
+        put(&mut short_gap, 4096, 5, 2, &[2; 10]);
+        let result = scan_segment(&short_gap, 0, 5, 4096);
+        assert_eq!(result.records.len(), 2);
+        assert!(result.stopped.is_none());
+
+        // A record of an older incarnation after the last one ends the scan.
+        put(&mut bytes, next, 4, 9, &[9; 10]);
+        let result = scan_segment(&bytes, 0, 5, 4096);
+        assert_eq!(result.records.len(), 3);
+        assert!(matches!(result.stopped, Some((_, RecordError::WrongSegment { .. }))));
+
+        bytes[40] ^= 1;
+        let result = scan_segment(&bytes, 0, 5, 4096);
+        assert_eq!(result.records.len(), 0);
+        assert!(matches!(result.stopped, Some((0, RecordError::Checksum { .. }))));
+    }
+}

@@ -1,0 +1,355 @@
+//! The engine's mutable state and the log writer streams.
+//!
+//! Everything here runs under the volume's state mutex. Two streams append
+//! records: the host stream (new writes, trims, zeroes) and the GC stream
+//! (relocated records), each into its own open segment, so that data the
+//! cleaner has already proven cold does not mix with fresh writes.
+//!
+//! A stream buffers the tail of its segment in RAM. Whole pages go to the
+//! medium in batches; a barrier pads the last partial page with zeros and
+//! writes it too, so the medium only ever sees whole pages written in order
+//! (see `media/mod.rs`). Padding is counted, as a real SSD's would be.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::map::{Location, Map};
+use crate::media::{Media, MediaGeometry};
+use crate::meta::{DumpRef, OpenSegmentPos};
+use crate::record::{encode_record, RecordHeader, RAW_RECORD_LEN};
+use crate::segments::{SegmentState, SegmentTable};
+use crate::stats::Counters;
+use crate::units::{PageIndex, SegmentId};
+
+/// Which writer a record goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    Host = 0,
+    Gc = 1,
+}
+
+/// Segments kept back for the cleaner, beyond those a checkpoint needs.
+pub const GC_RESERVE_SEGMENTS: u64 = 2;
+
+/// An open segment being filled.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub segment: Option<SegmentId>,
+    pub seq: u64,
+    /// Segment offset of `buf[0]`; always a page multiple.
+    pub base_offset: u64,
+    /// Bytes appended but not yet written to the medium.
+    pub buf: Vec<u8>,
+}
+
+impl Stream {
+    pub fn write_offset(&self) -> u64 {
+        self.base_offset + self.buf.len() as u64
+    }
+}
+
+pub struct State {
+    pub media: Arc<dyn Media>,
+    pub geometry: MediaGeometry,
+    pub write_batch_bytes: usize,
+    pub map: Map,
+    pub segments: SegmentTable,
+    pub streams: [Stream; 2],
+    pub next_version: u64,
+    pub next_seq: u64,
+    /// Barriers issued; a barrier writes every buffered byte to the medium.
+    pub barrier_gen: u64,
+    /// Highest barrier generation known to be durable.
+    pub synced_gen: u64,
+    pub counters: Counters,
+    /// Generation of the newest root written.
+    pub generation: u64,
+    /// Sequence boundary of the newest durable checkpoint.
+    pub durable_boundary: u64,
+    /// Segments open when the newest durable checkpoint was taken.
+    pub durable_open: Vec<OpenSegmentPos>,
+    pub dump: Option<DumpRef>,
+    /// Log bytes appended since the last checkpoint.
+    pub log_bytes_since_checkpoint: u64,
+    /// Set after a failed medium write: the log may have a hole, so no more writes.
+    pub failed: Option<String>,
+}
+
+impl State {
+    pub fn segment_size(&self) -> u64 {
+        self.geometry.segment_size_bytes
+    }
+
+    fn page_size(&self) -> u64 {
+        self.geometry.page_size_bytes as u64
+    }
+
+    pub fn check_writable(&self) -> Result<()> {
+        match &self.failed {
+            None => Ok(()),
+            Some(why) => Err(Error::io(
+                "writing",
+                std::io::Error::other(format!("the volume stopped writing after a medium error: {why}")),
+            )),
+        }
+    }
+
+    fn fail<T>(&mut self, error: Error) -> Result<T> {
+        if self.failed.is_none() {
+            self.failed = Some(error.to_string());
+        }
+        Err(error)
+    }
+
+    /// Segments the next checkpoint's two dump copies need.
+    pub fn dump_reserve_segments(&self) -> u64 {
+        let dump_bytes = crate::volume::checkpoint::dump_size_estimate(self);
+        let usable = self.segment_size() - RAW_RECORD_LEN;
+        2 * dump_bytes.div_ceil(usable)
+    }
+
+    /// Segments that host writes may not take: the cleaner's reserve plus
+    /// room for the next checkpoint. The cleaner may use its reserve but
+    /// not the checkpoint's; only trims, zeroes and dumps may use everything.
+    pub fn reserved_segments(&self) -> u64 {
+        GC_RESERVE_SEGMENTS + self.dump_reserve_segments()
+    }
+
+    /// Bytes left in a stream's open segment.
+    pub fn stream_room(&self, kind: StreamKind) -> u64 {
+        let stream = &self.streams[kind as usize];
+        match stream.segment {
+            Some(_) => self.segment_size() - stream.write_offset(),
+            None => 0,
+        }
+    }
+
+    /// Segments a host append of `bytes` would need beyond the open one.
+    pub fn segments_needed(&self, kind: StreamKind, bytes: u64) -> u64 {
+        let room = self.stream_room(kind).saturating_sub(RAW_RECORD_LEN);
+        if bytes <= room {
+            return 0;
+        }
+        (bytes - room).div_ceil(self.segment_size() - RAW_RECORD_LEN)
+    }
+
+    /// True if the host stream can take `bytes` more without the reserve.
+    pub fn host_has_room(&self, bytes: u64, allow_reserve: bool) -> bool {
+        let needed = self.segments_needed(StreamKind::Host, bytes);
+        let floor = if allow_reserve { 0 } else { self.reserved_segments() };
+        needed == 0 || self.segments.free_count() >= floor + needed
+    }
+
+    /// Appends one record to a stream and returns where it landed.
+    /// `header.seg_seq` and `header.crc` are filled in here.
+    pub fn append(
+        &mut self,
+        kind: StreamKind,
+        mut header: RecordHeader,
+        payload: &[u8],
+        payload_crc: u32,
+        allow_reserve: bool,
+    ) -> Result<Location> {
+        self.check_writable()?;
+        let len = header.record_len();
+        debug_assert!(len <= self.segment_size());
+        if self.stream_room(kind) < len {
+            self.open_segment(kind, allow_reserve)?;
+        }
+        let segment_size = self.segment_size();
+        let stream = &mut self.streams[kind as usize];
+        let segment = stream.segment.expect("stream has an open segment");
+        let offset = stream.write_offset();
+        assert!(offset + len <= segment_size, "record overruns segment {segment}");
+        header.seg_seq = stream.seq as u32;
+        let start = stream.buf.len();
+        stream.buf.resize(start + len as usize, 0);
+        encode_record(&mut stream.buf[start..], header, payload, payload_crc);
+        let info = self.segments.get_mut(segment);
+        info.max_version = info.max_version.max(header.version);
+        info.fill_bytes = offset + len;
+        self.log_bytes_since_checkpoint += len;
+        if self.streams[kind as usize].buf.len() >= self.write_batch_bytes {
+            self.write_whole_pages(kind)?;
+        }
+        Ok(Location {
+            segment,
+            offset: offset as u32,
+            len: len as u32,
+        })
+    }
+
+    /// Writes the complete pages buffered in a stream, keeping the partial tail.
+    fn write_whole_pages(&mut self, kind: StreamKind) -> Result<()> {
+        let page = self.page_size() as usize;
+        let stream = &mut self.streams[kind as usize];
+        let whole = stream.buf.len() / page * page;
+        if whole == 0 {
+            return Ok(());
+        }
+        let segment = stream.segment.expect("stream has an open segment");
+        let first_page = PageIndex((stream.base_offset / page as u64) as u32);
+        let result = self.media.write_pages(segment, first_page, &stream.buf[..whole]);
+        if let Err(error) = result {
+            return self.fail(error);
+        }
+        stream.buf.drain(..whole);
+        stream.base_offset += whole as u64;
+        self.counters.media_write_bytes += whole as u64;
+        Ok(())
+    }
+
+    /// Writes everything buffered in a stream, padding the last page.
+    pub fn pad_and_write(&mut self, kind: StreamKind) -> Result<()> {
+        let page = self.page_size() as usize;
+        let stream = &mut self.streams[kind as usize];
+        if stream.buf.is_empty() {
+            return Ok(());
+        }
+        let padded = stream.buf.len().div_ceil(page) * page;
+        let padding = (padded - stream.buf.len()) as u64;
+        stream.buf.resize(padded, 0);
+        self.counters.padding_bytes += padding;
+        self.write_whole_pages(kind)?;
+        let stream = &self.streams[kind as usize];
+        let segment = stream.segment.expect("stream has an open segment");
+        self.segments.get_mut(segment).fill_bytes = stream.base_offset;
+        if stream.base_offset >= self.segment_size() {
+            self.seal(kind)?;
+        }
+        Ok(())
+    }
+
+    /// Closes a stream's segment: writes its tail and marks it sealed.
+    pub fn seal(&mut self, kind: StreamKind) -> Result<()> {
+        if self.streams[kind as usize].segment.is_none() {
+            return Ok(());
+        }
+        if !self.streams[kind as usize].buf.is_empty() {
+            self.pad_and_write(kind)?;
+            if self.streams[kind as usize].segment.is_none() {
+                return Ok(()); // pad_and_write sealed a full segment
+            }
+        }
+        let stream = &mut self.streams[kind as usize];
+        let segment = stream.segment.take().expect("checked above");
+        let info = self.segments.get_mut(segment);
+        info.fill_bytes = stream.base_offset;
+        info.state = SegmentState::Sealed;
+        *stream = Stream::default();
+        Ok(())
+    }
+
+    /// Seals a stream's segment and opens a fresh one.
+    pub fn open_segment(&mut self, kind: StreamKind, allow_reserve: bool) -> Result<()> {
+        self.seal(kind)?;
+        let floor = if allow_reserve { 0 } else { self.reserved_segments() };
+        if self.segments.free_count() <= floor {
+            return Err(Error::NoSpace {
+                free_segments: self.segments.free_count(),
+                reserved_segments: floor,
+            });
+        }
+        let segment = self.allocate_erased()?;
+        let stream = &mut self.streams[kind as usize];
+        stream.segment = Some(segment);
+        stream.seq = self.segments.get(segment).seq;
+        stream.base_offset = 0;
+        stream.buf.clear();
+        Ok(())
+    }
+
+    /// Takes a free segment, erases it and gives it a new incarnation.
+    pub fn allocate_erased(&mut self) -> Result<SegmentId> {
+        let seq = self.next_seq;
+        let segment = self.segments.allocate(seq).ok_or(Error::NoSpace {
+            free_segments: 0,
+            reserved_segments: 0,
+        })?;
+        self.next_seq += 1;
+        if let Err(error) = self.media.erase_segment(segment) {
+            return self.fail(error);
+        }
+        Ok(segment)
+    }
+
+    /// Writes every buffered byte of both streams (padding partial pages)
+    /// and returns the barrier generation that a sync must reach to make
+    /// all of it durable.
+    pub fn barrier(&mut self) -> Result<u64> {
+        self.check_writable()?;
+        self.pad_and_write(StreamKind::Host)?;
+        self.pad_and_write(StreamKind::Gc)?;
+        self.barrier_gen += 1;
+        Ok(self.barrier_gen)
+    }
+
+    /// The bytes of a record that is still (partly) in a stream buffer.
+    pub fn read_buffered(&self, loc: Location) -> Result<Option<Vec<u8>>> {
+        for stream in &self.streams {
+            if stream.segment != Some(loc.segment) {
+                continue;
+            }
+            let start = loc.offset as u64;
+            let end = start + loc.len as u64;
+            if end <= stream.base_offset {
+                return Ok(None);
+            }
+            let mut bytes = vec![0u8; loc.len as usize];
+            let split = stream.base_offset.max(start);
+            if start < split {
+                self.media.read(loc.segment, start, &mut bytes[..(split - start) as usize])?;
+            }
+            let from = (split - stream.base_offset) as usize;
+            let to = (end - stream.base_offset) as usize;
+            if to > stream.buf.len() {
+                return Err(Error::CorruptImage(format!(
+                    "record at segment {} offset {} lies beyond the write pointer",
+                    loc.segment, loc.offset
+                )));
+            }
+            bytes[(split - start) as usize..].copy_from_slice(&stream.buf[from..to]);
+            return Ok(Some(bytes));
+        }
+        Ok(None)
+    }
+
+    /// Positions of the open streams, for a checkpoint root.
+    pub fn open_positions(&self) -> Vec<OpenSegmentPos> {
+        self.streams
+            .iter()
+            .filter_map(|stream| {
+                stream.segment.map(|segment| OpenSegmentPos {
+                    segment,
+                    seq: stream.seq,
+                    offset_bytes: stream.write_offset(),
+                })
+            })
+            .collect()
+    }
+
+    /// Records that a map entry moved away from `loc` (overwritten, trimmed or relocated).
+    pub fn release_location(&mut self, loc: Location) {
+        self.segments.sub_live(loc.segment, loc.len as u64);
+    }
+
+    pub fn take_version(&mut self) -> u64 {
+        let version = self.next_version;
+        assert!(version <= crate::map::VERSION_MAX, "version space exhausted");
+        self.next_version += 1;
+        version
+    }
+
+    /// Frees reclaimable segments once `synced_gen` covers their barrier.
+    pub fn note_synced(&mut self, gen: u64) {
+        if gen > self.synced_gen {
+            self.synced_gen = gen;
+        }
+        self.segments.release_reclaimable(self.synced_gen);
+    }
+
+    /// Segments waiting only for a barrier to become free.
+    pub fn reclaimable_count(&self) -> u64 {
+        self.segments.count_in(|state| matches!(state, SegmentState::Reclaimable { .. }))
+    }
+}
