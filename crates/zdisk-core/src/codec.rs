@@ -50,10 +50,11 @@ impl CodecId {
 }
 
 /// A volume's codec setting: which compressor new writes use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Codec {
     /// No compression: every block is stored raw.
     None,
+    #[default]
     Lz4,
     /// zstd at a level from the negative fast levels up to 22.
     Zstd { level: i32 },
@@ -69,12 +70,6 @@ pub const ZSTD_LEVEL_DEFAULT: i32 = 1;
 pub const DEFLATE_LEVEL_MIN: i32 = 1;
 pub const DEFLATE_LEVEL_MAX: i32 = 12;
 pub const DEFLATE_LEVEL_DEFAULT: i32 = 1;
-
-impl Default for Codec {
-    fn default() -> Self {
-        Codec::Lz4
-    }
-}
 
 impl Codec {
     /// Parses `lz4`, `none`, `zstd`, `zstd:LEVEL` (LEVEL may be negative),
@@ -223,8 +218,7 @@ pub fn compress_block(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> Codec
             }),
             Codec::Zstd { .. } | Codec::Deflate { .. } => {
                 if entropy_bits_per_byte(input) >= ENTROPY_RANDOM_BITS {
-                    let probe_limit =
-                        ((1.0 - PROBE_MIN_SAVING) * BLOCK_SIZE as f64) as usize;
+                    let probe_limit = ((1.0 - PROBE_MIN_SAVING) * BLOCK_SIZE as f64) as usize;
                     lz4_into(input, &mut contexts.probe, probe_limit)?;
                 }
                 match codec {
@@ -248,7 +242,12 @@ pub fn compress_block(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> Codec
     }
 }
 
-fn compress_zstd(contexts: &mut Contexts, level: i32, input: &[u8], output: &mut Vec<u8>) -> Option<CodecId> {
+fn compress_zstd(
+    contexts: &mut Contexts,
+    level: i32,
+    input: &[u8],
+    output: &mut Vec<u8>,
+) -> Option<CodecId> {
     if contexts.zstd.as_ref().map(|(l, _)| *l) != Some(level) {
         let compressor = zstd::bulk::Compressor::new(level).ok()?;
         contexts.zstd = Some((level, compressor));
@@ -262,7 +261,12 @@ fn compress_zstd(contexts: &mut Contexts, level: i32, input: &[u8], output: &mut
     }
 }
 
-fn compress_deflate(contexts: &mut Contexts, level: i32, input: &[u8], output: &mut Vec<u8>) -> Option<CodecId> {
+fn compress_deflate(
+    contexts: &mut Contexts,
+    level: i32,
+    input: &[u8],
+    output: &mut Vec<u8>,
+) -> Option<CodecId> {
     if contexts.deflate.as_ref().map(|(l, _)| *l) != Some(level) {
         let lvl = libdeflater::CompressionLvl::new(level).ok()?;
         contexts.deflate = Some((level, libdeflater::Compressor::new(lvl)));
@@ -289,8 +293,9 @@ pub fn decompress_block(id: CodecId, payload: &[u8], output: &mut [u8]) -> Resul
             output.copy_from_slice(payload);
             BLOCK_SIZE
         }
-        CodecId::Lz4 => lz4_flex::block::decompress_into(payload, output)
-            .map_err(|e| format!("lz4: {e}"))?,
+        CodecId::Lz4 => {
+            lz4_flex::block::decompress_into(payload, output).map_err(|e| format!("lz4: {e}"))?
+        }
         CodecId::Zstd => CONTEXTS.with(|contexts| {
             let mut contexts = contexts.borrow_mut();
             if contexts.zstd_dec.is_none() {
@@ -313,7 +318,10 @@ pub fn decompress_block(id: CodecId, payload: &[u8], output: &mut [u8]) -> Resul
         })?,
     };
     if produced != BLOCK_SIZE {
-        return Err(format!("{} produced {produced} bytes, not a block", id.name()));
+        return Err(format!(
+            "{} produced {produced} bytes, not a block",
+            id.name()
+        ));
     }
     Ok(())
 }
@@ -326,7 +334,8 @@ pub fn lz4_compress(input: &[u8]) -> Vec<u8> {
 /// Decompresses an LZ4 buffer whose decompressed size is known.
 pub fn lz4_decompress(input: &[u8], size: usize) -> Result<Vec<u8>, String> {
     let mut output = vec![0u8; size];
-    let produced = lz4_flex::block::decompress_into(input, &mut output).map_err(|e| format!("lz4: {e}"))?;
+    let produced =
+        lz4_flex::block::decompress_into(input, &mut output).map_err(|e| format!("lz4: {e}"))?;
     if produced != size {
         return Err(format!("lz4 produced {produced} bytes, expected {size}"));
     }
@@ -339,7 +348,8 @@ mod tests {
     use rand::{RngCore, SeedableRng};
 
     fn text_block() -> Vec<u8> {
-        let sentence = b"The quick brown fox jumps over the lazy dog; zdisk packs extents byte-tight. ";
+        let sentence =
+            b"The quick brown fox jumps over the lazy dog; zdisk packs extents byte-tight. ";
         sentence.iter().cycle().take(BLOCK_SIZE).copied().collect()
     }
 
@@ -383,7 +393,11 @@ mod tests {
             let mut payload = Vec::new();
             let id = compress_block(codec, &input, &mut payload);
             assert_ne!(id, CodecId::Raw, "{codec} should compress text");
-            assert!(payload.len() < BLOCK_SIZE / 4, "{codec} gave {} bytes", payload.len());
+            assert!(
+                payload.len() < BLOCK_SIZE / 4,
+                "{codec} gave {} bytes",
+                payload.len()
+            );
             let mut output = vec![0u8; BLOCK_SIZE];
             decompress_block(id, &payload, &mut output).unwrap();
             assert_eq!(output, input, "{codec} round trip");
@@ -393,7 +407,12 @@ mod tests {
     #[test]
     fn random_data_is_stored_raw_by_every_codec() {
         let input = random_block(7);
-        for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 3 }, Codec::Deflate { level: 6 }] {
+        for codec in [
+            Codec::None,
+            Codec::Lz4,
+            Codec::Zstd { level: 3 },
+            Codec::Deflate { level: 6 },
+        ] {
             let mut payload = Vec::new();
             assert_eq!(compress_block(codec, &input, &mut payload), CodecId::Raw);
             assert_eq!(payload, input);
@@ -417,12 +436,19 @@ mod tests {
     #[test]
     fn corrupt_payloads_fail_cleanly() {
         let input = text_block();
-        for codec in [Codec::Lz4, Codec::Zstd { level: 1 }, Codec::Deflate { level: 1 }] {
+        for codec in [
+            Codec::Lz4,
+            Codec::Zstd { level: 1 },
+            Codec::Deflate { level: 1 },
+        ] {
             let mut payload = Vec::new();
             let id = compress_block(codec, &input, &mut payload);
             let mut output = vec![0u8; BLOCK_SIZE];
             let truncated = &payload[..payload.len() / 2];
-            assert!(decompress_block(id, truncated, &mut output).is_err(), "{codec}");
+            assert!(
+                decompress_block(id, truncated, &mut output).is_err(),
+                "{codec}"
+            );
         }
         let mut output = vec![0u8; BLOCK_SIZE];
         assert!(decompress_block(CodecId::Raw, &[1, 2, 3], &mut output).is_err());

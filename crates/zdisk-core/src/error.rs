@@ -47,7 +47,9 @@ pub enum Error {
         reserved_segments: u64,
     },
     /// The request addresses bytes outside the logical volume.
-    #[error("request out of range: offset {offset} + length {length} exceeds the volume size {size}")]
+    #[error(
+        "request out of range: offset {offset} + length {length} exceeds the volume size {size}"
+    )]
     OutOfRange { offset: u64, length: u64, size: u64 },
     /// A write-type request on a read-only volume.
     #[error("the volume is read-only")]

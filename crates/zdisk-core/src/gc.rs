@@ -23,7 +23,9 @@ impl GcPolicy {
         match text.trim().to_ascii_lowercase().as_str() {
             "greedy" => Ok(GcPolicy::Greedy),
             "cost-benefit" | "costbenefit" | "cost_benefit" => Ok(GcPolicy::CostBenefit),
-            other => Err(format!("unknown GC policy {other:?}: use greedy or cost-benefit")),
+            other => Err(format!(
+                "unknown GC policy {other:?}: use greedy or cost-benefit"
+            )),
         }
     }
 

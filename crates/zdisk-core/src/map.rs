@@ -87,11 +87,24 @@ impl Entry {
     pub fn new(slot: Slot, version: u64) -> Entry {
         assert!(version <= VERSION_MAX, "version {version} exceeds 48 bits");
         match slot {
-            Slot::Hole => Entry { w0: 0, w1: version << 16 | STATE_HOLE },
-            Slot::Zero => Entry { w0: 0, w1: version << 16 | STATE_ZERO },
-            Slot::Damaged => Entry { w0: 0, w1: version << 16 | STATE_DAMAGED },
+            Slot::Hole => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_HOLE,
+            },
+            Slot::Zero => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_ZERO,
+            },
+            Slot::Damaged => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_DAMAGED,
+            },
             Slot::Data(loc) => {
-                assert!(loc.len > 0 && loc.len <= LEN_MAX, "record length {} out of range", loc.len);
+                assert!(
+                    loc.len > 0 && loc.len <= LEN_MAX,
+                    "record length {} out of range",
+                    loc.len
+                );
                 Entry {
                     w0: (loc.segment.0 as u64) << 32 | loc.offset as u64,
                     w1: version << 16 | (loc.len as u64) << 2 | STATE_DATA,
@@ -133,7 +146,10 @@ impl Entry {
 #[derive(Debug, Clone)]
 pub enum Chunk {
     /// Every block in this state at this version.
-    Uniform { state: RangeState, version: u64 },
+    Uniform {
+        state: RangeState,
+        version: u64,
+    },
     Mixed(Box<[Entry; CHUNK_BLOCKS as usize]>),
 }
 
@@ -217,12 +233,14 @@ impl Map {
 
     fn mixed_entry(&mut self, lba: Lba) -> &mut Entry {
         let index = lba.0 >> CHUNK_SHIFT;
-        let chunk = self
-            .chunks
-            .entry(index)
-            .or_insert(Chunk::Uniform { state: RangeState::Hole, version: 0 });
+        let chunk = self.chunks.entry(index).or_insert(Chunk::Uniform {
+            state: RangeState::Hole,
+            version: 0,
+        });
         if let Chunk::Uniform { state, version } = *chunk {
-            *chunk = Chunk::Mixed(Box::new([Entry::new(state.slot(), version); CHUNK_BLOCKS as usize]));
+            *chunk = Chunk::Mixed(Box::new(
+                [Entry::new(state.slot(), version); CHUNK_BLOCKS as usize],
+            ));
             self.mixed_chunks += 1;
         }
         match chunk {
@@ -306,7 +324,9 @@ impl Map {
                             }
                         }
                     }
-                    Some(Chunk::Uniform { state: old_state, .. }) => {
+                    Some(Chunk::Uniform {
+                        state: old_state, ..
+                    }) => {
                         self.counts.sub(old_state.slot(), CHUNK_BLOCKS);
                     }
                     None => {}
@@ -314,7 +334,10 @@ impl Map {
                 if !drop_whole {
                     self.counts.add(state.slot(), CHUNK_BLOCKS);
                 }
-            } else if !self.chunks.contains_key(&index) && state == RangeState::Hole && !self.keep_tombstones {
+            } else if !self.chunks.contains_key(&index)
+                && state == RangeState::Hole
+                && !self.keep_tombstones
+            {
                 // Trimming blocks that were never written: nothing to do.
             } else {
                 for block in lba..run_end {
@@ -374,7 +397,11 @@ impl Map {
         let mut runs: Vec<(Slot, u64)> = Vec::new();
         let push = |runs: &mut Vec<(Slot, u64)>, slot: Slot, blocks: u64| {
             let kind = match slot {
-                Slot::Data(_) => Slot::Data(Location { segment: SegmentId(0), offset: 0, len: 1 }),
+                Slot::Data(_) => Slot::Data(Location {
+                    segment: SegmentId(0),
+                    offset: 0,
+                    len: 1,
+                }),
                 other => other,
             };
             match runs.last_mut() {
@@ -400,7 +427,9 @@ impl Map {
                     }
                     let run_end = end.min(next_start + CHUNK_BLOCKS);
                     match chunk {
-                        Chunk::Uniform { state, .. } => push(&mut runs, state.slot(), run_end - lba),
+                        Chunk::Uniform { state, .. } => {
+                            push(&mut runs, state.slot(), run_end - lba)
+                        }
                         Chunk::Mixed(entries) => {
                             for b in lba..run_end {
                                 push(&mut runs, entries[(b & CHUNK_MASK) as usize].slot(), 1);
@@ -488,9 +517,10 @@ impl Map {
     pub fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
         for (&index, chunk) in &self.chunks {
             match chunk {
-                Chunk::Uniform { state: RangeState::Damaged, .. } => {
-                    (0..CHUNK_BLOCKS).for_each(|i| f(Lba((index << CHUNK_SHIFT) + i)))
-                }
+                Chunk::Uniform {
+                    state: RangeState::Damaged,
+                    ..
+                } => (0..CHUNK_BLOCKS).for_each(|i| f(Lba((index << CHUNK_SHIFT) + i))),
                 Chunk::Uniform { .. } => {}
                 Chunk::Mixed(entries) => {
                     for (i, entry) in entries.iter().enumerate() {
@@ -522,7 +552,10 @@ impl Map {
             }
         }
         if counts != self.counts {
-            return Err(format!("map counts drifted: running {:?}, recount {:?}", self.counts, counts));
+            return Err(format!(
+                "map counts drifted: running {:?}, recount {:?}",
+                self.counts, counts
+            ));
         }
         Ok(())
     }
@@ -542,7 +575,13 @@ mod tests {
 
     #[test]
     fn entries_pack_and_unpack() {
-        for slot in [Slot::Hole, Slot::Zero, Slot::Damaged, loc(7, 123_456, 4128), loc(u32::MAX - 1, u32::MAX - 15, 48)] {
+        for slot in [
+            Slot::Hole,
+            Slot::Zero,
+            Slot::Damaged,
+            loc(7, 123_456, 4128),
+            loc(u32::MAX - 1, u32::MAX - 15, 48),
+        ] {
             let entry = Entry::new(slot, VERSION_MAX);
             assert_eq!(entry.slot(), slot);
             assert_eq!(entry.version(), VERSION_MAX);
@@ -567,7 +606,9 @@ mod tests {
         assert_eq!(map.counts().stored_bytes, 100);
         assert_eq!(map.counts().zero_blocks, 1);
         let mut freed = Vec::new();
-        map.set_range(Lba(0), 10, RangeState::Hole, 3, false, &mut |l| freed.push(l));
+        map.set_range(Lba(0), 10, RangeState::Hole, 3, false, &mut |l| {
+            freed.push(l)
+        });
         assert_eq!(freed.len(), 1);
         assert_eq!(map.counts(), MapCounts::default());
         assert_eq!(map.chunk_count(), 0, "an all-hole chunk is dropped");
@@ -579,7 +620,9 @@ mod tests {
         let mut map = Map::new(false);
         map.set(Lba(300), loc(2, 16, 64), 1);
         let mut freed = Vec::new();
-        map.set_range(Lba(0), 1 << 20, RangeState::Zero, 2, false, &mut |l| freed.push(l));
+        map.set_range(Lba(0), 1 << 20, RangeState::Zero, 2, false, &mut |l| {
+            freed.push(l)
+        });
         assert_eq!(freed.len(), 1);
         assert_eq!(map.counts().zero_blocks, 1 << 20);
         assert_eq!(map.chunk_count(), (1 << 20) / CHUNK_BLOCKS as usize);
@@ -595,9 +638,19 @@ mod tests {
         assert!(map.set_if_newer(Lba(1), loc(2, 0, 48), 9).is_none());
         map.set_range(Lba(0), 4, RangeState::Hole, 12, true, &mut |_| {});
         assert_eq!(map.get(Lba(1)).slot(), Slot::Hole);
-        assert_eq!(map.get(Lba(1)).version(), 12, "the tombstone keeps its version");
-        assert!(map.set_if_newer(Lba(1), loc(3, 0, 48), 11).is_none(), "an older write cannot resurrect");
-        assert!(map.set_if_newer(Lba(1), loc(3, 0, 48), 12).is_some(), "equal versions: later copy wins");
+        assert_eq!(
+            map.get(Lba(1)).version(),
+            12,
+            "the tombstone keeps its version"
+        );
+        assert!(
+            map.set_if_newer(Lba(1), loc(3, 0, 48), 11).is_none(),
+            "an older write cannot resurrect"
+        );
+        assert!(
+            map.set_if_newer(Lba(1), loc(3, 0, 48), 12).is_some(),
+            "equal versions: later copy wins"
+        );
         map.compact();
         map.check_counts().unwrap();
     }

@@ -180,7 +180,9 @@ impl Root {
         }
         let version = header.u32()?;
         if version != FORMAT_VERSION {
-            return Err(format!("format version {version}, this zdisk reads version {FORMAT_VERSION}"));
+            return Err(format!(
+                "format version {version}, this zdisk reads version {FORMAT_VERSION}"
+            ));
         }
         let total = header.u32()? as usize;
         if total < 24 || total > bytes.len() {
@@ -189,7 +191,9 @@ impl Root {
         let stored_crc = u32::from_le_bytes(bytes[total - 4..total].try_into().expect("4 bytes"));
         let actual_crc = crc32c::crc32c(&bytes[..total - 4]);
         if stored_crc != actual_crc {
-            return Err(format!("root checksum mismatch ({stored_crc:#010x} != {actual_crc:#010x})"));
+            return Err(format!(
+                "root checksum mismatch ({stored_crc:#010x} != {actual_crc:#010x})"
+            ));
         }
         let mut input = ByteReader::new(&bytes[16..total - 4]);
         let generation = input.u64()?;
@@ -284,7 +288,9 @@ impl Root {
 /// Reads a slot far enough to learn the geometry (used by media that must
 /// know their layout before the engine opens them).
 pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
-    Root::decode(slot_bytes).ok().map(|root| (root.generation, root.superblock.geometry))
+    Root::decode(slot_bytes)
+        .ok()
+        .map(|root| (root.generation, root.superblock.geometry))
 }
 
 /// Reads both slots and returns the newest valid root, with the error of
@@ -297,7 +303,10 @@ pub fn read_newest_root(media: &dyn crate::media::Media) -> Result<(Root, Vec<St
         match Root::decode(&bytes) {
             Ok(root) => {
                 if root.slot() != slot {
-                    problems.push(format!("slot {slot}: holds generation {} of the other slot", root.generation));
+                    problems.push(format!(
+                        "slot {slot}: holds generation {} of the other slot",
+                        root.generation
+                    ));
                     continue;
                 }
                 if best.as_ref().is_none_or(|b| root.generation > b.generation) {
@@ -352,7 +361,10 @@ mod tests {
                     offset_bytes: 8192,
                 }],
                 dump: Some(DumpRef {
-                    copies: [vec![SegmentId(1), SegmentId(2)], vec![SegmentId(3), SegmentId(4)]],
+                    copies: [
+                        vec![SegmentId(1), SegmentId(2)],
+                        vec![SegmentId(3), SegmentId(4)],
+                    ],
                     record_count: 17,
                     generation: 6,
                 }),
@@ -380,10 +392,16 @@ mod tests {
         for at in 0..bytes.len() {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x10;
-            assert!(Root::decode(&damaged).is_err(), "flip at byte {at} went unnoticed");
+            assert!(
+                Root::decode(&damaged).is_err(),
+                "flip at byte {at} went unnoticed"
+            );
         }
         for len in 0..bytes.len() {
-            assert!(Root::decode(&bytes[..len]).is_err(), "truncation to {len} went unnoticed");
+            assert!(
+                Root::decode(&bytes[..len]).is_err(),
+                "truncation to {len} went unnoticed"
+            );
         }
     }
 }

@@ -55,7 +55,10 @@ impl RecordKind {
 
     /// True for records that describe a run of blocks with a block count payload.
     pub fn is_range(self) -> bool {
-        matches!(self, RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged)
+        matches!(
+            self,
+            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged
+        )
     }
 }
 
@@ -86,8 +89,14 @@ pub enum RecordError {
     BadKind(u8),
     BadLength(u32),
     /// The record belongs to another incarnation of the segment.
-    WrongSegment { expected: u32, found: u32 },
-    Checksum { expected: u32, actual: u32 },
+    WrongSegment {
+        expected: u32,
+        found: u32,
+    },
+    Checksum {
+        expected: u32,
+        actual: u32,
+    },
 }
 
 impl std::fmt::Display for RecordError {
@@ -99,10 +108,16 @@ impl std::fmt::Display for RecordError {
             RecordError::BadKind(kind) => write!(f, "unknown record kind {kind}"),
             RecordError::BadLength(len) => write!(f, "impossible payload length {len}"),
             RecordError::WrongSegment { expected, found } => {
-                write!(f, "record from segment incarnation {found}, expected {expected}")
+                write!(
+                    f,
+                    "record from segment incarnation {found}, expected {expected}"
+                )
             }
             RecordError::Checksum { expected, actual } => {
-                write!(f, "checksum mismatch: stored {expected:#010x}, computed {actual:#010x}")
+                write!(
+                    f,
+                    "checksum mismatch: stored {expected:#010x}, computed {actual:#010x}"
+                )
             }
         }
     }
@@ -145,8 +160,10 @@ impl RecordHeader {
         let payload_len = word(24);
         let length_ok = match kind {
             RecordKind::Data => payload_len >= 1 && payload_len as usize <= BLOCK_SIZE,
-            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => payload_len == RANGE_PAYLOAD_LEN,
-            RecordKind::MapChunk => payload_len >= 1 && payload_len <= MAP_CHUNK_PAYLOAD_MAX,
+            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
+                payload_len == RANGE_PAYLOAD_LEN
+            }
+            RecordKind::MapChunk => (1..=MAP_CHUNK_PAYLOAD_MAX).contains(&payload_len),
         };
         if !length_ok {
             return Err(RecordError::BadLength(payload_len));
@@ -192,7 +209,10 @@ pub fn encode_record(out: &mut [u8], mut header: RecordHeader, payload: &[u8], p
 
 /// Decodes and verifies the record at the start of `bytes`. With
 /// `expected_seq`, a record from another segment incarnation is rejected.
-pub fn decode_record(bytes: &[u8], expected_seq: Option<u32>) -> Result<(RecordHeader, &[u8]), RecordError> {
+pub fn decode_record(
+    bytes: &[u8],
+    expected_seq: Option<u32>,
+) -> Result<(RecordHeader, &[u8]), RecordError> {
     let header = RecordHeader::decode(bytes)?;
     if let Some(expected) = expected_seq {
         if header.seg_seq != expected {
@@ -259,7 +279,10 @@ mod tests {
         for bit in 0..(HEADER_SIZE + 100) * 8 {
             let mut damaged = bytes.clone();
             damaged[bit / 8] ^= 1 << (bit % 8);
-            assert!(decode_record(&damaged, Some(77)).is_err(), "bit {bit} went unnoticed");
+            assert!(
+                decode_record(&damaged, Some(77)).is_err(),
+                "bit {bit} went unnoticed"
+            );
         }
     }
 
@@ -268,18 +291,30 @@ mod tests {
         let bytes = sample(RecordKind::Trim, &5u64.to_le_bytes());
         assert!(matches!(
             decode_record(&bytes, Some(78)),
-            Err(RecordError::WrongSegment { expected: 78, found: 77 })
+            Err(RecordError::WrongSegment {
+                expected: 78,
+                found: 77
+            })
         ));
         assert_eq!(decode_record(&[0u8; 64], None), Err(RecordError::Empty));
-        assert_eq!(decode_record(&[0xFFu8; 64], None), Err(RecordError::BadMagic));
-        assert_eq!(decode_record(&bytes[..20], None), Err(RecordError::Truncated));
+        assert_eq!(
+            decode_record(&[0xFFu8; 64], None),
+            Err(RecordError::BadMagic)
+        );
+        assert_eq!(
+            decode_record(&bytes[..20], None),
+            Err(RecordError::Truncated)
+        );
     }
 
     #[test]
     fn impossible_lengths_are_rejected_before_use() {
         let mut bytes = sample(RecordKind::Data, &[1; 16]);
         bytes[24..28].copy_from_slice(&(BLOCK_SIZE as u32 + 1).to_le_bytes());
-        assert_eq!(decode_record(&bytes, None), Err(RecordError::BadLength(4097)));
+        assert_eq!(
+            decode_record(&bytes, None),
+            Err(RecordError::BadLength(4097))
+        );
         let mut range = sample(RecordKind::Zero, &3u64.to_le_bytes());
         range[24..28].copy_from_slice(&9u32.to_le_bytes());
         assert_eq!(decode_record(&range, None), Err(RecordError::BadLength(9)));

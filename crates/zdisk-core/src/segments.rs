@@ -21,7 +21,9 @@ pub enum SegmentState {
     Sealed,
     Dump,
     /// Cleaned; becomes free once barrier generation `release_gen` is durable.
-    Reclaimable { release_gen: u64 },
+    Reclaimable {
+        release_gen: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +93,10 @@ impl SegmentTable {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
-        self.infos.iter().enumerate().map(|(i, info)| (SegmentId(i as u32), info))
+        self.infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| (SegmentId(i as u32), info))
     }
 
     pub fn free_count(&self) -> u64 {
@@ -106,7 +111,11 @@ impl SegmentTable {
     pub fn allocate(&mut self, seq: u64) -> Option<SegmentId> {
         let segment = self.free.pop_front()?;
         let info = &mut self.infos[segment.index()];
-        assert_eq!(info.state, SegmentState::Free, "segment {segment} on the free list is not free");
+        assert_eq!(
+            info.state,
+            SegmentState::Free,
+            "segment {segment} on the free list is not free"
+        );
         *info = SegmentInfo {
             state: SegmentState::Open,
             seq,
@@ -120,8 +129,16 @@ impl SegmentTable {
     /// Returns a segment to the free list.
     pub fn release(&mut self, segment: SegmentId) {
         let info = &mut self.infos[segment.index()];
-        assert_ne!(info.state, SegmentState::Free, "segment {segment} freed twice");
-        assert_ne!(info.state, SegmentState::Open, "open segment {segment} freed");
+        assert_ne!(
+            info.state,
+            SegmentState::Free,
+            "segment {segment} freed twice"
+        );
+        assert_ne!(
+            info.state,
+            SegmentState::Open,
+            "open segment {segment} freed"
+        );
         assert_eq!(info.live_bytes, 0, "segment {segment} freed with live data");
         info.state = SegmentState::Free;
         self.free.push_back(segment);

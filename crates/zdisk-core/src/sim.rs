@@ -91,7 +91,10 @@ impl Model {
         if ok {
             Ok(())
         } else {
-            Err(format!("block {lba} does not hold its latest value ({})", describe(actual)))
+            Err(format!(
+                "block {lba} does not hold its latest value ({})",
+                describe(actual)
+            ))
         }
     }
 
@@ -103,14 +106,21 @@ impl Model {
             Some(bytes) => bytes.as_slice() == actual,
         };
         if matches(&block.durable) || block.since.iter().any(matches) {
-            block.durable = if is_zero(actual) { None } else { Some(Arc::new(actual.to_vec())) };
+            block.durable = if is_zero(actual) {
+                None
+            } else {
+                Some(Arc::new(actual.to_vec()))
+            };
             block.since.clear();
             Ok(())
         } else {
             Err(format!(
                 "block {lba} reads {} after the crash; durable value {}, {} later value(s)",
                 describe(actual),
-                block.durable.as_ref().map_or("zeros".to_string(), |v| describe(v)),
+                block
+                    .durable
+                    .as_ref()
+                    .map_or("zeros".to_string(), |v| describe(v)),
                 block.since.len()
             ))
         }
@@ -121,7 +131,11 @@ fn describe(bytes: &[u8]) -> String {
     if is_zero(bytes) {
         "zeros".into()
     } else {
-        format!("data starting {:02x?} (crc {:08x})", &bytes[..8.min(bytes.len())], crc32c::crc32c(bytes))
+        format!(
+            "data starting {:02x?} (crc {:08x})",
+            &bytes[..8.min(bytes.len())],
+            crc32c::crc32c(bytes)
+        )
     }
 }
 
@@ -178,7 +192,11 @@ pub struct SimFailure {
 
 impl fmt::Display for SimFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "crash simulation failed: seed {} at step {}: {}", self.seed, self.step, self.message)?;
+        writeln!(
+            f,
+            "crash simulation failed: seed {} at step {}: {}",
+            self.seed, self.step, self.message
+        )?;
         writeln!(f, "last operations:")?;
         for line in self.trace.iter().rev().take(25).rev() {
             writeln!(f, "  {line}")?;
@@ -221,7 +239,9 @@ fn content(rng: &mut SmallRng) -> Vec<u8> {
 fn codec_for(rng: &mut SmallRng) -> Codec {
     match rng.gen_range(0..4) {
         0 => Codec::Lz4,
-        1 => Codec::Zstd { level: rng.gen_range(-5..=3).max(1) },
+        1 => Codec::Zstd {
+            level: rng.gen_range(-5..=3).max(1),
+        },
         2 => Codec::Deflate { level: 1 },
         _ => Codec::None,
     }
@@ -298,12 +318,17 @@ impl Run {
                 let sector = self.rng.gen_range(0..8u64);
                 let sectors = self.rng.gen_range(1..=(8 - sector));
                 let bytes: Vec<u8> = (0..sectors * 512).map(|_| self.rng.gen()).collect();
-                self.trace.push(format!("write {lba} sectors {sector}+{sectors}"));
+                self.trace
+                    .push(format!("write {lba} sectors {sector}+{sectors}"));
                 let offset = lba * BLOCK_SIZE_U64 + sector * 512;
                 let result = self.volume.write(offset, &bytes, false);
                 if result.is_ok() {
-                    let mut block = self.model.latest(lba).map_or(vec![0u8; BLOCK_SIZE], |v| v.to_vec());
-                    block[(sector * 512) as usize..((sector + sectors) * 512) as usize].copy_from_slice(&bytes);
+                    let mut block = self
+                        .model
+                        .latest(lba)
+                        .map_or(vec![0u8; BLOCK_SIZE], |v| v.to_vec());
+                    block[(sector * 512) as usize..((sector + sectors) * 512) as usize]
+                        .copy_from_slice(&bytes);
                     self.model.write(lba, Some(Arc::new(block)), false);
                 }
                 result
@@ -312,7 +337,9 @@ impl Run {
                 let (lba, count) = self.block_range();
                 let fua = self.rng.gen_bool(0.2);
                 self.trace.push(format!("trim {lba}+{count} fua={fua}"));
-                let result = self.volume.trim(lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64, fua);
+                let result = self
+                    .volume
+                    .trim(lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64, fua);
                 if result.is_ok() {
                     (lba..lba + count).for_each(|b| self.model.write(b, None, fua));
                 }
@@ -321,8 +348,14 @@ impl Run {
             59..=64 => {
                 let (lba, count) = self.block_range();
                 let punch = self.rng.gen_bool(0.5);
-                self.trace.push(format!("write_zeroes {lba}+{count} punch={punch}"));
-                let result = self.volume.write_zeroes(lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64, punch, false);
+                self.trace
+                    .push(format!("write_zeroes {lba}+{count} punch={punch}"));
+                let result = self.volume.write_zeroes(
+                    lba * BLOCK_SIZE_U64,
+                    count * BLOCK_SIZE_U64,
+                    punch,
+                    false,
+                );
                 if result.is_ok() {
                     (lba..lba + count).for_each(|b| self.model.write(b, None, false));
                 }
@@ -383,7 +416,8 @@ impl Run {
     fn crash(&mut self, step: usize) -> Result<(), SimFailure> {
         self.stats.crashes += 1;
         let pending = self.media.pending_count();
-        self.trace.push(format!("power cut ({pending} pending operations)"));
+        self.trace
+            .push(format!("power cut ({pending} pending operations)"));
         let crashed = Arc::new(self.media.crash(&mut self.rng, self.config.crash));
         if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
             for lba in 0..self.config.logical_blocks {
@@ -392,7 +426,11 @@ impl Run {
         }
         self.media = crashed;
         let codec = codec_for(&mut self.rng);
-        let policy = if self.rng.gen_bool(0.5) { GcPolicy::Greedy } else { GcPolicy::CostBenefit };
+        let policy = if self.rng.gen_bool(0.5) {
+            GcPolicy::Greedy
+        } else {
+            GcPolicy::CostBenefit
+        };
         self.volume = Volume::open(self.media.clone() as Arc<dyn Media>, options(codec, policy))
             .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
         if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
@@ -416,8 +454,15 @@ impl Run {
         for lba in 0..self.config.logical_blocks {
             self.volume
                 .read(lba * BLOCK_SIZE_U64, &mut buf)
-                .map_err(|e| self.fail(step, format!("read of block {lba} after recovery failed: {e}")))?;
-            self.model.settle(lba, &buf).map_err(|e| self.fail(step, e))?;
+                .map_err(|e| {
+                    self.fail(
+                        step,
+                        format!("read of block {lba} after recovery failed: {e}"),
+                    )
+                })?;
+            self.model
+                .settle(lba, &buf)
+                .map_err(|e| self.fail(step, e))?;
         }
         Ok(())
     }
@@ -428,11 +473,19 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
     let config = SimConfig::for_seed(seed);
     let mut rng = SmallRng::seed_from_u64(seed);
     let media = Arc::new(
-        MemMedia::with_size(config.page_size_bytes, config.segment_size_bytes, config.segment_count)
-            .expect("valid simulated geometry"),
+        MemMedia::with_size(
+            config.page_size_bytes,
+            config.segment_size_bytes,
+            config.segment_count,
+        )
+        .expect("valid simulated geometry"),
     );
     let codec = codec_for(&mut rng);
-    let policy = if rng.gen_bool(0.5) { GcPolicy::Greedy } else { GcPolicy::CostBenefit };
+    let policy = if rng.gen_bool(0.5) {
+        GcPolicy::Greedy
+    } else {
+        GcPolicy::CostBenefit
+    };
     let create = CreateOptions {
         logical_size_bytes: config.logical_blocks * BLOCK_SIZE_U64,
         codec,
@@ -440,13 +493,16 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
         media_kind: MediaKind::Memory,
         media_params: Vec::new(),
     };
-    let volume = Volume::create(media.clone() as Arc<dyn Media>, create, options(codec, policy)).map_err(|e| {
-        SimFailure {
-            seed,
-            step: 0,
-            message: format!("create failed: {e}"),
-            trace: Vec::new(),
-        }
+    let volume = Volume::create(
+        media.clone() as Arc<dyn Media>,
+        create,
+        options(codec, policy),
+    )
+    .map_err(|e| SimFailure {
+        seed,
+        step: 0,
+        message: format!("create failed: {e}"),
+        trace: Vec::new(),
     })?;
     let mut run = Run {
         seed,
@@ -468,8 +524,16 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
         .close()
         .map_err(|e| run.fail(config.operations + 2, format!("close failed: {e}")))?;
     run.media = Arc::new(run.media.reopen());
-    run.volume = Volume::open(run.media.clone() as Arc<dyn Media>, options(Codec::Lz4, GcPolicy::Greedy))
-        .map_err(|e| run.fail(config.operations + 2, format!("reopen after clean shutdown failed: {e}")))?;
+    run.volume = Volume::open(
+        run.media.clone() as Arc<dyn Media>,
+        options(Codec::Lz4, GcPolicy::Greedy),
+    )
+    .map_err(|e| {
+        run.fail(
+            config.operations + 2,
+            format!("reopen after clean shutdown failed: {e}"),
+        )
+    })?;
     if run.volume.open_report().replayed_records != 0 {
         return Err(run.fail(config.operations + 2, "a clean shutdown left log to replay"));
     }
@@ -511,14 +575,20 @@ mod tests {
             }
         }
         println!("crash simulation: {count} seeds passed: {totals:?}");
-        assert!(totals.crashes >= count, "every seed ends with at least one power cut");
+        assert!(
+            totals.crashes >= count,
+            "every seed ends with at least one power cut"
+        );
         assert!(totals.cleaned > 0, "the cleaner must run in the simulation");
     }
 
     /// Replays one seed: ZDISK_SIM_SEED=<seed>.
     #[test]
     fn sim_replay() {
-        let Some(seed) = std::env::var("ZDISK_SIM_SEED").ok().and_then(|s| s.parse().ok()) else {
+        let Some(seed) = std::env::var("ZDISK_SIM_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+        else {
             println!("set ZDISK_SIM_SEED to replay a seed");
             return;
         };

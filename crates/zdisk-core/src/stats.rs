@@ -106,37 +106,129 @@ impl Stats {
     pub fn to_prometheus(&self) -> String {
         let mut out = String::new();
         let mut gauge = |name: &str, help: &str, value: f64| {
-            out.push_str(&format!("# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"));
+            out.push_str(&format!(
+                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"
+            ));
         };
         let ratio = |value: Option<f64>| value.unwrap_or(f64::NAN);
-        gauge("logical_size_bytes", "Logical size of the volume.", self.logical_size_bytes as f64);
-        gauge("physical_size_bytes", "Size of the medium.", self.physical_size_bytes as f64);
-        gauge("mapped_bytes", "Logical bytes holding data.", self.mapped_bytes as f64);
-        gauge("zero_bytes", "Logical bytes allocated as zeros.", self.zero_bytes as f64);
-        gauge("stored_bytes", "Bytes of live extents including headers.", self.stored_bytes as f64);
-        gauge("physical_used_bytes", "Bytes of the medium in use.", self.physical_used_bytes as f64);
-        gauge("compression_ratio", "mapped_bytes / stored_bytes.", ratio(self.compression_ratio));
-        gauge("write_amplification", "media_write_bytes / host_write_bytes.", ratio(self.write_amplification));
-        gauge("free_segments", "Segments free for writing.", self.free_segments as f64);
-        gauge("segment_count", "Segments on the medium.", self.segment_count as f64);
-        gauge("damaged_blocks", "Blocks currently marked damaged.", self.damaged_blocks as f64);
-        gauge("map_memory_bytes", "RAM used by the block map.", self.map_memory_bytes as f64);
+        gauge(
+            "logical_size_bytes",
+            "Logical size of the volume.",
+            self.logical_size_bytes as f64,
+        );
+        gauge(
+            "physical_size_bytes",
+            "Size of the medium.",
+            self.physical_size_bytes as f64,
+        );
+        gauge(
+            "mapped_bytes",
+            "Logical bytes holding data.",
+            self.mapped_bytes as f64,
+        );
+        gauge(
+            "zero_bytes",
+            "Logical bytes allocated as zeros.",
+            self.zero_bytes as f64,
+        );
+        gauge(
+            "stored_bytes",
+            "Bytes of live extents including headers.",
+            self.stored_bytes as f64,
+        );
+        gauge(
+            "physical_used_bytes",
+            "Bytes of the medium in use.",
+            self.physical_used_bytes as f64,
+        );
+        gauge(
+            "compression_ratio",
+            "mapped_bytes / stored_bytes.",
+            ratio(self.compression_ratio),
+        );
+        gauge(
+            "write_amplification",
+            "media_write_bytes / host_write_bytes.",
+            ratio(self.write_amplification),
+        );
+        gauge(
+            "free_segments",
+            "Segments free for writing.",
+            self.free_segments as f64,
+        );
+        gauge(
+            "segment_count",
+            "Segments on the medium.",
+            self.segment_count as f64,
+        );
+        gauge(
+            "damaged_blocks",
+            "Blocks currently marked damaged.",
+            self.damaged_blocks as f64,
+        );
+        gauge(
+            "map_memory_bytes",
+            "RAM used by the block map.",
+            self.map_memory_bytes as f64,
+        );
         let mut counter = |name: &str, help: &str, value: u64| {
-            out.push_str(&format!("# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} counter\nzdisk_{name} {value}\n"));
+            out.push_str(&format!(
+                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} counter\nzdisk_{name} {value}\n"
+            ));
         };
         let c = &self.counters;
-        counter("host_write_bytes_total", "Bytes written by the host.", c.host_write_bytes);
-        counter("host_read_bytes_total", "Bytes read by the host.", c.host_read_bytes);
-        counter("media_write_bytes_total", "Bytes written to the medium.", c.media_write_bytes);
-        counter("padding_bytes_total", "Padding bytes written at flushes.", c.padding_bytes);
-        counter("gc_write_bytes_total", "Bytes relocated by the cleaner.", c.gc_write_bytes);
-        counter("gc_read_bytes_total", "Bytes read by the cleaner.", c.gc_read_bytes);
-        counter("meta_write_bytes_total", "Checkpoint and metadata bytes written.", c.meta_write_bytes);
-        counter("segments_cleaned_total", "Segments reclaimed by the cleaner.", c.segments_cleaned);
+        counter(
+            "host_write_bytes_total",
+            "Bytes written by the host.",
+            c.host_write_bytes,
+        );
+        counter(
+            "host_read_bytes_total",
+            "Bytes read by the host.",
+            c.host_read_bytes,
+        );
+        counter(
+            "media_write_bytes_total",
+            "Bytes written to the medium.",
+            c.media_write_bytes,
+        );
+        counter(
+            "padding_bytes_total",
+            "Padding bytes written at flushes.",
+            c.padding_bytes,
+        );
+        counter(
+            "gc_write_bytes_total",
+            "Bytes relocated by the cleaner.",
+            c.gc_write_bytes,
+        );
+        counter(
+            "gc_read_bytes_total",
+            "Bytes read by the cleaner.",
+            c.gc_read_bytes,
+        );
+        counter(
+            "meta_write_bytes_total",
+            "Checkpoint and metadata bytes written.",
+            c.meta_write_bytes,
+        );
+        counter(
+            "segments_cleaned_total",
+            "Segments reclaimed by the cleaner.",
+            c.segments_cleaned,
+        );
         counter("checkpoints_total", "Checkpoints written.", c.checkpoints);
         counter("flushes_total", "Flushes served.", c.flushes);
-        counter("host_trim_bytes_total", "Bytes trimmed by the host.", c.host_trim_bytes);
-        counter("host_zero_bytes_total", "Bytes zeroed by the host.", c.host_zero_bytes);
+        counter(
+            "host_trim_bytes_total",
+            "Bytes trimmed by the host.",
+            c.host_trim_bytes,
+        );
+        counter(
+            "host_zero_bytes_total",
+            "Bytes zeroed by the host.",
+            c.host_zero_bytes,
+        );
         out
     }
 }

@@ -70,10 +70,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         Some('P') => (&trimmed[..trimmed.len() - 1], 50),
         _ => (trimmed, 0),
     };
-    let number: u64 = digits
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid size {text:?}: expected a number with an optional K, M, G or T suffix"))?;
+    let number: u64 = digits.trim().parse().map_err(|_| {
+        format!("invalid size {text:?}: expected a number with an optional K, M, G or T suffix")
+    })?;
     number
         .checked_mul(1u64 << shift)
         .ok_or_else(|| format!("size {text:?} is too large"))

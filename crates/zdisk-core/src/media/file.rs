@@ -36,7 +36,11 @@ pub struct FileMedia {
 }
 
 fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
-    let mode = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    let mode = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
     // SAFETY: flock on a valid descriptor owned by `file`.
     let rc = unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) };
     if rc != 0 {
@@ -88,12 +92,21 @@ impl FileMedia {
         overwrite: bool,
     ) -> Result<FileMedia> {
         let existing = std::fs::metadata(path).ok();
-        let is_block_device = existing.as_ref().is_some_and(|m| m.file_type().is_block_device());
+        let is_block_device = existing
+            .as_ref()
+            .is_some_and(|m| m.file_type().is_block_device());
         if existing.is_some() && !is_block_device && !overwrite {
             return Err(Error::InvalidArgument(format!(
                 "{} already exists; pass --force to overwrite it",
                 path.display()
             )));
+        }
+        if !is_block_device {
+            // Validate before touching the file, so a bad size destroys nothing.
+            let size = physical_size_bytes.ok_or_else(|| {
+                Error::InvalidArgument("a physical size is required for a regular file".into())
+            })?;
+            file_geometry(size, segment_size_bytes)?;
         }
         let file = OpenOptions::new()
             .read(true)
@@ -117,9 +130,7 @@ impl FileMedia {
                 None => device,
             }
         } else {
-            let size = physical_size_bytes.ok_or_else(|| {
-                Error::InvalidArgument("a physical size is required for a regular file".into())
-            })?;
+            let size = physical_size_bytes.expect("checked above");
             file.set_len(size)
                 .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
             size
@@ -213,21 +224,33 @@ impl Media for FileMedia {
 
     fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
         self.discipline.on_write(segment, first_page, data.len());
-        let offset = self.segment_offset(segment) + first_page.0 as u64 * self.geometry.page_size_bytes as u64;
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| Error::io(format!("writing segment {segment} of {}", self.path.display()), e))
+        let offset = self.segment_offset(segment)
+            + first_page.0 as u64 * self.geometry.page_size_bytes as u64;
+        self.file.write_all_at(data, offset).map_err(|e| {
+            Error::io(
+                format!("writing segment {segment} of {}", self.path.display()),
+                e,
+            )
+        })
     }
 
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
         check_read_range(&self.geometry, segment, offset_bytes, buf.len())?;
         self.file
             .read_exact_at(buf, self.segment_offset(segment) + offset_bytes)
-            .map_err(|e| Error::io(format!("reading segment {segment} of {}", self.path.display()), e))
+            .map_err(|e| {
+                Error::io(
+                    format!("reading segment {segment} of {}", self.path.display()),
+                    e,
+                )
+            })
     }
 
     fn erase_segment(&self, segment: SegmentId) -> Result<()> {
-        assert!(segment.0 < self.geometry.segment_count, "erase of segment {segment} beyond the medium");
+        assert!(
+            segment.0 < self.geometry.segment_count,
+            "erase of segment {segment} beyond the medium"
+        );
         if !self.is_block_device {
             // SAFETY: fallocate on a valid descriptor; range within the file.
             let rc = unsafe {
@@ -242,7 +265,10 @@ impl Media for FileMedia {
                 let err = std::io::Error::last_os_error();
                 // Filesystems without hole punching still work: erase is only a hint.
                 if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                    return Err(Error::io(format!("erasing segment {segment} of {}", self.path.display()), err));
+                    return Err(Error::io(
+                        format!("erasing segment {segment} of {}", self.path.display()),
+                        err,
+                    ));
                 }
             }
         }
@@ -258,10 +284,18 @@ impl Media for FileMedia {
 
     fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
         assert!(slot < 2, "metadata slot {slot} does not exist");
-        assert!(data.len() <= FILE_META_SLOT_SIZE as usize, "metadata record too large");
+        assert!(
+            data.len() <= FILE_META_SLOT_SIZE as usize,
+            "metadata record too large"
+        );
         self.file
             .write_all_at(data, slot as u64 * FILE_META_SLOT_SIZE as u64)
-            .map_err(|e| Error::io(format!("writing metadata slot {slot} of {}", self.path.display()), e))
+            .map_err(|e| {
+                Error::io(
+                    format!("writing metadata slot {slot} of {}", self.path.display()),
+                    e,
+                )
+            })
     }
 
     fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>> {
@@ -269,7 +303,12 @@ impl Media for FileMedia {
         let mut bytes = vec![0u8; FILE_META_SLOT_SIZE as usize];
         self.file
             .read_exact_at(&mut bytes, slot as u64 * FILE_META_SLOT_SIZE as u64)
-            .map_err(|e| Error::io(format!("reading metadata slot {slot} of {}", self.path.display()), e))?;
+            .map_err(|e| {
+                Error::io(
+                    format!("reading metadata slot {slot} of {}", self.path.display()),
+                    e,
+                )
+            })?;
         Ok(bytes)
     }
 

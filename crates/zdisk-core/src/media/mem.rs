@@ -69,7 +69,11 @@ impl Image {
 
     fn apply(&mut self, geometry: &MediaGeometry, op: &Pending) {
         match op {
-            Pending::Pages { segment, offset, data } => self.write(geometry, *segment, *offset, data),
+            Pending::Pages {
+                segment,
+                offset,
+                data,
+            } => self.write(geometry, *segment, *offset, data),
             Pending::Erase { segment } => self.segments[segment.index()] = Vec::new(),
             Pending::Meta { slot, data } => self.meta[*slot] = data.clone(),
         }
@@ -78,9 +82,18 @@ impl Image {
 
 #[derive(Clone)]
 enum Pending {
-    Pages { segment: SegmentId, offset: usize, data: Vec<u8> },
-    Erase { segment: SegmentId },
-    Meta { slot: usize, data: Vec<u8> },
+    Pages {
+        segment: SegmentId,
+        offset: usize,
+        data: Vec<u8>,
+    },
+    Erase {
+        segment: SegmentId,
+    },
+    Meta {
+        slot: usize,
+        data: Vec<u8>,
+    },
 }
 
 struct State {
@@ -115,7 +128,11 @@ impl MemMedia {
     }
 
     /// A small geometry for tests: `segment_count` segments of `segment_size_bytes`.
-    pub fn with_size(page_size_bytes: u32, segment_size_bytes: u64, segment_count: u32) -> Result<MemMedia> {
+    pub fn with_size(
+        page_size_bytes: u32,
+        segment_size_bytes: u64,
+        segment_count: u32,
+    ) -> Result<MemMedia> {
         MemMedia::new(MediaGeometry {
             page_size_bytes,
             segment_size_bytes,
@@ -178,7 +195,11 @@ impl MemMedia {
                 continue;
             }
             let (old, data): (Vec<u8>, &Vec<u8>) = match op {
-                Pending::Pages { segment, offset, data } => {
+                Pending::Pages {
+                    segment,
+                    offset,
+                    data,
+                } => {
                     let current = &image.segments[segment.index()];
                     let old = if current.is_empty() {
                         vec![0u8; data.len()]
@@ -209,12 +230,17 @@ impl MemMedia {
                 mixed[at] ^= 1 << rng.gen_range(0..8);
             }
             let torn_op = match op {
-                Pending::Pages { segment, offset, .. } => Pending::Pages {
+                Pending::Pages {
+                    segment, offset, ..
+                } => Pending::Pages {
                     segment: *segment,
                     offset: *offset,
                     data: mixed,
                 },
-                Pending::Meta { slot, .. } => Pending::Meta { slot: *slot, data: mixed },
+                Pending::Meta { slot, .. } => Pending::Meta {
+                    slot: *slot,
+                    data: mixed,
+                },
                 Pending::Erase { .. } => unreachable!(),
             };
             image.apply(&self.geometry, &torn_op);

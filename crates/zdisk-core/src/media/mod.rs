@@ -60,7 +60,7 @@ impl MediaGeometry {
                 "page size {page} must be a power of two between 512 B and 1 MiB"
             )));
         }
-        if self.segment_size_bytes < 8 * 4096 || self.segment_size_bytes % page != 0 {
+        if self.segment_size_bytes < 8 * 4096 || !self.segment_size_bytes.is_multiple_of(page) {
             return Err(Error::InvalidArgument(format!(
                 "segment size {} must be at least 32 KiB and a multiple of the page size {page}",
                 self.segment_size_bytes
@@ -79,7 +79,9 @@ impl MediaGeometry {
             )));
         }
         if self.meta_slot_size_bytes < 4096 {
-            return Err(Error::InvalidArgument("metadata slots must hold at least 4 KiB".into()));
+            return Err(Error::InvalidArgument(
+                "metadata slots must hold at least 4 KiB".into(),
+            ));
         }
         Ok(())
     }
@@ -128,7 +130,9 @@ const UNKNOWN: u32 = u32::MAX;
 impl PageDiscipline {
     pub fn new(geometry: &MediaGeometry) -> Self {
         PageDiscipline {
-            next_page: (0..geometry.segment_count).map(|_| AtomicU32::new(UNKNOWN)).collect(),
+            next_page: (0..geometry.segment_count)
+                .map(|_| AtomicU32::new(UNKNOWN))
+                .collect(),
             pages_per_segment: geometry.pages_per_segment(),
             page_size_bytes: geometry.page_size_bytes,
         }
@@ -145,12 +149,15 @@ impl PageDiscipline {
             "write to segment {segment} beyond the medium"
         );
         assert!(
-            len_bytes > 0 && len_bytes % self.page_size_bytes as usize == 0,
+            len_bytes > 0 && len_bytes.is_multiple_of(self.page_size_bytes as usize),
             "write of {len_bytes} bytes to segment {segment} is not whole pages"
         );
         let pages = (len_bytes / self.page_size_bytes as usize) as u32;
         let expected = self.next_page[segment.index()].load(Ordering::Acquire);
-        assert_ne!(expected, UNKNOWN, "segment {segment} written without an erase");
+        assert_ne!(
+            expected, UNKNOWN,
+            "segment {segment} written without an erase"
+        );
         assert_eq!(
             first_page.0, expected,
             "segment {segment}: page {} written out of order (next writable page is {expected})",
@@ -165,7 +172,12 @@ impl PageDiscipline {
     }
 }
 
-pub(crate) fn check_read_range(geometry: &MediaGeometry, segment: SegmentId, offset: u64, len: usize) -> Result<()> {
+pub(crate) fn check_read_range(
+    geometry: &MediaGeometry,
+    segment: SegmentId,
+    offset: u64,
+    len: usize,
+) -> Result<()> {
     if segment.0 >= geometry.segment_count || offset + len as u64 > geometry.segment_size_bytes {
         return Err(Error::CorruptImage(format!(
             "read of {len} bytes at segment {segment} offset {offset} is outside the medium"

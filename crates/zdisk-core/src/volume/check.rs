@@ -60,7 +60,10 @@ impl Volume {
         });
         for &(loc, lba, _) in &extents {
             if loc.segment.index() >= segment_count {
-                report.errors.push(format!("block {lba} points at segment {} beyond the medium", loc.segment));
+                report.errors.push(format!(
+                    "block {lba} points at segment {} beyond the medium",
+                    loc.segment
+                ));
                 continue;
             }
             live[loc.segment.index()] += loc.len as u64;
@@ -82,7 +85,10 @@ impl Volume {
         for pair in extents.windows(2) {
             let (a, b) = (pair[0].0, pair[1].0);
             if a.segment == b.segment && a.offset + a.len > b.offset {
-                report.errors.push(format!("blocks {} and {} overlap in segment {}", pair[0].1, pair[1].1, a.segment));
+                report.errors.push(format!(
+                    "blocks {} and {} overlap in segment {}",
+                    pair[0].1, pair[1].1, a.segment
+                ));
             }
         }
         let mut free = 0;
@@ -107,18 +113,24 @@ impl Volume {
         for (kind, stream) in state.streams.iter().enumerate() {
             if let Some(segment) = stream.segment {
                 if state.segments.get(segment).state != SegmentState::Open {
-                    report.errors.push(format!("stream {kind} writes into segment {segment} which is not open"));
+                    report.errors.push(format!(
+                        "stream {kind} writes into segment {segment} which is not open"
+                    ));
                 }
             }
         }
         if let Some(dump) = &state.dump {
             for segment in dump.segments() {
                 if state.segments.get(segment).state != SegmentState::Dump {
-                    report.errors.push(format!("checkpoint segment {segment} is not marked as such"));
+                    report.errors.push(format!(
+                        "checkpoint segment {segment} is not marked as such"
+                    ));
                 }
             }
         }
-        state.map.for_each_damaged(|lba| report.damaged_blocks.push(lba.0));
+        state
+            .map
+            .for_each_damaged(|lba| report.damaged_blocks.push(lba.0));
         if verify_data {
             let mut block = vec![0u8; BLOCK_SIZE];
             for &(loc, lba, version) in &extents {
@@ -126,7 +138,11 @@ impl Volume {
                     Some(bytes) => bytes,
                     None => {
                         let mut bytes = vec![0u8; loc.len as usize];
-                        if self.media.read(loc.segment, loc.offset as u64, &mut bytes).is_err() {
+                        if self
+                            .media
+                            .read(loc.segment, loc.offset as u64, &mut bytes)
+                            .is_err()
+                        {
                             report.damaged_blocks.push(lba.0);
                             continue;
                         }
@@ -156,7 +172,13 @@ impl Volume {
         {
             let mut state = self.lock();
             for &lba in &report.damaged_blocks {
-                append_range(&mut state, crate::record::RecordKind::Trim, Lba(lba), 1, true)?;
+                append_range(
+                    &mut state,
+                    crate::record::RecordKind::Trim,
+                    Lba(lba),
+                    1,
+                    true,
+                )?;
             }
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);

@@ -17,7 +17,9 @@ use crate::error::{Error, Result};
 use crate::map::{Chunk, Entry, Map, RangeState, Slot, CHUNK_BLOCKS};
 use crate::media::Media;
 use crate::meta::DumpRef;
-use crate::record::{decode_record, record_len_for_payload, RecordHeader, RecordKind, MAP_CHUNK_PAYLOAD_MAX};
+use crate::record::{
+    decode_record, record_len_for_payload, RecordHeader, RecordKind, MAP_CHUNK_PAYLOAD_MAX,
+};
 use crate::segments::SegmentState;
 use crate::units::SegmentId;
 
@@ -122,7 +124,11 @@ pub fn encode_dump(state: &State, target_bytes: usize) -> Vec<Vec<u8>> {
                     match entry.slot() {
                         Slot::Hole => out.u8(TAG_HOLE),
                         Slot::Zero | Slot::Damaged => {
-                            out.u8(if entry.slot() == Slot::Zero { TAG_ZERO } else { TAG_DAMAGED });
+                            out.u8(if entry.slot() == Slot::Zero {
+                                TAG_ZERO
+                            } else {
+                                TAG_DAMAGED
+                            });
                             put_varint(&mut out, entry.version());
                         }
                         Slot::Data(loc) => {
@@ -298,7 +304,12 @@ pub fn build_segment(
         };
         let start = image.len();
         image.resize(start + record_len_for_payload(payload.len()) as usize, 0);
-        crate::record::encode_record(&mut image[start..], header, payload, crc32c::crc32c(payload));
+        crate::record::encode_record(
+            &mut image[start..],
+            header,
+            payload,
+            crc32c::crc32c(payload),
+        );
     }
     let padded = (image.len() as u64).div_ceil(page_size) * page_size;
     image.resize(padded.max(page_size) as usize, 0);
@@ -317,11 +328,15 @@ pub fn load_dump(
     let geometry = media.geometry();
     let mut segments = vec![None; geometry.segment_count as usize];
     if dump.copies[0].len() != dump.copies[1].len() {
-        return Err(Error::CorruptImage("the two checkpoint copies differ in length".into()));
+        return Err(Error::CorruptImage(
+            "the two checkpoint copies differ in length".into(),
+        ));
     }
     let read_segment = |segment: SegmentId| -> Result<Vec<u8>> {
         if segment.0 >= geometry.segment_count {
-            return Err(Error::CorruptImage(format!("checkpoint names segment {segment} beyond the medium")));
+            return Err(Error::CorruptImage(format!(
+                "checkpoint names segment {segment} beyond the medium"
+            )));
         }
         let mut bytes = vec![0u8; geometry.segment_size_bytes as usize];
         media.read(segment, 0, &mut bytes)?;
@@ -329,7 +344,9 @@ pub fn load_dump(
     };
     let mut expected = 0u64;
     let mut problems = Vec::new();
-    for (position, (&first, &second)) in dump.copies[0].iter().zip(dump.copies[1].iter()).enumerate() {
+    for (position, (&first, &second)) in
+        dump.copies[0].iter().zip(dump.copies[1].iter()).enumerate()
+    {
         let copies = [read_segment(first)?, read_segment(second)?];
         let mut offset = 0usize;
         while expected < dump.record_count && offset < copies[0].len() {
@@ -369,24 +386,6 @@ pub fn load_dump(
         )));
     }
     Ok(segments)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn varints_and_zigzag_round_trip() {
-        for value in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX] {
-            let mut out = ByteWriter::new();
-            put_varint(&mut out, value);
-            assert_eq!(get_varint(&mut ByteReader::new(&out.buf)), Ok(value));
-        }
-        for delta in [0i64, 1, -1, 1000, -1000, i64::MAX, i64::MIN] {
-            assert_eq!(unzigzag(zigzag(delta)), delta);
-        }
-        assert!(get_varint(&mut ByteReader::new(&[0xFF; 11])).is_err());
-    }
 }
 
 impl super::Volume {
@@ -493,10 +492,32 @@ impl super::Volume {
         let release_gen = state.barrier_gen + 1;
         for index in 0..state.segments.len() as u32 {
             let info = state.segments.get_mut(SegmentId(index));
-            if info.state == (SegmentState::Reclaimable { release_gen: u64::MAX }) {
+            if info.state
+                == (SegmentState::Reclaimable {
+                    release_gen: u64::MAX,
+                })
+            {
                 info.state = SegmentState::Reclaimable { release_gen };
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints_and_zigzag_round_trip() {
+        for value in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX] {
+            let mut out = ByteWriter::new();
+            put_varint(&mut out, value);
+            assert_eq!(get_varint(&mut ByteReader::new(&out.buf)), Ok(value));
+        }
+        for delta in [0i64, 1, -1, 1000, -1000, i64::MAX, i64::MIN] {
+            assert_eq!(unzigzag(zigzag(delta)), delta);
+        }
+        assert!(get_varint(&mut ByteReader::new(&[0xFF; 11])).is_err());
     }
 }

@@ -31,7 +31,11 @@ use super::Volume;
 const AFTER_CHECKPOINT: u64 = u64::MAX;
 
 /// The best victim under `policy` with at least `min_garbage_bytes` reclaimable.
-pub(crate) fn pick_victim(state: &State, policy: GcPolicy, min_garbage_bytes: u64) -> Option<SegmentId> {
+pub(crate) fn pick_victim(
+    state: &State,
+    policy: GcPolicy,
+    min_garbage_bytes: u64,
+) -> Option<SegmentId> {
     let segment_size = state.segment_size();
     let now = state.next_version;
     let mut best: Option<(SegmentId, f64)> = None;
@@ -65,7 +69,13 @@ fn after_durable_checkpoint(state: &State, segment: SegmentId) -> bool {
 }
 
 fn relocate(state: &mut State, header: RecordHeader, payload: &[u8]) -> Result<Location> {
-    let loc = state.append(StreamKind::Gc, header, payload, crc32c::crc32c(payload), true)?;
+    let loc = state.append(
+        StreamKind::Gc,
+        header,
+        payload,
+        crc32c::crc32c(payload),
+        true,
+    )?;
     state.counters.gc_write_bytes += loc.len as u64;
     Ok(loc)
 }
@@ -84,7 +94,13 @@ pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
         payload_len: payload.len() as u32,
         crc: 0,
     };
-    state.append(StreamKind::Gc, header, &payload, crc32c::crc32c(&payload), true)?;
+    state.append(
+        StreamKind::Gc,
+        header,
+        &payload,
+        crc32c::crc32c(&payload),
+        true,
+    )?;
     let old = state.map.set(lba, Slot::Damaged, version);
     if let Slot::Data(loc) = old.slot() {
         state.release_location(loc);
@@ -109,7 +125,8 @@ impl Volume {
         let (victim, seq, fill_bytes, post_checkpoint) = {
             let state = self.lock();
             state.check_writable()?;
-            let Some(victim) = pick_victim(&state, self.settings.gc_policy, min_garbage_bytes) else {
+            let Some(victim) = pick_victim(&state, self.settings.gc_policy, min_garbage_bytes)
+            else {
                 return Ok(false);
             };
             let info = *state.segments.get(victim);
@@ -124,7 +141,12 @@ impl Volume {
                 }
                 return Ok(false);
             }
-            (victim, info.seq, info.fill_bytes, after_durable_checkpoint(&state, victim))
+            (
+                victim,
+                info.seq,
+                info.fill_bytes,
+                after_durable_checkpoint(&state, victim),
+            )
         };
 
         let mut bytes = vec![0u8; fill_bytes as usize];
@@ -133,7 +155,11 @@ impl Volume {
 
         let mut state = self.lock();
         state.counters.gc_read_bytes += fill_bytes;
-        assert_eq!(state.segments.get(victim).state, SegmentState::Sealed, "victim {victim} changed state during cleaning");
+        assert_eq!(
+            state.segments.get(victim).state,
+            SegmentState::Sealed,
+            "victim {victim} changed state during cleaning"
+        );
         for record in &scan.records {
             let header = record.header;
             let payload = &bytes[record.payload.clone()];
@@ -148,14 +174,19 @@ impl Volume {
                     if entry.slot() == Slot::Data(here) {
                         let moved = relocate(&mut state, header, payload)?;
                         state.segments.add_live(moved.segment, moved.len as u64);
-                        state.map.set(Lba(header.lba), Slot::Data(moved), header.version);
+                        state
+                            .map
+                            .set(Lba(header.lba), Slot::Data(moved), header.version);
                         state.release_location(here);
                     }
                 }
                 RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged if post_checkpoint => {
                     // Needed by recovery unless later writes replaced every block it covers.
                     let count = crate::record::range_count(payload);
-                    if !state.map.all_newer_than(Lba(header.lba), count, header.version) {
+                    if !state
+                        .map
+                        .all_newer_than(Lba(header.lba), count, header.version)
+                    {
                         relocate(&mut state, header, payload)?;
                     }
                 }
@@ -179,7 +210,9 @@ impl Volume {
                     .and_then(|slice| decode_record(slice, Some(seq as u32)).ok());
                 match record {
                     Some((header, payload))
-                        if header.kind == RecordKind::Data && header.lba == lba.0 && header.version == version =>
+                        if header.kind == RecordKind::Data
+                            && header.lba == lba.0
+                            && header.version == version =>
                     {
                         let moved = relocate(&mut state, header, payload)?;
                         state.segments.add_live(moved.segment, moved.len as u64);
@@ -193,8 +226,16 @@ impl Volume {
             // checkpoint makes them unnecessary.
             checkpoint_first = post_checkpoint && scan.stopped.is_some();
         }
-        assert_eq!(state.segments.get(victim).live_bytes, 0, "victim {victim} still has live bytes");
-        let release_gen = if checkpoint_first { AFTER_CHECKPOINT } else { state.barrier_gen + 1 };
+        assert_eq!(
+            state.segments.get(victim).live_bytes,
+            0,
+            "victim {victim} still has live bytes"
+        );
+        let release_gen = if checkpoint_first {
+            AFTER_CHECKPOINT
+        } else {
+            state.barrier_gen + 1
+        };
         state.segments.get_mut(victim).state = SegmentState::Reclaimable { release_gen };
         state.counters.segments_cleaned += 1;
         drop(state);

@@ -16,7 +16,9 @@
 use crate::codec::{compress_block, decompress_block, CodecId};
 use crate::error::{Error, Result};
 use crate::map::{Location, RangeState, Slot};
-use crate::record::{decode_record, record_len_for_payload, RecordHeader, RecordKind, RANGE_PAYLOAD_LEN};
+use crate::record::{
+    decode_record, record_len_for_payload, RecordHeader, RecordKind, RANGE_PAYLOAD_LEN,
+};
 use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::state::{State, StreamKind};
@@ -40,7 +42,12 @@ pub enum Discard {
 /// One block prepared for appending.
 enum Prepared {
     Zero,
-    Data { codec: CodecId, start: usize, len: usize, crc: u32 },
+    Data {
+        codec: CodecId,
+        start: usize,
+        len: usize,
+        crc: u32,
+    },
 }
 
 /// Compressed blocks of (part of) one request.
@@ -76,11 +83,12 @@ fn prepare(codec: crate::codec::Codec, data: &[u8]) -> Batch {
 /// True if every byte is zero; checks 64 bytes at a time so it vectorises.
 pub(crate) fn is_zero(block: &[u8]) -> bool {
     let mut chunks = block.chunks_exact(64);
-    (&mut chunks).all(|chunk| chunk.iter().fold(0u8, |acc, &b| acc | b) == 0)
+    chunks.all(|chunk| chunk.iter().fold(0u8, |acc, &b| acc | b) == 0)
         && chunks.remainder().iter().all(|&b| b == 0)
 }
 
-const RANGE_RECORD_LEN: u64 = (crate::record::HEADER_SIZE as u64 + RANGE_PAYLOAD_LEN as u64).div_ceil(16) * 16;
+const RANGE_RECORD_LEN: u64 =
+    (crate::record::HEADER_SIZE as u64 + RANGE_PAYLOAD_LEN as u64).div_ceil(16) * 16;
 
 impl Volume {
     pub(crate) fn read_bytes(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -90,7 +98,7 @@ impl Volume {
         self.lock().counters.host_read_bytes += buf.len() as u64;
         let first = offset / BLOCK_SIZE_U64;
         let end = (offset + buf.len() as u64).div_ceil(BLOCK_SIZE_U64);
-        if offset % BLOCK_SIZE_U64 == 0 && buf.len() % BLOCK_SIZE == 0 {
+        if offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE) {
             return self.read_blocks(Lba(first), buf);
         }
         let mut blocks = vec![0u8; ((end - first) * BLOCK_SIZE_U64) as usize];
@@ -114,13 +122,17 @@ impl Volume {
                 }
                 let index = (lba.0 - first.0) as usize;
                 match entry.slot() {
-                    Slot::Hole | Slot::Zero => out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].fill(0),
+                    Slot::Hole | Slot::Zero => {
+                        out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].fill(0)
+                    }
                     Slot::Damaged => {
                         error = Some(Error::DamagedBlock {
                             lba: lba.0,
                             segment: 0,
                             offset: 0,
-                            reason: "its data was found damaged earlier; rewrite the block to clear".into(),
+                            reason:
+                                "its data was found damaged earlier; rewrite the block to clear"
+                                    .into(),
                         })
                     }
                     Slot::Data(loc) => match state.read_buffered(loc) {
@@ -138,7 +150,17 @@ impl Volume {
         for (index, bytes, version) in buffered {
             let lba = Lba(first.0 + index as u64);
             let block = &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
-            if let Err(error) = decode_block(lba, version, &bytes, Location { segment: crate::units::SegmentId(0), offset: 0, len: bytes.len() as u32 }, block) {
+            if let Err(error) = decode_block(
+                lba,
+                version,
+                &bytes,
+                Location {
+                    segment: crate::units::SegmentId(0),
+                    offset: 0,
+                    len: bytes.len() as u32,
+                },
+                block,
+            ) {
                 failed.push((index, error));
             }
         }
@@ -163,7 +185,9 @@ impl Volume {
             }
             let span = (end_offset - first_loc.offset as u64) as usize;
             scratch.resize(span, 0);
-            let read = self.media.read(first_loc.segment, first_loc.offset as u64, &mut scratch);
+            let read = self
+                .media
+                .read(first_loc.segment, first_loc.offset as u64, &mut scratch);
             media_read += span as u64;
             for &(index, loc, version) in &wanted[run_start..run_end] {
                 let lba = Lba(first.0 + index as u64);
@@ -171,9 +195,18 @@ impl Volume {
                 let result = match &read {
                     Ok(()) => {
                         let at = (loc.offset - first_loc.offset) as usize;
-                        decode_block(lba, version, &scratch[at..at + loc.len as usize], loc, block)
+                        decode_block(
+                            lba,
+                            version,
+                            &scratch[at..at + loc.len as usize],
+                            loc,
+                            block,
+                        )
                     }
-                    Err(e) => Err(Error::io(format!("reading block {lba}"), std::io::Error::other(e.to_string()))),
+                    Err(e) => Err(Error::io(
+                        format!("reading block {lba}"),
+                        std::io::Error::other(e.to_string()),
+                    )),
                 };
                 if let Err(error) = result {
                     failed.push((index, error));
@@ -183,7 +216,11 @@ impl Volume {
         }
         self.lock().counters.media_read_bytes += media_read;
         for (index, error) in failed {
-            self.reread_block(Lba(first.0 + index as u64), &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE], error)?;
+            self.reread_block(
+                Lba(first.0 + index as u64),
+                &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE],
+                error,
+            )?;
         }
         Ok(())
     }
@@ -231,7 +268,8 @@ impl Volume {
                     Some(bytes) => bytes,
                     None => {
                         let mut bytes = vec![0u8; loc.len as usize];
-                        self.media.read(loc.segment, loc.offset as u64, &mut bytes)?;
+                        self.media
+                            .read(loc.segment, loc.offset as u64, &mut bytes)?;
                         bytes
                     }
                 };
@@ -304,7 +342,10 @@ impl Volume {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
         let count = data.len() / BLOCK_SIZE;
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8);
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(8);
         let batches: Vec<Batch> = if count >= PARALLEL_MIN_BLOCKS && threads > 1 {
             let per = count.div_ceil(threads) * BLOCK_SIZE;
             std::thread::scope(|scope| {
@@ -341,7 +382,12 @@ impl Volume {
                             None => Some((lba, 1)),
                         };
                     }
-                    Prepared::Data { codec, start, len, crc } => {
+                    Prepared::Data {
+                        codec,
+                        start,
+                        len,
+                        crc,
+                    } => {
                         if let Some((start, n)) = zero_run.take() {
                             append_range(&mut state, RecordKind::Zero, Lba(start), n, false)?;
                         }
@@ -355,7 +401,13 @@ impl Volume {
                             payload_len: *len as u32,
                             crc: 0,
                         };
-                        let loc = state.append(StreamKind::Host, header, &batch.arena[*start..*start + *len], *crc, false)?;
+                        let loc = state.append(
+                            StreamKind::Host,
+                            header,
+                            &batch.arena[*start..*start + *len],
+                            *crc,
+                            false,
+                        )?;
                         state.segments.add_live(loc.segment, loc.len as u64);
                         let old = state.map.set(Lba(lba), Slot::Data(loc), version);
                         if let Slot::Data(old_loc) = old.slot() {
@@ -375,7 +427,11 @@ impl Volume {
     /// Takes the state lock once the host stream has room for `bytes`,
     /// cleaning segments in this thread if needed (this is what throttles
     /// writers when space runs short).
-    pub(crate) fn lock_with_room(&self, bytes: u64, allow_reserve: bool) -> Result<std::sync::MutexGuard<'_, State>> {
+    pub(crate) fn lock_with_room(
+        &self,
+        bytes: u64,
+        allow_reserve: bool,
+    ) -> Result<std::sync::MutexGuard<'_, State>> {
         let mut attempts = 0u64;
         let limit = 4 * self.geometry.segment_count as u64 + 16;
         loop {
@@ -463,7 +519,13 @@ impl Volume {
 }
 
 /// Appends a range record and applies it to the map.
-pub(crate) fn append_range(state: &mut State, kind: RecordKind, first: Lba, count: u64, allow_reserve: bool) -> Result<()> {
+pub(crate) fn append_range(
+    state: &mut State,
+    kind: RecordKind,
+    first: Lba,
+    count: u64,
+    allow_reserve: bool,
+) -> Result<()> {
     let version = state.take_version();
     let payload = count.to_le_bytes();
     let header = RecordHeader {
@@ -475,7 +537,13 @@ pub(crate) fn append_range(state: &mut State, kind: RecordKind, first: Lba, coun
         payload_len: RANGE_PAYLOAD_LEN,
         crc: 0,
     };
-    state.append(StreamKind::Host, header, &payload, crc32c::crc32c(&payload), allow_reserve)?;
+    state.append(
+        StreamKind::Host,
+        header,
+        &payload,
+        crc32c::crc32c(&payload),
+        allow_reserve,
+    )?;
     let range_state = match kind {
         RecordKind::Trim => RangeState::Hole,
         RecordKind::Zero => RangeState::Zero,
@@ -490,7 +558,13 @@ pub(crate) fn append_range(state: &mut State, kind: RecordKind, first: Lba, coun
 }
 
 /// Verifies the record in `bytes` is block `lba` at `version` and decompresses it.
-pub(crate) fn decode_block(lba: Lba, version: u64, bytes: &[u8], loc: Location, out: &mut [u8]) -> Result<()> {
+pub(crate) fn decode_block(
+    lba: Lba,
+    version: u64,
+    bytes: &[u8],
+    loc: Location,
+    out: &mut [u8],
+) -> Result<()> {
     let damaged = |reason: String| Error::DamagedBlock {
         lba: lba.0,
         segment: loc.segment.0,
@@ -516,6 +590,7 @@ pub(crate) fn decode_block(lba: Lba, version: u64, bytes: &[u8], loc: Location, 
             header.kind, header.lba, header.version
         )));
     }
-    let codec = CodecId::from_u8(header.codec).ok_or_else(|| damaged(format!("unknown codec {}", header.codec)))?;
+    let codec = CodecId::from_u8(header.codec)
+        .ok_or_else(|| damaged(format!("unknown codec {}", header.codec)))?;
     decompress_block(codec, payload, out).map_err(damaged)
 }

@@ -12,8 +12,8 @@
 //! Lock order: maintenance → sync → state. The stripe locks of
 //! read-modify-write come before all three.
 
-pub mod checkpoint;
 mod check;
+pub mod checkpoint;
 mod clean;
 mod io;
 mod recovery;
@@ -126,17 +126,23 @@ pub struct Volume {
 
 impl Volume {
     /// Writes a fresh, empty volume onto `media` and opens it.
-    pub fn create(media: Arc<dyn Media>, create: CreateOptions, options: OpenOptions) -> Result<Arc<Volume>> {
+    pub fn create(
+        media: Arc<dyn Media>,
+        create: CreateOptions,
+        options: OpenOptions,
+    ) -> Result<Arc<Volume>> {
         let geometry = media.geometry();
         geometry.validate()?;
         let logical = create.logical_size_bytes;
-        if logical == 0 || logical % BLOCK_SIZE_U64 != 0 {
+        if logical == 0 || !logical.is_multiple_of(BLOCK_SIZE_U64) {
             return Err(Error::InvalidArgument(format!(
                 "logical size {logical} must be a positive multiple of {BLOCK_SIZE_U64} bytes"
             )));
         }
         if logical / BLOCK_SIZE_U64 > 1 << 40 {
-            return Err(Error::InvalidArgument(format!("logical size {logical} exceeds 4 EiB")));
+            return Err(Error::InvalidArgument(format!(
+                "logical size {logical} exceeds 4 EiB"
+            )));
         }
         let uuid = {
             use rand::RngCore;
@@ -174,7 +180,9 @@ impl Volume {
         };
         let bytes = root.encode();
         if bytes.len() > geometry.meta_slot_size_bytes as usize {
-            return Err(Error::InvalidArgument("the superblock does not fit a metadata slot".into()));
+            return Err(Error::InvalidArgument(
+                "the superblock does not fit a metadata slot".into(),
+            ));
         }
         media.write_meta_slot(root.slot(), &bytes)?;
         media.write_meta_slot(1 - root.slot(), &[0u8; 64])?;
@@ -460,7 +468,9 @@ impl Volume {
             self.checkpoint()?;
             return Ok(true);
         }
-        let low = self.gc_low_free_segments.max(self.lock().reserved_segments() + 2);
+        let low = self
+            .gc_low_free_segments
+            .max(self.lock().reserved_segments() + 2);
         let high = self.gc_high_free_segments.max(low + 1);
         if free + reclaimable < low || (free + reclaimable < high && self.gc_active()) {
             self.set_gc_active(true);
@@ -521,7 +531,13 @@ impl Volume {
             .physical_size_bytes()
             .saturating_sub(self.geometry.log_capacity_bytes());
         let counters = state.counters;
-        let ratio = |num: u64, den: u64| if den == 0 { None } else { Some(num as f64 / den as f64) };
+        let ratio = |num: u64, den: u64| {
+            if den == 0 {
+                None
+            } else {
+                Some(num as f64 / den as f64)
+            }
+        };
         Stats {
             logical_size_bytes: self.superblock.logical_size_bytes,
             physical_size_bytes: self.media.physical_size_bytes(),
@@ -573,7 +589,9 @@ impl Drop for Volume {
 
 fn maintenance_loop(volume: Weak<Volume>) {
     loop {
-        let Some(strong) = volume.upgrade() else { return };
+        let Some(strong) = volume.upgrade() else {
+            return;
+        };
         if strong.stop.load(Ordering::SeqCst) {
             return;
         }
@@ -590,7 +608,9 @@ fn maintenance_loop(volume: Weak<Volume>) {
             let guard = strong.wake_lock.lock().expect("wake lock");
             let (mut guard, _) = strong
                 .wake
-                .wait_timeout_while(guard, Duration::from_millis(100), |poked| !*poked && !strong.stop.load(Ordering::SeqCst))
+                .wait_timeout_while(guard, Duration::from_millis(100), |poked| {
+                    !*poked && !strong.stop.load(Ordering::SeqCst)
+                })
                 .expect("wake lock");
             *guard = false;
         }
@@ -618,7 +638,11 @@ impl BlockDevice for Volume {
 
     fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
-        let mode = if may_punch { io::Discard::ZeroPunch } else { io::Discard::Zero };
+        let mode = if may_punch {
+            io::Discard::ZeroPunch
+        } else {
+            io::Discard::Zero
+        };
         self.discard(offset, len, mode, fua)
     }
 
@@ -638,7 +662,10 @@ impl BlockDevice for Volume {
         }
         let first = offset / BLOCK_SIZE_U64;
         let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
-        let runs = self.lock().map.runs(Lba(first), end - first, max_extents.max(1));
+        let runs = self
+            .lock()
+            .map
+            .runs(Lba(first), end - first, max_extents.max(1));
         let mut extents = Vec::with_capacity(runs.len());
         let mut position = offset;
         let limit = offset + len;

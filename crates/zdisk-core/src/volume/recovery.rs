@@ -82,7 +82,8 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
         Some(dump) => load_dump(media, dump, dump.generation, logical_blocks, &mut map)?,
         None => vec![None; geometry.segment_count as usize],
     };
-    let dump_segments: HashSet<SegmentId> = checkpoint.dump.iter().flat_map(|d| d.segments()).collect();
+    let dump_segments: HashSet<SegmentId> =
+        checkpoint.dump.iter().flat_map(|d| d.segments()).collect();
     let mut infos: Vec<SegmentInfo> = dumped
         .iter()
         .map(|dumped| SegmentInfo {
@@ -130,9 +131,9 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
             media.read(segment, 0, &mut bytes)?;
             let scan = scan_segment(&bytes, start, seq as u32, page_size);
             if let Some((offset, error)) = &scan.stopped {
-                report
-                    .replay_stops
-                    .push(format!("segment {segment} (seq {seq}) at offset {offset}: {error}"));
+                report.replay_stops.push(format!(
+                    "segment {segment} (seq {seq}) at offset {offset}: {error}"
+                ));
             }
             report.replayed_segments += 1;
             let info = &mut infos[segment.index()];
@@ -158,13 +159,20 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
                             len: header.record_len() as u32,
                         };
                         map.set_if_newer(Lba(header.lba), Slot::Data(loc), header.version);
-                        if header.version >= checkpoint.next_version && versions_seen.insert(header.version) {
+                        if header.version >= checkpoint.next_version
+                            && versions_seen.insert(header.version)
+                        {
                             counters.host_write_bytes += BLOCK_SIZE_U64;
                         }
                     }
                     RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                         let count = range_count(payload);
-                        if count == 0 || header.lba.checked_add(count).is_none_or(|end| end > logical_blocks) {
+                        if count == 0
+                            || header
+                                .lba
+                                .checked_add(count)
+                                .is_none_or(|end| end > logical_blocks)
+                        {
                             continue;
                         }
                         report.replayed_records += 1;
@@ -174,7 +182,14 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
                             RecordKind::Zero => RangeState::Zero,
                             _ => RangeState::Damaged,
                         };
-                        map.set_range(Lba(header.lba), count, state, header.version, true, &mut |_| {});
+                        map.set_range(
+                            Lba(header.lba),
+                            count,
+                            state,
+                            header.version,
+                            true,
+                            &mut |_| {},
+                        );
                     }
                     RecordKind::MapChunk => {}
                 }

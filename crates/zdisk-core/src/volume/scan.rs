@@ -88,7 +88,12 @@ mod tests {
             crc: 0,
         };
         let len = record_len_for_payload(payload.len()) as usize;
-        encode_record(&mut bytes[at..at + len], header, payload, crc32c::crc32c(payload));
+        encode_record(
+            &mut bytes[at..at + len],
+            header,
+            payload,
+            crc32c::crc32c(payload),
+        );
         at + len
     }
 
@@ -100,7 +105,14 @@ mod tests {
         // A flush padded the first page; the next record starts on page 1.
         let next = put(&mut bytes, 4096, 5, 3, &[3; 4000]);
         let result = scan_segment(&bytes, 0, 5, 4096);
-        assert_eq!(result.records.iter().map(|r| r.header.lba).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(
+            result
+                .records
+                .iter()
+                .map(|r| r.header.lba)
+                .collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
         assert!(result.stopped.is_none());
         assert_eq!(result.end_offset, 2 * 4096);
 
@@ -117,11 +129,17 @@ mod tests {
         put(&mut bytes, next, 4, 9, &[9; 10]);
         let result = scan_segment(&bytes, 0, 5, 4096);
         assert_eq!(result.records.len(), 3);
-        assert!(matches!(result.stopped, Some((_, RecordError::WrongSegment { .. }))));
+        assert!(matches!(
+            result.stopped,
+            Some((_, RecordError::WrongSegment { .. }))
+        ));
 
         bytes[40] ^= 1;
         let result = scan_segment(&bytes, 0, 5, 4096);
         assert_eq!(result.records.len(), 0);
-        assert!(matches!(result.stopped, Some((0, RecordError::Checksum { .. }))));
+        assert!(matches!(
+            result.stopped,
+            Some((0, RecordError::Checksum { .. }))
+        ));
     }
 }

@@ -89,7 +89,9 @@ impl State {
             None => Ok(()),
             Some(why) => Err(Error::io(
                 "writing",
-                std::io::Error::other(format!("the volume stopped writing after a medium error: {why}")),
+                std::io::Error::other(format!(
+                    "the volume stopped writing after a medium error: {why}"
+                )),
             )),
         }
     }
@@ -136,7 +138,11 @@ impl State {
     /// True if the host stream can take `bytes` more without the reserve.
     pub fn host_has_room(&self, bytes: u64, allow_reserve: bool) -> bool {
         let needed = self.segments_needed(StreamKind::Host, bytes);
-        let floor = if allow_reserve { 0 } else { self.reserved_segments() };
+        let floor = if allow_reserve {
+            0
+        } else {
+            self.reserved_segments()
+        };
         needed == 0 || self.segments.free_count() >= floor + needed
     }
 
@@ -160,7 +166,10 @@ impl State {
         let stream = &mut self.streams[kind as usize];
         let segment = stream.segment.expect("stream has an open segment");
         let offset = stream.write_offset();
-        assert!(offset + len <= segment_size, "record overruns segment {segment}");
+        assert!(
+            offset + len <= segment_size,
+            "record overruns segment {segment}"
+        );
         header.seg_seq = stream.seq as u32;
         let start = stream.buf.len();
         stream.buf.resize(start + len as usize, 0);
@@ -189,7 +198,9 @@ impl State {
         }
         let segment = stream.segment.expect("stream has an open segment");
         let first_page = PageIndex((stream.base_offset / page as u64) as u32);
-        let result = self.media.write_pages(segment, first_page, &stream.buf[..whole]);
+        let result = self
+            .media
+            .write_pages(segment, first_page, &stream.buf[..whole]);
         if let Err(error) = result {
             return self.fail(error);
         }
@@ -243,7 +254,11 @@ impl State {
     /// Seals a stream's segment and opens a fresh one.
     pub fn open_segment(&mut self, kind: StreamKind, allow_reserve: bool) -> Result<()> {
         self.seal(kind)?;
-        let floor = if allow_reserve { 0 } else { self.reserved_segments() };
+        let floor = if allow_reserve {
+            0
+        } else {
+            self.reserved_segments()
+        };
         if self.segments.free_count() <= floor {
             return Err(Error::NoSpace {
                 free_segments: self.segments.free_count(),
@@ -298,7 +313,8 @@ impl State {
             let mut bytes = vec![0u8; loc.len as usize];
             let split = stream.base_offset.max(start);
             if start < split {
-                self.media.read(loc.segment, start, &mut bytes[..(split - start) as usize])?;
+                self.media
+                    .read(loc.segment, start, &mut bytes[..(split - start) as usize])?;
             }
             let from = (split - stream.base_offset) as usize;
             let to = (end - stream.base_offset) as usize;
@@ -335,7 +351,10 @@ impl State {
 
     pub fn take_version(&mut self) -> u64 {
         let version = self.next_version;
-        assert!(version <= crate::map::VERSION_MAX, "version space exhausted");
+        assert!(
+            version <= crate::map::VERSION_MAX,
+            "version space exhausted"
+        );
         self.next_version += 1;
         version
     }
@@ -350,6 +369,7 @@ impl State {
 
     /// Segments waiting only for a barrier to become free.
     pub fn reclaimable_count(&self) -> u64 {
-        self.segments.count_in(|state| matches!(state, SegmentState::Reclaimable { .. }))
+        self.segments
+            .count_in(|state| matches!(state, SegmentState::Reclaimable { .. }))
     }
 }

@@ -1,0 +1,403 @@
+//! The fixed newstyle handshake: greeting, client flags, option haggling,
+//! until the client enters transmission (NBD_OPT_EXPORT_NAME or a successful
+//! NBD_OPT_GO) or leaves.
+//!
+//! The state machine runs over any `Read` and `Write`, so the fuzzer drives
+//! exactly this code from a byte slice. Each option is read whole (at most
+//! [`MAX_OPTION_BYTES`]) and answered with one buffered write.
+//!
+//! Invariants and policy:
+//! - Every option gets exactly one final reply (ACK or an error), except
+//!   NBD_OPT_EXPORT_NAME, which cannot fail: an unknown name is a hard
+//!   disconnect, as the specification requires.
+//! - Options larger than [`MAX_OPTION_BYTES`] are read and discarded in
+//!   small chunks, then refused with NBD_REP_ERR_TOO_BIG; memory stays
+//!   bounded whatever length the client announces.
+//! - Unknown options, NBD_OPT_STARTTLS and NBD_OPT_EXTENDED_HEADERS get
+//!   NBD_REP_ERR_UNSUP and negotiation continues.
+//! - The export answers to its configured name and to "" (the default).
+//! - `block_size_agreed` is true only when the NBD_OPT_GO that entered
+//!   transmission asked for NBD_INFO_BLOCK_SIZE; only then may the server
+//!   insist on 512-byte alignment (the specification's size-constraint rule).
+
+use std::io::{Read, Write};
+
+use crate::session::{discard, read_message, read_vec, SessionEnd};
+use crate::wire::*;
+
+/// What the server exports, as the handshake describes it.
+#[derive(Debug, Clone)]
+pub(crate) struct Export {
+    pub name: String,
+    pub description: Option<String>,
+    pub size_bytes: u64,
+    pub read_only: bool,
+}
+
+impl Export {
+    fn answers_to(&self, name: &[u8]) -> bool {
+        name.is_empty() || name == self.name.as_bytes()
+    }
+}
+
+/// What the handshake settled, for the transmission phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Negotiated {
+    pub structured_replies: bool,
+    /// The id of `base:allocation` if the last NBD_OPT_SET_META_CONTEXT selected it.
+    pub base_allocation_id: Option<u32>,
+    /// The client promised to honour NBD_INFO_BLOCK_SIZE (see module docs).
+    pub block_size_agreed: bool,
+}
+
+/// The transmission flags for an export. Write-type features are left out
+/// of read-only exports, and NBD_FLAG_SEND_DF only makes sense (and is only
+/// allowed) once structured replies are on. CAN_MULTI_CONN is honest because
+/// the device's flush covers completed writes from every connection.
+pub(crate) fn transmission_flags(read_only: bool, structured_replies: bool) -> u16 {
+    let mut flags = NBD_FLAG_HAS_FLAGS
+        | NBD_FLAG_SEND_FLUSH
+        | NBD_FLAG_SEND_FUA
+        | NBD_FLAG_CAN_MULTI_CONN
+        | NBD_FLAG_SEND_CACHE;
+    if read_only {
+        flags |= NBD_FLAG_READ_ONLY;
+    } else {
+        flags |= NBD_FLAG_SEND_TRIM | NBD_FLAG_SEND_WRITE_ZEROES | NBD_FLAG_SEND_FAST_ZERO;
+    }
+    if structured_replies {
+        flags |= NBD_FLAG_SEND_DF;
+    }
+    flags
+}
+
+/// Option-haggling state that options change.
+struct Haggle<'a> {
+    export: &'a Export,
+    no_zeroes: bool,
+    structured_replies: bool,
+    base_allocation_id: Option<u32>,
+}
+
+/// What one option did to the conversation.
+enum Next {
+    Continue,
+    Transmission(Negotiated),
+    Abort,
+}
+
+/// Runs the handshake to its end. `stopping` is polled between options; once
+/// it returns true, options are refused with NBD_REP_ERR_SHUTDOWN.
+pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
+    reader: &mut R,
+    writer: &mut W,
+    export: &Export,
+    stopping: &dyn Fn() -> bool,
+) -> Result<Negotiated, SessionEnd> {
+    let mut out = Vec::with_capacity(GREETING_BYTES);
+    put_greeting(&mut out, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
+    writer.write_all(&out)?;
+
+    let mut flag_bytes = [0u8; CLIENT_FLAGS_BYTES];
+    if !read_message(reader, &mut flag_bytes)? {
+        return Err(SessionEnd::ClientClosed);
+    }
+    let client_flags =
+        parse_client_flags(&flag_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))?;
+
+    let mut haggle = Haggle {
+        export,
+        no_zeroes: client_flags & NBD_FLAG_C_NO_ZEROES != 0,
+        structured_replies: false,
+        base_allocation_id: None,
+    };
+    loop {
+        let mut header_bytes = [0u8; OPTION_HEADER_BYTES];
+        if !read_message(reader, &mut header_bytes)? {
+            return Err(SessionEnd::ClientClosed);
+        }
+        let header =
+            parse_option_header(&header_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))?;
+
+        out.clear();
+        let next = if header.length > MAX_OPTION_BYTES {
+            oversized_option(reader, &mut out, header)?
+        } else {
+            let data = read_vec(reader, header.length as usize)?;
+            if stopping() {
+                refuse_while_stopping(&mut out, header.option)?
+            } else {
+                haggle.option(&mut out, header.option, &data)?
+            }
+        };
+        writer.write_all(&out)?;
+        match next {
+            Next::Continue => {}
+            Next::Transmission(negotiated) => return Ok(negotiated),
+            Next::Abort => return Err(SessionEnd::ClientAbort),
+        }
+    }
+}
+
+/// An option whose data exceeds [`MAX_OPTION_BYTES`]: discard it, then say so.
+fn oversized_option<R: Read + ?Sized>(
+    reader: &mut R,
+    out: &mut Vec<u8>,
+    header: OptionHeader,
+) -> Result<Next, SessionEnd> {
+    if header.option == NBD_OPT_EXPORT_NAME {
+        // No export has a name this long, and this option cannot be refused.
+        return Err(SessionEnd::Protocol(format!(
+            "NBD_OPT_EXPORT_NAME with a {}-byte name",
+            header.length
+        )));
+    }
+    discard(reader, u64::from(header.length))?;
+    if header.option == NBD_OPT_ABORT {
+        put_option_reply(out, header.option, NBD_REP_ACK, &[]);
+        return Ok(Next::Abort);
+    }
+    put_option_error(
+        out,
+        header.option,
+        NBD_REP_ERR_TOO_BIG,
+        &format!(
+            "option data of {} bytes exceeds this server's {MAX_OPTION_BYTES}-byte limit",
+            header.length
+        ),
+    );
+    Ok(Next::Continue)
+}
+
+fn refuse_while_stopping(out: &mut Vec<u8>, option: u32) -> Result<Next, SessionEnd> {
+    match option {
+        NBD_OPT_EXPORT_NAME => Err(SessionEnd::Shutdown),
+        NBD_OPT_ABORT => {
+            put_option_reply(out, option, NBD_REP_ACK, &[]);
+            Ok(Next::Abort)
+        }
+        _ => {
+            put_option_error(out, option, NBD_REP_ERR_SHUTDOWN, "server is shutting down");
+            Ok(Next::Continue)
+        }
+    }
+}
+
+impl Haggle<'_> {
+    fn option(&mut self, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Result<Next, SessionEnd> {
+        match option {
+            NBD_OPT_EXPORT_NAME => self.export_name(out, data),
+            NBD_OPT_ABORT => {
+                // The specification asks servers to ignore any data here.
+                put_option_reply(out, option, NBD_REP_ACK, &[]);
+                Ok(Next::Abort)
+            }
+            NBD_OPT_LIST => {
+                if data.is_empty() {
+                    let description = self.export.description.as_deref();
+                    put_rep_server(out, option, &self.export.name, description);
+                    put_option_reply(out, option, NBD_REP_ACK, &[]);
+                } else {
+                    put_option_error(
+                        out,
+                        option,
+                        NBD_REP_ERR_INVALID,
+                        "NBD_OPT_LIST takes no data",
+                    );
+                }
+                Ok(Next::Continue)
+            }
+            NBD_OPT_INFO | NBD_OPT_GO => Ok(self.info_or_go(out, option, data)),
+            NBD_OPT_STRUCTURED_REPLY => {
+                if data.is_empty() {
+                    self.structured_replies = true;
+                    put_option_reply(out, option, NBD_REP_ACK, &[]);
+                } else {
+                    put_option_error(
+                        out,
+                        option,
+                        NBD_REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    );
+                }
+                Ok(Next::Continue)
+            }
+            NBD_OPT_LIST_META_CONTEXT => {
+                self.list_meta_context(out, data);
+                Ok(Next::Continue)
+            }
+            NBD_OPT_SET_META_CONTEXT => {
+                self.set_meta_context(out, data);
+                Ok(Next::Continue)
+            }
+            _ => {
+                put_option_error(
+                    out,
+                    option,
+                    NBD_REP_ERR_UNSUP,
+                    &format!("option {option} is not supported by this server"),
+                );
+                Ok(Next::Continue)
+            }
+        }
+    }
+
+    fn export_name(&self, out: &mut Vec<u8>, name: &[u8]) -> Result<Next, SessionEnd> {
+        if !self.export.answers_to(name) {
+            let shown = &name[..name.len().min(256)];
+            return Err(SessionEnd::Protocol(format!(
+                "NBD_OPT_EXPORT_NAME for unknown export {:?}",
+                String::from_utf8_lossy(shown)
+            )));
+        }
+        let flags = transmission_flags(self.export.read_only, self.structured_replies);
+        put_export_name_reply(out, self.export.size_bytes, flags, self.no_zeroes);
+        Ok(Next::Transmission(Negotiated {
+            structured_replies: self.structured_replies,
+            base_allocation_id: self.base_allocation_id,
+            block_size_agreed: false,
+        }))
+    }
+
+    fn unknown_export(&self, out: &mut Vec<u8>, option: u32, name: &[u8]) {
+        put_option_error(
+            out,
+            option,
+            NBD_REP_ERR_UNKNOWN,
+            &format!(
+                "no export named {:?}; this server exports {:?}",
+                String::from_utf8_lossy(name),
+                self.export.name
+            ),
+        );
+    }
+
+    fn info_or_go(&mut self, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Next {
+        let request = match parse_go_option(data) {
+            Ok(request) => request,
+            Err(error) => {
+                put_option_error(out, option, NBD_REP_ERR_INVALID, &error.to_string());
+                return Next::Continue;
+            }
+        };
+        if !self.export.answers_to(request.export_name) {
+            self.unknown_export(out, option, request.export_name);
+            return Next::Continue;
+        }
+        let flags = transmission_flags(self.export.read_only, self.structured_replies);
+        put_info_export(out, option, self.export.size_bytes, flags);
+        // Sent whether asked for or not: it tells every client our limits,
+        // and the specification allows unrequested information replies.
+        put_info_block_size(
+            out,
+            option,
+            MIN_BLOCK_BYTES,
+            PREFERRED_BLOCK_BYTES,
+            MAX_PAYLOAD_BYTES,
+        );
+        if request.requests(NBD_INFO_NAME) {
+            put_info_string(out, option, NBD_INFO_NAME, &self.export.name);
+        }
+        if request.requests(NBD_INFO_DESCRIPTION) {
+            if let Some(description) = &self.export.description {
+                put_info_string(out, option, NBD_INFO_DESCRIPTION, description);
+            }
+        }
+        put_option_reply(out, option, NBD_REP_ACK, &[]);
+        if option == NBD_OPT_GO {
+            Next::Transmission(Negotiated {
+                structured_replies: self.structured_replies,
+                base_allocation_id: self.base_allocation_id,
+                block_size_agreed: request.requests(NBD_INFO_BLOCK_SIZE),
+            })
+        } else {
+            Next::Continue
+        }
+    }
+
+    fn list_meta_context(&self, out: &mut Vec<u8>, data: &[u8]) {
+        let option = NBD_OPT_LIST_META_CONTEXT;
+        let request = match parse_meta_context_option(data) {
+            Ok(request) => request,
+            Err(error) => {
+                put_option_error(out, option, NBD_REP_ERR_INVALID, &error.to_string());
+                return;
+            }
+        };
+        if !self.export.answers_to(request.export_name) {
+            self.unknown_export(out, option, request.export_name);
+            return;
+        }
+        // No queries lists everything; `base:` is the namespace wildcard.
+        // Queries for other namespaces or leaves are ignored, as required.
+        let listed = request.queries.is_empty()
+            || request.queries.iter().any(|query| {
+                *query == BASE_NAMESPACE.as_bytes() || *query == BASE_ALLOCATION.as_bytes()
+            });
+        if listed {
+            // Context ids in LIST replies are reserved and should be zero.
+            put_meta_context(out, option, 0, BASE_ALLOCATION);
+        }
+        put_option_reply(out, option, NBD_REP_ACK, &[]);
+    }
+
+    fn set_meta_context(&mut self, out: &mut Vec<u8>, data: &[u8]) {
+        let option = NBD_OPT_SET_META_CONTEXT;
+        // Every SET replaces the previous selection, even when it fails.
+        self.base_allocation_id = None;
+        if !self.structured_replies {
+            put_option_error(
+                out,
+                option,
+                NBD_REP_ERR_INVALID,
+                "NBD_OPT_SET_META_CONTEXT requires NBD_OPT_STRUCTURED_REPLY first",
+            );
+            return;
+        }
+        let request = match parse_meta_context_option(data) {
+            Ok(request) => request,
+            Err(error) => {
+                put_option_error(out, option, NBD_REP_ERR_INVALID, &error.to_string());
+                return;
+            }
+        };
+        if !self.export.answers_to(request.export_name) {
+            self.unknown_export(out, option, request.export_name);
+            return;
+        }
+        // `base:` alone must select nothing in SET; unknown queries are ignored.
+        if request
+            .queries
+            .iter()
+            .any(|query| *query == BASE_ALLOCATION.as_bytes())
+        {
+            self.base_allocation_id = Some(BASE_ALLOCATION_ID);
+            put_meta_context(out, option, BASE_ALLOCATION_ID, BASE_ALLOCATION);
+        }
+        put_option_reply(out, option, NBD_REP_ACK, &[]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Flag computation; the option state machine itself is exercised over
+    //! real sockets in `tests/handshake.rs` and by the fuzz entry points.
+
+    use super::*;
+
+    #[test]
+    fn flags_follow_read_only_and_structured_replies() {
+        let writable = transmission_flags(false, false);
+        assert_ne!(writable & NBD_FLAG_SEND_TRIM, 0);
+        assert_ne!(writable & NBD_FLAG_SEND_FAST_ZERO, 0);
+        assert_eq!(writable & NBD_FLAG_READ_ONLY, 0);
+        assert_eq!(writable & NBD_FLAG_SEND_DF, 0);
+
+        let read_only = transmission_flags(true, true);
+        assert_ne!(read_only & NBD_FLAG_READ_ONLY, 0);
+        assert_eq!(read_only & NBD_FLAG_SEND_WRITE_ZEROES, 0);
+        assert_eq!(read_only & NBD_FLAG_SEND_FAST_ZERO, 0);
+        assert_ne!(read_only & NBD_FLAG_SEND_DF, 0);
+        assert_ne!(read_only & NBD_FLAG_HAS_FLAGS, 0);
+    }
+}

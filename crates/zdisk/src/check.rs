@@ -1,0 +1,89 @@
+//! `zdisk check`: verify an image at rest, and optionally repair it.
+//!
+//! Exit status follows e2fsck: 0 clean, 1 damage found and repaired,
+//! 4 damage or broken invariants remain.
+
+use std::process::ExitCode;
+
+use zdisk_core::OpenOptions;
+
+use crate::CheckArgs;
+
+pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
+    let options = OpenOptions {
+        read_only: !args.repair,
+        background: false,
+        ..OpenOptions::default()
+    };
+    let volume = crate::image::open(&args.image, options)?;
+    let opened = volume.open_report();
+    let report = if args.repair {
+        volume.repair().map_err(|e| e.to_string())?
+    } else {
+        volume.check(true).map_err(|e| e.to_string())?
+    };
+    if args.repair {
+        volume.close().map_err(|e| e.to_string())?;
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "image": args.image,
+            "clean": report.is_clean(),
+            "open": opened,
+            "report": report,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?
+        );
+    } else {
+        for problem in &opened.slot_problems {
+            println!("metadata: {problem}");
+        }
+        if opened.replayed_records > 0 {
+            println!(
+                "log: replayed {} records from {} segments (the image was not shut down cleanly)",
+                opened.replayed_records, opened.replayed_segments
+            );
+        }
+        println!(
+            "verified {} extents ({} bytes)",
+            report.extents_verified, report.bytes_verified
+        );
+        for error in &report.errors {
+            println!("invariant violated: {error}");
+        }
+        if !report.damaged_blocks.is_empty() {
+            println!(
+                "damaged blocks ({}): {}",
+                report.damaged_blocks.len(),
+                list(&report.damaged_blocks)
+            );
+        }
+        if !report.repaired_blocks.is_empty() {
+            println!(
+                "repaired: dropped {} damaged blocks, which now read as zeros: {}",
+                report.repaired_blocks.len(),
+                list(&report.repaired_blocks)
+            );
+        }
+        if report.is_clean() && report.repaired_blocks.is_empty() {
+            println!("{}: clean", args.image.display());
+        }
+    }
+    Ok(if !report.is_clean() {
+        ExitCode::from(4)
+    } else if !report.repaired_blocks.is_empty() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn list(blocks: &[u64]) -> String {
+    blocks
+        .iter()
+        .map(|b| b.to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}

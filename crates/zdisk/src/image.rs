@@ -1,0 +1,143 @@
+//! Creating and opening images on files and block devices.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use zdisk_core::media::{FileMedia, Media};
+use zdisk_core::meta::MediaKind;
+use zdisk_core::units::format_size;
+use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
+
+use crate::{CreateArgs, LayoutArgs};
+
+/// Logical size of an image `serve` creates on its own.
+pub const DEFAULT_LOGICAL_BYTES: u64 = 8 << 30;
+/// Physical size of such an image (a sparse file: it takes space as written).
+pub const DEFAULT_PHYSICAL_BYTES: u64 = 4 << 30;
+
+/// Segment size for a medium: about 1/512 of it, between 256 KiB and 4 MiB.
+pub fn default_segment_size(physical_bytes: u64) -> u64 {
+    let target = (physical_bytes / 512).max(1);
+    let power = 1u64 << (63 - target.leading_zeros());
+    power.clamp(256 << 10, 4 << 20)
+}
+
+/// Creates an image file (or initialises a block device) and opens it.
+pub fn create(
+    path: &Path,
+    layout: &LayoutArgs,
+    codec: Codec,
+    gc_policy: GcPolicy,
+    force: bool,
+    options: OpenOptions,
+) -> Result<Arc<Volume>, String> {
+    let is_block_device = is_block_device(path);
+    let logical = layout
+        .logical
+        .ok_or("--logical is required: the size clients see, e.g. --logical 64G")?;
+    if logical == 0 || logical % zdisk_core::units::BLOCK_SIZE_U64 != 0 {
+        return Err(format!(
+            "--logical {logical} must be a positive multiple of 4096 bytes"
+        ));
+    }
+    let physical = match (layout.physical, is_block_device) {
+        (Some(size), _) => Some(size),
+        (None, true) => None,
+        (None, false) => Some(logical),
+    };
+    let segment_size = layout.segment_size.unwrap_or_else(|| {
+        let reference = physical.unwrap_or_else(|| block_device_size(path).unwrap_or(logical));
+        default_segment_size(reference)
+    });
+    let existed = path.exists();
+    // Leave no half-made image file behind.
+    let cleanup = |message: String| {
+        if !existed && !is_block_device {
+            let _ = std::fs::remove_file(path);
+        }
+        message
+    };
+    let media = FileMedia::create(path, physical, segment_size, force)
+        .map_err(|e| cleanup(e.to_string()))?;
+    let create = CreateOptions {
+        logical_size_bytes: logical,
+        codec,
+        gc_policy,
+        media_kind: MediaKind::File,
+        media_params: Vec::new(),
+    };
+    let volume = Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
+        .map_err(|e| cleanup(e.to_string()))?;
+    Ok(volume)
+}
+
+pub fn create_command(args: &CreateArgs) -> Result<(), String> {
+    let volume = create(
+        &args.image,
+        &args.layout,
+        args.codec,
+        args.gc_policy,
+        args.force,
+        OpenOptions {
+            background: false,
+            ..OpenOptions::default()
+        },
+    )?;
+    volume.close().map_err(|e| e.to_string())?;
+    println!("created {}", describe(&volume, &args.image));
+    Ok(())
+}
+
+/// Opens an existing image.
+pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
+    let media = FileMedia::open(path, options.read_only).map_err(|e| match e {
+        zdisk_core::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            format!(
+                "{} does not exist; create it with `zdisk create {} --logical SIZE`",
+                path.display(),
+                path.display()
+            )
+        }
+        other => other.to_string(),
+    })?;
+    Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string())
+}
+
+pub fn describe(volume: &Volume, path: &Path) -> String {
+    let sb = volume.superblock();
+    let geometry = volume.geometry();
+    format!(
+        "{}: logical {}, physical {}, {} segments of {}, codec {}, GC {}",
+        path.display(),
+        format_size(sb.logical_size_bytes),
+        format_size(sb.physical_size_bytes),
+        geometry.segment_count,
+        format_size(geometry.segment_size_bytes),
+        volume.settings().codec,
+        volume.settings().gc_policy
+    )
+}
+
+fn is_block_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device())
+}
+
+fn block_device_size(path: &Path) -> Option<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).ok()?;
+    file.seek(SeekFrom::End(0)).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_size_scales_with_the_medium() {
+        assert_eq!(default_segment_size(64 << 20), 256 << 10);
+        assert_eq!(default_segment_size(1 << 30), 2 << 20);
+        assert_eq!(default_segment_size(4 << 30), 4 << 20);
+        assert_eq!(default_segment_size(1 << 40), 4 << 20);
+    }
+}

@@ -1,0 +1,69 @@
+//! `zdisk stats`: statistics of an image at rest.
+
+use zdisk_core::units::format_size;
+use zdisk_core::{OpenOptions, Stats};
+
+use crate::StatsArgs;
+
+pub fn run(args: &StatsArgs) -> Result<(), String> {
+    let options = OpenOptions {
+        read_only: true,
+        background: false,
+        ..OpenOptions::default()
+    };
+    let volume = crate::image::open(&args.image, options).map_err(|e| {
+        if e.contains("in use by another zdisk process") {
+            format!("{e}; while it is served, ask the server instead: curl http://ADDR/stats (start it with --metrics ADDR)")
+        } else {
+            e
+        }
+    })?;
+    let stats = volume.stats();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&stats).map_err(|e| e.to_string())?
+        );
+    } else {
+        print!("{}", human(&stats));
+    }
+    Ok(())
+}
+
+fn ratio(value: Option<f64>) -> String {
+    value.map_or("-".to_string(), |v| format!("{v:.3}"))
+}
+
+/// A readable rendering of the stats, one `key: value` per line.
+pub fn human(stats: &Stats) -> String {
+    let size = |bytes: u64| format!("{bytes} ({})", format_size(bytes));
+    let lines = [
+        ("logical_size_bytes", size(stats.logical_size_bytes)),
+        ("physical_size_bytes", size(stats.physical_size_bytes)),
+        ("mapped_bytes", size(stats.mapped_bytes)),
+        ("zero_bytes", size(stats.zero_bytes)),
+        ("stored_bytes", size(stats.stored_bytes)),
+        ("physical_used_bytes", size(stats.physical_used_bytes)),
+        ("compression_ratio", ratio(stats.compression_ratio)),
+        ("host_write_bytes", size(stats.host_write_bytes)),
+        ("media_write_bytes", size(stats.media_write_bytes)),
+        ("padding_bytes", size(stats.padding_bytes)),
+        ("write_amplification", ratio(stats.write_amplification)),
+        ("gc_write_bytes", size(stats.gc_write_bytes)),
+        ("gc_read_bytes", size(stats.gc_read_bytes)),
+        (
+            "free_segments",
+            format!("{} of {}", stats.free_segments, stats.segment_count),
+        ),
+        ("segments_cleaned", stats.segments_cleaned.to_string()),
+        ("damaged_blocks", stats.damaged_blocks.to_string()),
+        ("codec", stats.codec.clone()),
+        ("gc_policy", stats.gc_policy.clone()),
+        ("map_memory_bytes", size(stats.map_memory_bytes)),
+    ];
+    let mut out = String::new();
+    for (key, value) in lines {
+        out.push_str(&format!("{key:<22}{value}\n"));
+    }
+    out
+}
