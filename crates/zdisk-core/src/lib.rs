@@ -8,6 +8,7 @@ pub mod bytes;
 pub mod codec;
 pub mod device;
 pub mod error;
+pub mod fuzz;
 pub mod gc;
 pub mod map;
 pub mod media;

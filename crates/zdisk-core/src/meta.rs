@@ -326,7 +326,7 @@ pub fn read_newest_root(media: &dyn crate::media::Media) -> Result<(Root, Vec<St
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests_support {
     use super::*;
 
     pub(crate) fn sample_root() -> Root {
@@ -375,6 +375,13 @@ mod tests {
             },
         }
     }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::sample_root;
+    use super::*;
 
     #[test]
     fn roots_round_trip() {

@@ -170,7 +170,8 @@ pub struct DumpedSegment {
     pub max_version: u64,
 }
 
-fn decode_payload(
+/// Decodes one chunk record's payload into `map` and `segments`.
+pub fn decode_chunk_payload(
     payload: &[u8],
     map: &mut Map,
     segments: &mut [Option<DumpedSegment>],
@@ -371,7 +372,7 @@ pub fn load_dump(
             let Some((header, payload)) = decoded else {
                 break; // end of this segment's records, or damage in both copies
             };
-            decode_payload(payload, map, &mut segments, logical_blocks).map_err(|e| {
+            decode_chunk_payload(payload, map, &mut segments, logical_blocks).map_err(|e| {
                 Error::CorruptImage(format!("checkpoint chunk {expected} is malformed: {e}"))
             })?;
             expected += 1;

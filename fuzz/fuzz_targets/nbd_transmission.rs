@@ -1,0 +1,3 @@
+//! NBD request parsing and dispatch from arbitrary client bytes: must never panic.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| zdisk_nbd::fuzz_transmission(data));
