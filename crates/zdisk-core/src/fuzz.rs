@@ -11,13 +11,18 @@ use crate::volume::scan::scan_segment;
 
 /// Decodes `bytes` every way the engine reads the medium.
 pub fn fuzz_decoders(bytes: &[u8]) {
-    let seq = bytes.get(4..8).map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    let seq = bytes
+        .get(4..8)
+        .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
     let _ = decode_record(bytes, None);
     let _ = decode_record(bytes, Some(seq));
     for page_size in [512u64, 4096] {
         let scan = scan_segment(bytes, 0, seq, page_size);
         for record in &scan.records {
-            assert!(record.payload.end <= bytes.len(), "scan returned a payload past the input");
+            assert!(
+                record.payload.end <= bytes.len(),
+                "scan returned a payload past the input"
+            );
         }
     }
     let _ = Root::decode(bytes);
@@ -37,7 +42,8 @@ pub fn fuzz_decoders(bytes: &[u8]) {
             let end = crate::record::HEADER_SIZE + header.payload_len as usize;
             if end <= record.len() {
                 let payload_crc = crc32c::crc32c(&record[crate::record::HEADER_SIZE..end]);
-                let crc = crate::record::record_crc(payload_crc, &record[..crate::record::HEADER_SIZE]);
+                let crc =
+                    crate::record::record_crc(payload_crc, &record[..crate::record::HEADER_SIZE]);
                 record[28..32].copy_from_slice(&crc.to_le_bytes());
                 let decoded = decode_record(&record, Some(header.seg_seq));
                 assert!(decoded.is_ok(), "a record with a fixed-up CRC must decode");
@@ -48,7 +54,8 @@ pub fn fuzz_decoders(bytes: &[u8]) {
     let mut segments = vec![None; 64];
     let _ = decode_chunk_payload(bytes, &mut map, &mut segments, 1 << 20);
     map.compact();
-    map.check_counts().expect("counts stay consistent on any input");
+    map.check_counts()
+        .expect("counts stay consistent on any input");
 }
 
 #[cfg(test)]
@@ -61,9 +68,10 @@ mod tests {
     #[test]
     fn decoders_survive_random_and_mutated_inputs() {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(17);
-        let valid_root = crate::meta::Root::decode(&crate::meta::tests_support::sample_root().encode())
-            .expect("sample root decodes")
-            .encode();
+        let valid_root =
+            crate::meta::Root::decode(&crate::meta::tests_support::sample_root().encode())
+                .expect("sample root decodes")
+                .encode();
         for round in 0..20_000 {
             let len = rng.gen_range(0..9000);
             let mut bytes = vec![0u8; len];

@@ -293,36 +293,32 @@ pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
         .map(|root| (root.generation, root.superblock.geometry))
 }
 
-/// Reads both slots and returns the newest valid root, with the error of
-/// each slot that did not decode (for diagnostics).
-pub fn read_newest_root(media: &dyn crate::media::Media) -> Result<(Root, Vec<String>)> {
-    let mut best: Option<Root> = None;
+/// Reads both slots and returns the valid roots, newest first, with the
+/// error of each slot that did not decode (for diagnostics).
+pub fn read_roots(media: &dyn crate::media::Media) -> Result<(Vec<Root>, Vec<String>)> {
+    let mut roots: Vec<Root> = Vec::new();
     let mut problems = Vec::new();
     for slot in 0..2 {
         let bytes = media.read_meta_slot(slot)?;
         match Root::decode(&bytes) {
-            Ok(root) => {
-                if root.slot() != slot {
-                    problems.push(format!(
-                        "slot {slot}: holds generation {} of the other slot",
-                        root.generation
-                    ));
-                    continue;
-                }
-                if best.as_ref().is_none_or(|b| root.generation > b.generation) {
-                    best = Some(root);
-                }
+            Ok(root) if root.slot() != slot => {
+                problems.push(format!(
+                    "slot {slot}: holds generation {} of the other slot",
+                    root.generation
+                ));
             }
+            Ok(root) => roots.push(root),
             Err(problem) => problems.push(format!("slot {slot}: {problem}")),
         }
     }
-    match best {
-        Some(root) => Ok((root, problems)),
-        None => Err(Error::CorruptImage(format!(
+    roots.sort_by(|a, b| b.generation.cmp(&a.generation));
+    if roots.is_empty() {
+        return Err(Error::CorruptImage(format!(
             "no valid superblock in either metadata slot ({})",
             problems.join("; ")
-        ))),
+        )));
     }
+    Ok((roots, problems))
 }
 
 #[cfg(test)]
@@ -375,7 +371,6 @@ pub(crate) mod tests_support {
             },
         }
     }
-
 }
 
 #[cfg(test)]

@@ -425,6 +425,20 @@ impl Run {
             }
         }
         self.media = crashed;
+        // Sometimes the newest root rots too: recovery must fall back to
+        // the older root and still find every flushed block.
+        if self.rng.gen_bool(0.15) {
+            if let Ok((roots, _)) = crate::meta::read_roots(self.media.as_ref()) {
+                if roots.len() == 2 {
+                    let slot = roots[0].slot();
+                    let len = roots[0].encode().len();
+                    let at = self.rng.gen_range(0..len);
+                    self.trace
+                        .push(format!("  newest root (slot {slot}) damaged at byte {at}"));
+                    self.media.corrupt_meta(slot, at, self.rng.gen());
+                }
+            }
+        }
         let codec = codec_for(&mut self.rng);
         let policy = if self.rng.gen_bool(0.5) {
             GcPolicy::Greedy

@@ -66,6 +66,16 @@ counters! {
     16 => host_write_requests: "WRITE requests served.",
 }
 
+/// Number of segments in each state.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct SegmentCounts {
+    pub free: u64,
+    pub open: u64,
+    pub sealed: u64,
+    pub checkpoint: u64,
+    pub reclaimable: u64,
+}
+
 /// A point-in-time view of a volume, with the stable key names scripts use.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stats {
@@ -98,6 +108,11 @@ pub struct Stats {
     pub damaged_blocks: u64,
     /// RAM used by the logical-to-physical map.
     pub map_memory_bytes: u64,
+    /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
+    pub segments_by_state: SegmentCounts,
+    /// Sealed segments by live fraction: bucket i counts segments that are
+    /// between 10·i % and 10·(i+1) % live (the last bucket is exactly full).
+    pub sealed_utilization_histogram: [u64; 11],
     pub counters: Counters,
 }
 

@@ -169,6 +169,19 @@ impl MemMedia {
         }
     }
 
+    /// Flips one bit of a metadata slot in the live and durable images.
+    pub fn corrupt_meta(&self, slot: usize, offset: usize, bit: u8) {
+        let mut guard = self.state.lock().expect("media lock");
+        let state = &mut *guard;
+        for image in [&mut state.live, &mut state.durable] {
+            let bytes = &mut image.meta[slot];
+            if bytes.len() <= offset {
+                bytes.resize(offset + 1, 0);
+            }
+            bytes[offset] ^= 1 << (bit % 8);
+        }
+    }
+
     /// The medium a restart after a power cut now would find.
     pub fn crash<R: Rng>(&self, rng: &mut R, config: CrashConfig) -> MemMedia {
         let state = self.state.lock().expect("media lock");

@@ -119,13 +119,32 @@ impl Volume {
                 }
             }
         }
-        if let Some(dump) = &state.dump {
+        for dump in state
+            .roots
+            .iter()
+            .flatten()
+            .filter_map(|root| root.dump.as_ref())
+        {
             for segment in dump.segments() {
                 if state.segments.get(segment).state != SegmentState::Dump {
                     report.errors.push(format!(
                         "checkpoint segment {segment} is not marked as such"
                     ));
                 }
+            }
+        }
+        let dump_segments: std::collections::HashSet<_> = state
+            .roots
+            .iter()
+            .flatten()
+            .filter_map(|root| root.dump.as_ref())
+            .flat_map(|dump| dump.segments())
+            .collect();
+        for (segment, info) in state.segments.iter() {
+            if info.state == SegmentState::Dump && !dump_segments.contains(&segment) {
+                report.errors.push(format!(
+                    "segment {segment} is marked as a checkpoint but no root uses it"
+                ));
             }
         }
         state
@@ -172,13 +191,7 @@ impl Volume {
         {
             let mut state = self.lock();
             for &lba in &report.damaged_blocks {
-                append_range(
-                    &mut state,
-                    crate::record::RecordKind::Trim,
-                    Lba(lba),
-                    1,
-                    true,
-                )?;
+                append_range(&mut state, crate::record::RecordKind::Trim, Lba(lba), 1, 0)?;
             }
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);

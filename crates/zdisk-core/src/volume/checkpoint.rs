@@ -38,8 +38,9 @@ const TAG_DATA: u8 = 2;
 const TAG_DAMAGED: u8 = 3;
 
 /// Upper bound of the bytes a dump of this state takes on the medium (one copy).
-pub fn dump_size_estimate(state: &State) -> u64 {
-    let chunks = state.map.chunk_count() as u64;
+/// `extra_chunks` allows for map chunks a write in progress may add.
+pub fn dump_size_estimate(state: &State, extra_chunks: u64) -> u64 {
+    let chunks = state.map.chunk_count() as u64 + extra_chunks;
     let segments = state.segments.len() as u64;
     // Worst case per entry: tag + 4 varints of up to 10 bytes.
     let raw = chunks * (16 + CHUNK_BLOCKS * 41) + segments * 40 + 64;
@@ -480,14 +481,12 @@ impl super::Volume {
         self.commit_root(&root)?;
 
         let mut state = self.lock();
-        if let Some(old) = state.dump.take() {
-            for segment in old.segments() {
-                state.segments.release(segment);
-            }
-        }
-        state.dump = Some(dump);
-        state.durable_boundary = boundary;
-        state.durable_open = open;
+        state.install_root(super::state::RetainedRoot {
+            generation,
+            boundary,
+            open,
+            dump: Some(dump),
+        });
         state.log_bytes_since_checkpoint = 0;
         // Segments cleaned while damage forced a checkpoint can go now.
         let release_gen = state.barrier_gen + 1;

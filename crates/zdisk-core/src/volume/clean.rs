@@ -58,24 +58,8 @@ pub(crate) fn pick_victim(
     best.map(|(segment, _)| segment)
 }
 
-/// True if records in `segment` may be needed by recovery from the durable checkpoint.
-fn after_durable_checkpoint(state: &State, segment: SegmentId) -> bool {
-    let info = state.segments.get(segment);
-    info.seq >= state.durable_boundary
-        || state
-            .durable_open
-            .iter()
-            .any(|open| open.segment == segment && open.seq == info.seq)
-}
-
 fn relocate(state: &mut State, header: RecordHeader, payload: &[u8]) -> Result<Location> {
-    let loc = state.append(
-        StreamKind::Gc,
-        header,
-        payload,
-        crc32c::crc32c(payload),
-        true,
-    )?;
+    let loc = state.append(StreamKind::Gc, header, payload, crc32c::crc32c(payload), 0)?;
     state.counters.gc_write_bytes += loc.len as u64;
     Ok(loc)
 }
@@ -99,7 +83,7 @@ pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
         header,
         &payload,
         crc32c::crc32c(&payload),
-        true,
+        0,
     )?;
     let old = state.map.set(lba, Slot::Damaged, version);
     if let Slot::Data(loc) = old.slot() {
@@ -110,6 +94,13 @@ pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
 }
 
 impl Volume {
+    /// Garbage a victim must hold for a writer waiting on space to clean
+    /// it: cleaning a nearly full segment would cost a segment's worth of
+    /// copying to gain almost nothing, over and over, on a full volume.
+    pub(crate) fn foreground_min_garbage(&self) -> u64 {
+        (self.geometry.segment_size_bytes / 16).max(2 * crate::record::RAW_RECORD_LEN)
+    }
+
     /// Cleans one victim with at least `min_garbage_bytes` of reclaimable
     /// space. Returns false if there is none, or no room to relocate into.
     pub fn clean_one(&self, min_garbage_bytes: u64) -> Result<bool> {
@@ -145,7 +136,7 @@ impl Volume {
                 victim,
                 info.seq,
                 info.fill_bytes,
-                after_durable_checkpoint(&state, victim),
+                state.needed_by_recovery(victim),
             )
         };
 
@@ -224,7 +215,7 @@ impl Volume {
             }
             // Range records after the damage could not be relocated: only a
             // checkpoint makes them unnecessary.
-            checkpoint_first = post_checkpoint && scan.stopped.is_some();
+            checkpoint_first = post_checkpoint && scan.first_error.is_some();
         }
         assert_eq!(
             state.segments.get(victim).live_bytes,

@@ -370,7 +370,8 @@ impl Volume {
                 };
             }
         }
-        let mut state = self.lock_with_room(needed, false)?;
+        let floor_blocks = Some(count as u64);
+        let (mut state, floor) = self.lock_with_room(needed, floor_blocks)?;
         let mut lba = first.0;
         let mut zero_run: Option<(u64, u64)> = None;
         for batch in &batches {
@@ -389,7 +390,7 @@ impl Volume {
                         crc,
                     } => {
                         if let Some((start, n)) = zero_run.take() {
-                            append_range(&mut state, RecordKind::Zero, Lba(start), n, false)?;
+                            append_range(&mut state, RecordKind::Zero, Lba(start), n, floor)?;
                         }
                         let version = state.take_version();
                         let header = RecordHeader {
@@ -406,7 +407,7 @@ impl Volume {
                             header,
                             &batch.arena[*start..*start + *len],
                             *crc,
-                            false,
+                            floor,
                         )?;
                         state.segments.add_live(loc.segment, loc.len as u64);
                         let old = state.map.set(Lba(lba), Slot::Data(loc), version);
@@ -419,7 +420,7 @@ impl Volume {
             }
         }
         if let Some((start, n)) = zero_run.take() {
-            append_range(&mut state, RecordKind::Zero, Lba(start), n, false)?;
+            append_range(&mut state, RecordKind::Zero, Lba(start), n, floor)?;
         }
         Ok(())
     }
@@ -427,23 +428,47 @@ impl Volume {
     /// Takes the state lock once the host stream has room for `bytes`,
     /// cleaning segments in this thread if needed (this is what throttles
     /// writers when space runs short).
+    /// `reserve_for_blocks`: keep the reserve, sized for a write of that
+    /// many blocks; `None`: the reserve may be used (trims and zeroes).
+    /// Returns the guard and the number of segments that must stay free.
     pub(crate) fn lock_with_room(
         &self,
         bytes: u64,
-        allow_reserve: bool,
-    ) -> Result<std::sync::MutexGuard<'_, State>> {
+        reserve_for_blocks: Option<u64>,
+    ) -> Result<(std::sync::MutexGuard<'_, State>, u64)> {
         let mut attempts = 0u64;
         let limit = 4 * self.geometry.segment_count as u64 + 16;
         loop {
             let state = self.lock();
             state.check_writable()?;
-            if state.host_has_room(bytes, allow_reserve) {
-                return Ok(state);
+            let floor = reserve_for_blocks.map_or(0, |blocks| state.reserved_segments_for(blocks));
+            if state.host_has_room(bytes, floor) {
+                return Ok((state, floor));
             }
             let reclaimable = state.reclaimable_count();
             let free = state.segments.free_count();
-            let reserved = state.reserved_segments();
+            let reserved = floor;
+            // Give up at once if all the garbage there is could not make room:
+            // cleaning would only churn.
+            let segment_size = state.segment_size();
+            let min_garbage = self.foreground_min_garbage();
+            let garbage: u64 = state
+                .segments
+                .iter()
+                .filter(|(_, info)| info.state == crate::segments::SegmentState::Sealed)
+                .map(|(_, info)| segment_size - info.live_bytes)
+                .filter(|&g| g >= min_garbage)
+                .sum();
+            let available = (free + reclaimable).saturating_sub(reserved) * segment_size
+                + state.stream_room(StreamKind::Host)
+                + garbage;
             drop(state);
+            if available < bytes + crate::record::RAW_RECORD_LEN {
+                return Err(Error::NoSpace {
+                    free_segments: free,
+                    reserved_segments: reserved,
+                });
+            }
             self.poke();
             attempts += 1;
             if attempts > limit {
@@ -456,7 +481,7 @@ impl Volume {
                 self.flush()?;
                 continue;
             }
-            if !self.clean_one(0)? {
+            if !self.clean_one(self.foreground_min_garbage())? {
                 return Err(Error::NoSpace {
                     free_segments: free,
                     reserved_segments: reserved,
@@ -491,13 +516,14 @@ impl Volume {
                 Discard::Trim | Discard::ZeroPunch => RecordKind::Trim,
                 Discard::Zero => RecordKind::Zero,
             };
-            let mut state = self.lock_with_room(RANGE_RECORD_LEN, true)?;
+            // Trims and zeroes free space, so they may use the reserve.
+            let (mut state, _) = self.lock_with_room(RANGE_RECORD_LEN, None)?;
             append_range(
                 &mut state,
                 kind,
                 Lba(first_full / BLOCK_SIZE_U64),
                 (end_full - first_full) / BLOCK_SIZE_U64,
-                true,
+                0,
             )?;
             drop(state);
             if zeroing && end_full < end {
@@ -518,13 +544,14 @@ impl Volume {
     }
 }
 
-/// Appends a range record and applies it to the map.
+/// Appends a range record and applies it to the map, keeping `floor`
+/// segments free.
 pub(crate) fn append_range(
     state: &mut State,
     kind: RecordKind,
     first: Lba,
     count: u64,
-    allow_reserve: bool,
+    floor: u64,
 ) -> Result<()> {
     let version = state.take_version();
     let payload = count.to_le_bytes();
@@ -542,7 +569,7 @@ pub(crate) fn append_range(
         header,
         &payload,
         crc32c::crc32c(&payload),
-        allow_reserve,
+        floor,
     )?;
     let range_state = match kind {
         RecordKind::Trim => RangeState::Hole,

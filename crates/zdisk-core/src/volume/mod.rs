@@ -19,6 +19,8 @@ mod io;
 mod recovery;
 pub mod scan;
 pub mod state;
+#[cfg(test)]
+mod tests;
 
 pub use check::CheckReport;
 pub use recovery::OpenReport;
@@ -34,7 +36,7 @@ use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::Slot;
 use crate::media::{Media, MediaGeometry};
-use crate::meta::{read_newest_root, CheckpointRoot, MediaKind, Root, Settings, Superblock};
+use crate::meta::{read_roots, CheckpointRoot, MediaKind, Root, Settings, Superblock};
 use crate::stats::{Counters, Stats};
 use crate::units::{Lba, BLOCK_SIZE_U64};
 
@@ -193,15 +195,40 @@ impl Volume {
     /// Opens an existing volume, replaying the log if it was not shut down cleanly.
     pub fn open(media: Arc<dyn Media>, options: OpenOptions) -> Result<Arc<Volume>> {
         let started = Instant::now();
-        let (mut root, slot_problems) = read_newest_root(media.as_ref())?;
+        let (roots, mut slot_problems) = read_roots(media.as_ref())?;
         let geometry = media.geometry();
-        if root.superblock.geometry != geometry {
-            return Err(Error::CorruptImage(format!(
-                "superblock geometry {:?} does not match the medium {:?}",
-                root.superblock.geometry, geometry
-            )));
+        // Start from the newest root; if its checkpoint cannot be read,
+        // from the older one, whose dump and log are kept for exactly this.
+        let mut attempt = None;
+        for (index, candidate) in roots.iter().enumerate() {
+            if candidate.superblock.geometry != geometry {
+                slot_problems.push(format!(
+                    "generation {}: geometry {:?} does not match the medium {:?}",
+                    candidate.generation, candidate.superblock.geometry, geometry
+                ));
+                continue;
+            }
+            let older = roots.get(index + 1).filter(|_| index == 0);
+            // A damaged slot may have held a newer root: then this root's
+            // clean flag says nothing about what came after it.
+            let trust_clean = slot_problems.is_empty() && index == 0;
+            match recovery::recover(media.as_ref(), candidate, older, trust_clean) {
+                Ok(recovered) => {
+                    attempt = Some((candidate.clone(), recovered));
+                    break;
+                }
+                Err(Error::CorruptImage(problem)) => {
+                    slot_problems.push(format!("generation {}: {problem}", candidate.generation));
+                }
+                Err(other) => return Err(other),
+            }
         }
-        let mut recovered = recovery::recover(media.as_ref(), &root)?;
+        let Some((mut root, mut recovered)) = attempt else {
+            return Err(Error::CorruptImage(format!(
+                "no usable checkpoint: {}",
+                slot_problems.join("; ")
+            )));
+        };
         recovered.report.slot_problems = slot_problems;
         if let Some(codec) = options.codec {
             root.settings.codec = codec;
@@ -232,9 +259,7 @@ impl Volume {
             synced_gen: 0,
             counters: recovered.counters,
             generation: root.generation,
-            durable_boundary: root.checkpoint.seq_boundary,
-            durable_open: root.checkpoint.open_segments.clone(),
-            dump: root.checkpoint.dump.clone(),
+            roots: recovered.roots,
             log_bytes_since_checkpoint: 0,
             failed: None,
         };
@@ -262,7 +287,7 @@ impl Volume {
             options,
         });
         if !read_only {
-            if report.replayed_records > 0 || !root.checkpoint.clean {
+            if report.replayed_records > 0 || !report.clean {
                 // Fold the replayed log into a checkpoint, so the next start
                 // does not replay it again and its trims are safe to clean.
                 // If even cleaning cannot make room for the dump, the volume
@@ -351,30 +376,36 @@ impl Volume {
     }
 
     /// Writes a root that points at the current checkpoint dump.
+    /// Writes a root that points at the newest checkpoint dump (used to
+    /// mark the volume dirty when it opens).
     fn write_root(&self, clean: bool) -> Result<()> {
-        let root = {
+        let (root, retained) = {
             let mut state = self.lock();
             state.generation += 1;
-            self.root_from(&state, clean)
+            let newest = state.newest_root().clone();
+            let retained = state::RetainedRoot {
+                generation: state.generation,
+                ..newest
+            };
+            let root = Root {
+                generation: state.generation,
+                superblock: self.superblock.clone(),
+                settings: self.settings,
+                checkpoint: CheckpointRoot {
+                    clean,
+                    seq_boundary: retained.boundary,
+                    next_seq: state.next_seq,
+                    next_version: state.next_version,
+                    open_segments: retained.open.clone(),
+                    dump: retained.dump.clone(),
+                    counters: state.counters,
+                },
+            };
+            (root, retained)
         };
-        self.commit_root(&root)
-    }
-
-    fn root_from(&self, state: &State, clean: bool) -> Root {
-        Root {
-            generation: state.generation,
-            superblock: self.superblock.clone(),
-            settings: self.settings,
-            checkpoint: CheckpointRoot {
-                clean,
-                seq_boundary: state.durable_boundary,
-                next_seq: state.next_seq,
-                next_version: state.next_version,
-                open_segments: state.durable_open.clone(),
-                dump: state.dump.clone(),
-                counters: state.counters,
-            },
-        }
+        self.commit_root(&root)?;
+        self.lock().install_root(retained);
+        Ok(())
     }
 
     fn commit_root(&self, root: &Root) -> Result<()> {
@@ -417,7 +448,7 @@ impl Volume {
             }
             if self.lock().reclaimable_count() > 0 {
                 self.flush()?;
-            } else if !self.clean_one(0)? {
+            } else if !self.clean_one(self.foreground_min_garbage())? {
                 break;
             }
         }
@@ -507,11 +538,10 @@ impl Volume {
             _ => String::new(),
         };
         format!(
-            "block {lba}: {:?} v{} {segment}; durable boundary {} open {:?}",
+            "block {lba}: {:?} v{} {segment}; roots {:?}",
             entry.slot(),
             entry.version(),
-            state.durable_boundary,
-            state.durable_open
+            state.roots
         )
     }
 
@@ -521,9 +551,22 @@ impl Volume {
         let counts = state.map.counts();
         let segment_size = self.geometry.segment_size_bytes;
         let mut used_segments_bytes = 0;
+        let mut by_state = crate::stats::SegmentCounts::default();
+        let mut histogram = [0u64; 11];
         for (_, info) in state.segments.iter() {
-            if !matches!(info.state, crate::segments::SegmentState::Free) {
+            use crate::segments::SegmentState;
+            if !matches!(info.state, SegmentState::Free) {
                 used_segments_bytes += info.fill_bytes.min(segment_size);
+            }
+            match info.state {
+                SegmentState::Free => by_state.free += 1,
+                SegmentState::Open => by_state.open += 1,
+                SegmentState::Sealed => {
+                    by_state.sealed += 1;
+                    histogram[(info.live_bytes * 10 / segment_size).min(10) as usize] += 1;
+                }
+                SegmentState::Dump => by_state.checkpoint += 1,
+                SegmentState::Reclaimable { .. } => by_state.reclaimable += 1,
             }
         }
         let meta_bytes = self
@@ -561,6 +604,8 @@ impl Volume {
             gc_policy: self.settings.gc_policy.to_string(),
             damaged_blocks: counts.damaged_blocks,
             map_memory_bytes: state.map.memory_bytes(),
+            segments_by_state: by_state,
+            sealed_utilization_histogram: histogram,
             counters,
         }
     }

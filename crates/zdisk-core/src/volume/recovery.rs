@@ -30,6 +30,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use super::checkpoint::load_dump;
 use super::scan::scan_segment;
+use super::state::RetainedRoot;
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -39,9 +40,9 @@ pub struct OpenReport {
     pub root_generation: u64,
     pub replayed_segments: u64,
     pub replayed_records: u64,
-    /// Segments whose replay ended at an undecodable record other than
-    /// never-written space (normally the torn tail of a crash).
-    pub replay_stops: Vec<String>,
+    /// Undecodable bytes found between valid records while replaying
+    /// (damage; the replay skipped over them).
+    pub replay_damage: Vec<String>,
     /// Metadata slots that did not decode (a torn root write leaves one).
     pub slot_problems: Vec<String>,
     /// Map entries that pointed outside the log and were marked damaged.
@@ -50,7 +51,16 @@ pub struct OpenReport {
     pub duration: Duration,
 }
 
+/// The incarnation of the first valid record anywhere in a segment.
+fn first_record_seq(bytes: &[u8]) -> Option<u32> {
+    (0..bytes.len().saturating_sub(HEADER_SIZE))
+        .step_by(crate::record::RECORD_ALIGN as usize)
+        .find_map(|at| decode_record(&bytes[at..], None).ok())
+        .map(|(header, _)| header.seg_seq)
+}
+
 pub(crate) struct Recovered {
+    pub roots: [Option<RetainedRoot>; 2],
     pub map: Map,
     pub segments: SegmentTable,
     pub next_seq: u64,
@@ -66,14 +76,31 @@ fn seq_at_or_after(boundary: u64, seq32: u32) -> Option<u64> {
     (diff >= 0).then(|| boundary + diff as u64)
 }
 
-pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
+fn retained(root: &Root) -> RetainedRoot {
+    RetainedRoot {
+        generation: root.generation,
+        boundary: root.checkpoint.seq_boundary,
+        open: root.checkpoint.open_segments.clone(),
+        dump: root.checkpoint.dump.clone(),
+    }
+}
+
+/// Recovers from `root`. `older` is the root in the other slot, if it is
+/// valid and older: its dump stays reserved so that it remains a fallback.
+pub(crate) fn recover(
+    media: &dyn Media,
+    root: &Root,
+    older: Option<&Root>,
+    trust_clean: bool,
+) -> Result<Recovered> {
     let geometry = media.geometry();
     let segment_size = geometry.segment_size_bytes;
     let page_size = geometry.page_size_bytes as u64;
     let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
     let checkpoint = &root.checkpoint;
+    let clean = checkpoint.clean && trust_clean;
     let mut report = OpenReport {
-        clean: checkpoint.clean,
+        clean,
         root_generation: root.generation,
         ..OpenReport::default()
     };
@@ -82,8 +109,20 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
         Some(dump) => load_dump(media, dump, dump.generation, logical_blocks, &mut map)?,
         None => vec![None; geometry.segment_count as usize],
     };
-    let dump_segments: HashSet<SegmentId> =
-        checkpoint.dump.iter().flat_map(|d| d.segments()).collect();
+    let mut roots: [Option<RetainedRoot>; 2] = [None, None];
+    roots[root.slot()] = Some(retained(root));
+    if let Some(older) = older.filter(|o| o.generation < root.generation && o.slot() != root.slot())
+    {
+        roots[older.slot()] = Some(retained(older));
+    }
+    // Segments of every retained dump: never replayed, never reused.
+    let dump_segments: HashSet<SegmentId> = roots
+        .iter()
+        .flatten()
+        .filter_map(|r| r.dump.as_ref())
+        .flat_map(|d| d.segments())
+        .filter(|s| s.0 < geometry.segment_count)
+        .collect();
     let mut infos: Vec<SegmentInfo> = dumped
         .iter()
         .map(|dumped| SegmentInfo {
@@ -101,7 +140,7 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
     // Range records replayed: (segment seq, segment, first block, count, version).
     let mut ranges: Vec<(u64, SegmentId, u64, u64, u64)> = Vec::new();
 
-    if !checkpoint.clean {
+    if !clean {
         // Find the segments to replay: (seq, segment, start offset).
         let mut plan: Vec<(u64, SegmentId, u64)> = Vec::new();
         let mut head = vec![0u8; (HEADER_SIZE + 4096).min(segment_size as usize)];
@@ -111,16 +150,27 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
                 continue;
             }
             media.read(segment, 0, &mut head)?;
-            let Ok((header, _)) = decode_record(&head, None) else {
-                continue;
+            let seg_seq = match decode_record(&head, None) {
+                Ok((header, _)) => header.seg_seq,
+                // Never written, or erased.
+                Err(_) if head.iter().all(|&b| b == 0) => continue,
+                // The first record is torn or damaged: look further in.
+                Err(_) => {
+                    let mut bytes = vec![0u8; segment_size as usize];
+                    media.read(segment, 0, &mut bytes)?;
+                    match first_record_seq(&bytes) {
+                        Some(seq) => seq,
+                        None => continue,
+                    }
+                }
             };
             if let Some(open) = checkpoint
                 .open_segments
                 .iter()
-                .find(|open| open.segment == segment && open.seq as u32 == header.seg_seq)
+                .find(|open| open.segment == segment && open.seq as u32 == seg_seq)
             {
                 plan.push((open.seq, segment, open.offset_bytes));
-            } else if let Some(seq) = seq_at_or_after(boundary, header.seg_seq) {
+            } else if let Some(seq) = seq_at_or_after(boundary, seg_seq) {
                 plan.push((seq, segment, 0));
             }
         }
@@ -130,8 +180,8 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
         for (seq, segment, start) in plan {
             media.read(segment, 0, &mut bytes)?;
             let scan = scan_segment(&bytes, start, seq as u32, page_size);
-            if let Some((offset, error)) = &scan.stopped {
-                report.replay_stops.push(format!(
+            for (offset, error) in &scan.damaged {
+                report.replay_damage.push(format!(
                     "segment {segment} (seq {seq}) at offset {offset}: {error}"
                 ));
             }
@@ -256,6 +306,7 @@ pub(crate) fn recover(media: &dyn Media, root: &Root) -> Result<Recovered> {
         next_version = next_version.max(info.max_version + 1);
     }
     Ok(Recovered {
+        roots,
         map,
         segments: SegmentTable::from_infos(infos),
         next_seq,

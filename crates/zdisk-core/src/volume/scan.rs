@@ -1,11 +1,14 @@
 //! Sequential parsing of a segment's records, shared by recovery, the
 //! cleaner and `zdisk check`.
 //!
-//! A segment holds records back to back from offset 0. An all-zero header
-//! means padding: the rest of that page is empty and the next record, if
-//! any, starts on the next page. Anything else that fails to decode (a torn
-//! write, a record of an older incarnation, bit rot) ends the scan, because
-//! its length cannot be trusted.
+//! A segment holds records back to back from offset 0. A zero magic means
+//! padding: the rest of that page is empty and the next record, if any,
+//! starts on the next page. Bytes that fail to decode (a torn write, a
+//! record of an older incarnation, bit rot) cannot be trusted for a length,
+//! so the scan steps forward 16 bytes at a time until a record of this
+//! incarnation decodes again, with a valid checksum. Undecodable bytes
+//! followed by valid records are damage; undecodable bytes at the end are
+//! normally the unwritten or torn tail.
 
 use std::ops::Range;
 
@@ -24,8 +27,11 @@ pub struct ScanResult {
     pub records: Vec<Scanned>,
     /// End of the last valid record, rounded up to a page.
     pub end_offset: u64,
-    /// Where and why the scan stopped early, if it did.
-    pub stopped: Option<(u64, RecordError)>,
+    /// The first undecodable bytes, if any (whether or not records follow).
+    pub first_error: Option<(u64, RecordError)>,
+    /// Undecodable runs that valid records follow: damage inside the
+    /// written part of the segment.
+    pub damaged: Vec<(u64, RecordError)>,
 }
 
 /// Parses the records of one segment incarnation (`seq32`) in `bytes`,
@@ -34,7 +40,10 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
     let mut records = Vec::new();
     let mut pos = start as usize;
     let mut end = start;
-    let mut stopped = None;
+    let mut first_error = None;
+    let mut damaged = Vec::new();
+    // The start of the undecodable run being skipped, if any.
+    let mut skipping: Option<(u64, RecordError)> = None;
     while pos + HEADER_SIZE <= bytes.len() {
         if bytes[pos] == 0 && bytes[pos + 1] == 0 {
             // No record starts with a zero magic: this is flush padding,
@@ -45,11 +54,12 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
                 pos = page_end;
                 continue;
             }
-            stopped = Some((pos as u64, RecordError::BadMagic));
-            break;
         }
         match decode_record(&bytes[pos..], Some(seq32)) {
             Ok((header, _)) => {
+                if let Some(run) = skipping.take() {
+                    damaged.push(run);
+                }
                 let payload = pos + HEADER_SIZE..pos + HEADER_SIZE + header.payload_len as usize;
                 records.push(Scanned {
                     offset: pos as u64,
@@ -60,15 +70,21 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
                 end = pos as u64;
             }
             Err(error) => {
-                stopped = Some((pos as u64, error));
-                break;
+                if first_error.is_none() {
+                    first_error = Some((pos as u64, error.clone()));
+                }
+                if skipping.is_none() {
+                    skipping = Some((pos as u64, error));
+                }
+                pos += crate::record::RECORD_ALIGN as usize;
             }
         }
     }
     ScanResult {
         records,
         end_offset: align_up(end, page_size),
-        stopped,
+        first_error,
+        damaged,
     }
 }
 
@@ -113,7 +129,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![1, 2, 3]
         );
-        assert!(result.stopped.is_none());
+        assert!(result.first_error.is_none());
         assert_eq!(result.end_offset, 2 * 4096);
 
         // Padding shorter than a header before the next page is skipped too.
@@ -123,23 +139,27 @@ mod tests {
         put(&mut short_gap, 4096, 5, 2, &[2; 10]);
         let result = scan_segment(&short_gap, 0, 5, 4096);
         assert_eq!(result.records.len(), 2);
-        assert!(result.stopped.is_none());
+        assert!(result.first_error.is_none());
 
-        // A record of an older incarnation after the last one ends the scan.
+        // A record of an older incarnation after the last one is the tail, not damage.
         put(&mut bytes, next, 4, 9, &[9; 10]);
         let result = scan_segment(&bytes, 0, 5, 4096);
         assert_eq!(result.records.len(), 3);
         assert!(matches!(
-            result.stopped,
+            result.first_error,
             Some((_, RecordError::WrongSegment { .. }))
         ));
+        assert!(result.damaged.is_empty());
 
+        // Damage in the first record: the scan resynchronises on the next ones.
         bytes[40] ^= 1;
         let result = scan_segment(&bytes, 0, 5, 4096);
-        assert_eq!(result.records.len(), 0);
+        let lbas: Vec<u64> = result.records.iter().map(|r| r.header.lba).collect();
+        assert_eq!(lbas, vec![2, 3]);
         assert!(matches!(
-            result.stopped,
+            result.first_error,
             Some((0, RecordError::Checksum { .. }))
         ));
+        assert_eq!(result.damaged.len(), 1);
     }
 }

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::map::{Location, Map};
 use crate::media::{Media, MediaGeometry};
 use crate::meta::{DumpRef, OpenSegmentPos};
+
 use crate::record::{encode_record, RecordHeader, RAW_RECORD_LEN};
 use crate::segments::{SegmentState, SegmentTable};
 use crate::stats::Counters;
@@ -30,6 +31,17 @@ pub enum StreamKind {
 
 /// Segments kept back for the cleaner, beyond those a checkpoint needs.
 pub const GC_RESERVE_SEGMENTS: u64 = 2;
+
+/// What a root in a metadata slot needs kept for recovery to start from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetainedRoot {
+    pub generation: u64,
+    /// Segments with a sequence number at least this are replayed.
+    pub boundary: u64,
+    /// Segments open at its snapshot, replayed from the recorded offset.
+    pub open: Vec<OpenSegmentPos>,
+    pub dump: Option<DumpRef>,
+}
 
 /// An open segment being filled.
 #[derive(Debug, Default)]
@@ -64,11 +76,9 @@ pub struct State {
     pub counters: Counters,
     /// Generation of the newest root written.
     pub generation: u64,
-    /// Sequence boundary of the newest durable checkpoint.
-    pub durable_boundary: u64,
-    /// Segments open when the newest durable checkpoint was taken.
-    pub durable_open: Vec<OpenSegmentPos>,
-    pub dump: Option<DumpRef>,
+    /// The roots in the two metadata slots (by slot). Recovery may start
+    /// from either: the newest, or the older one if the newest is damaged.
+    pub roots: [Option<RetainedRoot>; 2],
     /// Log bytes appended since the last checkpoint.
     pub log_bytes_since_checkpoint: u64,
     /// Set after a failed medium write: the log may have a hole, so no more writes.
@@ -105,7 +115,14 @@ impl State {
 
     /// Segments the next checkpoint's two dump copies need.
     pub fn dump_reserve_segments(&self) -> u64 {
-        let dump_bytes = crate::volume::checkpoint::dump_size_estimate(self);
+        self.dump_reserve_segments_for(0)
+    }
+
+    /// Segments the next checkpoint's dump needs once `extra_blocks` more
+    /// blocks may have been mapped (a write grows the map as it goes).
+    pub fn dump_reserve_segments_for(&self, extra_blocks: u64) -> u64 {
+        let extra_chunks = extra_blocks.div_ceil(crate::map::CHUNK_BLOCKS) + 1;
+        let dump_bytes = crate::volume::checkpoint::dump_size_estimate(self, extra_chunks);
         let usable = self.segment_size() - RAW_RECORD_LEN;
         2 * dump_bytes.div_ceil(usable)
     }
@@ -114,7 +131,12 @@ impl State {
     /// room for the next checkpoint. The cleaner may use its reserve but
     /// not the checkpoint's; only trims, zeroes and dumps may use everything.
     pub fn reserved_segments(&self) -> u64 {
-        GC_RESERVE_SEGMENTS + self.dump_reserve_segments()
+        self.reserved_segments_for(0)
+    }
+
+    /// [`State::reserved_segments`] after a write of `extra_blocks` blocks.
+    pub fn reserved_segments_for(&self, extra_blocks: u64) -> u64 {
+        GC_RESERVE_SEGMENTS + self.dump_reserve_segments_for(extra_blocks)
     }
 
     /// Bytes left in a stream's open segment.
@@ -135,18 +157,15 @@ impl State {
         (bytes - room).div_ceil(self.segment_size() - RAW_RECORD_LEN)
     }
 
-    /// True if the host stream can take `bytes` more without the reserve.
-    pub fn host_has_room(&self, bytes: u64, allow_reserve: bool) -> bool {
+    /// True if the host stream can take `bytes` more while keeping `floor`
+    /// segments free.
+    pub fn host_has_room(&self, bytes: u64, floor: u64) -> bool {
         let needed = self.segments_needed(StreamKind::Host, bytes);
-        let floor = if allow_reserve {
-            0
-        } else {
-            self.reserved_segments()
-        };
         needed == 0 || self.segments.free_count() >= floor + needed
     }
 
-    /// Appends one record to a stream and returns where it landed.
+    /// Appends one record to a stream and returns where it landed, keeping
+    /// `floor` segments free if a new segment must be opened.
     /// `header.seg_seq` and `header.crc` are filled in here.
     pub fn append(
         &mut self,
@@ -154,13 +173,13 @@ impl State {
         mut header: RecordHeader,
         payload: &[u8],
         payload_crc: u32,
-        allow_reserve: bool,
+        floor: u64,
     ) -> Result<Location> {
         self.check_writable()?;
         let len = header.record_len();
         debug_assert!(len <= self.segment_size());
         if self.stream_room(kind) < len {
-            self.open_segment(kind, allow_reserve)?;
+            self.open_segment(kind, floor)?;
         }
         let segment_size = self.segment_size();
         let stream = &mut self.streams[kind as usize];
@@ -251,14 +270,10 @@ impl State {
         Ok(())
     }
 
-    /// Seals a stream's segment and opens a fresh one.
-    pub fn open_segment(&mut self, kind: StreamKind, allow_reserve: bool) -> Result<()> {
+    /// Seals a stream's segment and opens a fresh one, keeping `floor`
+    /// segments free.
+    pub fn open_segment(&mut self, kind: StreamKind, floor: u64) -> Result<()> {
         self.seal(kind)?;
-        let floor = if allow_reserve {
-            0
-        } else {
-            self.reserved_segments()
-        };
         if self.segments.free_count() <= floor {
             return Err(Error::NoSpace {
                 free_segments: self.segments.free_count(),
@@ -328,6 +343,50 @@ impl State {
             return Ok(Some(bytes));
         }
         Ok(None)
+    }
+
+    /// The root with the highest generation.
+    pub fn newest_root(&self) -> &RetainedRoot {
+        self.roots
+            .iter()
+            .flatten()
+            .max_by_key(|root| root.generation)
+            .expect("a volume always has a root")
+    }
+
+    /// True if a recovery from either retained root could replay records
+    /// of `segment` (so trims in it must survive cleaning).
+    pub fn needed_by_recovery(&self, segment: SegmentId) -> bool {
+        let info = self.segments.get(segment);
+        self.roots.iter().flatten().any(|root| {
+            info.seq >= root.boundary
+                || root
+                    .open
+                    .iter()
+                    .any(|open| open.segment == segment && open.seq == info.seq)
+        })
+    }
+
+    /// Records that `root` is now durable in its slot, replacing the root
+    /// written there two generations ago, and frees the dump segments no
+    /// remaining root refers to.
+    pub fn install_root(&mut self, root: RetainedRoot) {
+        let slot = (root.generation % 2) as usize;
+        let replaced = self.roots[slot].replace(root);
+        let Some(replaced) = replaced else { return };
+        let Some(old_dump) = replaced.dump else {
+            return;
+        };
+        let still_used = self.roots.iter().flatten().any(|root| {
+            root.dump
+                .as_ref()
+                .is_some_and(|d| d.generation == old_dump.generation)
+        });
+        if !still_used {
+            for segment in old_dump.segments() {
+                self.segments.release(segment);
+            }
+        }
     }
 
     /// Positions of the open streams, for a checkpoint root.

@@ -1,0 +1,308 @@
+//! End-to-end tests of space management and damage handling through the
+//! real binary: a thin volume filled until ENOSPC and brought back by TRIM,
+//! the cleaner keeping a small volume writable under heavy overwrites,
+//! flipped bytes in an image surfacing as EIO and in `zdisk check`, and an
+//! image on a real block device (a loop device).
+//!
+//! Missing prerequisites are reported as ignored, with the reason.
+
+mod support;
+
+use std::process::Command;
+
+use libtest_mimic::{Arguments, Trial};
+use rand::{Rng, SeedableRng};
+
+use support::*;
+
+type TestFn = fn() -> TestResult;
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, TestFn)> = vec![
+        ("thin_volume_full_trim_and_write_again", thin_volume_enospc),
+        (
+            "cleaner_keeps_an_overwritten_volume_writable",
+            cleaner_under_overwrites,
+        ),
+        (
+            "flipped_bytes_read_as_eio_and_check_lists_them",
+            flipped_bytes,
+        ),
+        ("image_on_a_block_device", block_device),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| Trial::ignorable_test(name, test))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/scripts/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python_ready() -> Result<(), String> {
+    require_tools(&["/usr/bin/python3"])?;
+    let ok = Command::new("/usr/bin/python3")
+        .args(["-c", "import nbd"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        Ok(())
+    } else {
+        Err("python3-libnbd is not installed".into())
+    }
+}
+
+fn space_py(args: &[&str]) -> Result<String, Failed> {
+    let path = script("space.py");
+    let mut all = vec![path.as_str()];
+    all.extend_from_slice(args);
+    Ok(stdout(&run("/usr/bin/python3", &all)?))
+}
+
+fn create(image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
+    let mut all = vec!["create", image.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let output = zdisk(&all);
+    ensure!(
+        output.status.success(),
+        "zdisk create failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
+fn thin_volume_enospc() -> TestResult {
+    if let Some(skip) = skip_unless(python_ready()) {
+        return skip;
+    }
+    let dir = Scratch::new("thin");
+    let image = dir.join("thin.zdisk");
+    create(&image, &["--logical", "256M", "--physical", "64M"])?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(&image, &dir.join("sock"), &["--metrics", &metrics])?;
+    let report = space_py(&["fill", &server.uri()])?;
+    print!("{report}");
+    let stats = server.stats()?;
+    println!(
+        "free segments {}, cleaned {}, physical used {}",
+        stats["free_segments"], stats["segments_cleaned"], stats["physical_used_bytes"]
+    );
+    ensure!(
+        stats["segments_cleaned"].as_u64().unwrap_or(0) > 0,
+        "TRIM should let the cleaner reclaim segments"
+    );
+    server.stop()?;
+    // Everything is still there after a restart.
+    let output = zdisk(&["check", image.to_str().unwrap()]);
+    ensure!(
+        output.status.success(),
+        "check after ENOSPC: {}",
+        stdout(&output)
+    );
+    Ok(Completion::Completed)
+}
+
+fn cleaner_under_overwrites() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["fio", "curl"])) {
+        return skip;
+    }
+    let dir = Scratch::new("overwrite");
+    let image = dir.join("gc.zdisk");
+    // 48 MiB of live data on 64 MiB: the cleaner must run constantly.
+    create(
+        &image,
+        &[
+            "--logical",
+            "48M",
+            "--physical",
+            "64M",
+            "--segment-size",
+            "256K",
+        ],
+    )?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = Server::start(&image, &dir.join("sock"), &["--metrics", &metrics])?;
+    let uri = server.uri();
+    let fio = |extra: &[&str]| -> Result<(), Failed> {
+        let mut args = vec![
+            "--name=overwrite".to_string(),
+            "--ioengine=nbd".to_string(),
+            format!("--uri={uri}"),
+            "--bs=4k".to_string(),
+            "--iodepth=16".to_string(),
+            "--size=48M".to_string(),
+            "--refill_buffers".to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        run("fio", &args)?;
+        Ok(())
+    };
+    // Fill, overwrite four times at random, then a verified pass.
+    fio(&["--rw=write"])?;
+    fio(&["--rw=randwrite", "--loops=4", "--randrepeat=0"])?;
+    fio(&[
+        "--rw=randwrite",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+    ])?;
+    let stats = server.stats()?;
+    let cleaned = stats["segments_cleaned"].as_u64().unwrap_or(0);
+    println!(
+        "host wrote {} bytes; cleaner: {cleaned} segments, relocated {} bytes; write amplification {}",
+        stats["host_write_bytes"], stats["gc_write_bytes"], stats["write_amplification"]
+    );
+    ensure!(cleaned > 100, "the cleaner cleaned only {cleaned} segments");
+    server.stop()?;
+    let output = zdisk(&["check", image.to_str().unwrap()]);
+    ensure!(output.status.success(), "check: {}", stdout(&output));
+    Ok(Completion::Completed)
+}
+
+fn flipped_bytes() -> TestResult {
+    if let Some(skip) = skip_unless(python_ready()) {
+        return skip;
+    }
+    let dir = Scratch::new("flip");
+    let image = dir.join("flip.zdisk");
+    create(
+        &image,
+        &[
+            "--logical",
+            "64M",
+            "--physical",
+            "64M",
+            "--segment-size",
+            "256K",
+        ],
+    )?;
+    let blocks = "8192";
+    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    print!("{}", space_py(&["write-known", &server.uri(), blocks])?);
+    server.stop()?;
+
+    // Flip one bit at each of 40 random offsets in the written part of the
+    // image (any 512-byte sector holding a non-zero byte: records,
+    // checkpoint copies and the metadata slots alike).
+    let mut bytes = std::fs::read(&image).map_err(|e| e.to_string())?;
+    let written: Vec<usize> = bytes
+        .chunks(512)
+        .enumerate()
+        .filter(|(_, sector)| sector.iter().any(|&b| b != 0))
+        .map(|(index, _)| index)
+        .collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5eed);
+    for _ in 0..40 {
+        let at = written[rng.gen_range(0..written.len())] * 512 + rng.gen_range(0..512);
+        bytes[at] ^= 1 << rng.gen_range(0..8);
+    }
+    std::fs::write(&image, &bytes).map_err(|e| e.to_string())?;
+    println!(
+        "flipped one bit at each of 40 random offsets among {} written sectors",
+        written.len()
+    );
+
+    let output = zdisk(&["check", image.to_str().unwrap(), "--json"]);
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|e| format!("check --json: {e}"))?;
+    let damaged: Vec<u64> = report["report"]["damaged_blocks"]
+        .as_array()
+        .ok_or("no damaged_blocks in the report")?
+        .iter()
+        .filter_map(|v| v.as_u64())
+        .collect();
+    println!(
+        "zdisk check lists {} damaged blocks: {damaged:?}",
+        damaged.len()
+    );
+    ensure!(
+        !damaged.is_empty(),
+        "40 flipped bits in written data damaged no block?"
+    );
+    ensure!(
+        output.status.code() == Some(4),
+        "check should exit 4 with damage, got {:?}",
+        output.status
+    );
+
+    let list = damaged
+        .iter()
+        .map(|b| b.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    print!(
+        "{}",
+        space_py(&["verify-known", &server.uri(), blocks, &list])?
+    );
+    server.stop()?;
+
+    let output = zdisk(&["check", image.to_str().unwrap(), "--repair"]);
+    println!("{}", stdout(&output).trim());
+    ensure!(
+        output.status.code() == Some(1),
+        "repair should exit 1, got {:?}: {}",
+        output.status,
+        stdout(&output)
+    );
+    let output = zdisk(&["check", image.to_str().unwrap()]);
+    ensure!(
+        output.status.success(),
+        "check after repair: {}",
+        stdout(&output)
+    );
+    Ok(Completion::Completed)
+}
+
+fn block_device() -> TestResult {
+    if let Some(skip) =
+        skip_unless(require_tools(&["losetup", "qemu-io"]).and_then(|_| require_root_fuse_loop()))
+    {
+        return skip;
+    }
+    let dir = Scratch::new("blockdev");
+    let backing = dir.join("backing.raw");
+    let file = std::fs::File::create(&backing).map_err(|e| e.to_string())?;
+    file.set_len(256 << 20).map_err(|e| e.to_string())?;
+    let device = stdout(&run(
+        "losetup",
+        &["-f", "--show", backing.to_str().unwrap()],
+    )?)
+    .trim()
+    .to_string();
+    struct Detach(String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        }
+    }
+    let _detach = Detach(device.clone());
+    let device_path = std::path::Path::new(&device);
+    create(device_path, &["--logical", "1G"])?;
+    let output = zdisk(&["stats", &device, "--json"]);
+    let stats: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|e| e.to_string())?;
+    ensure!(
+        stats["physical_size_bytes"] == 256u64 << 20,
+        "the physical size should default to the device size, got {}",
+        stats["physical_size_bytes"]
+    );
+    let mut server = Server::start(device_path, &dir.join("sock"), &[])?;
+    let uri = server.uri();
+    run(
+        "qemu-io",
+        &["-f", "raw", &uri, "-c", "write -P 0x77 0 8M", "-c", "flush"],
+    )?;
+    server.stop()?;
+    let server = Server::start(device_path, &dir.join("sock"), &[])?;
+    let out = stdout(&run(
+        "qemu-io",
+        &["-f", "raw", &server.uri(), "-c", "read -P 0x77 0 8M"],
+    )?);
+    ensure!(!out.contains("Pattern verification failed"), "{out}");
+    Ok(Completion::Completed)
+}
