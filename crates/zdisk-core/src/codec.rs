@@ -214,8 +214,7 @@ pub fn entropy_bits_per_byte(data: &[u8]) -> f64 {
     let table = count_log_table();
     let mut sum = 0.0f64;
     for symbol in 0..256 {
-        let count = (counts[0][symbol] + counts[1][symbol] + counts[2][symbol] + counts[3][symbol])
-            as usize;
+        let count = counts.iter().map(|c| c[symbol]).sum::<u32>() as usize;
         sum += if count < table.len() {
             table[count] as f64
         } else {

@@ -92,6 +92,16 @@ pub struct CheckpointRoot {
     pub seq_boundary: u64,
     pub next_seq: u64,
     pub next_version: u64,
+    /// No segment incarnation with a sequence number at or above this, and
+    /// no record with a version at or above `version_reserved`, was written
+    /// before a newer root: recovery continues from here, so numbers are
+    /// never reused even for records a crash left half-written.
+    pub seq_reserved: u64,
+    pub version_reserved: u64,
+    /// The only free segments the run may allocate before it writes a newer
+    /// root. After a crash, recovery erases those it did not adopt, so that
+    /// half-written leftovers can never be replayed later.
+    pub reserved_segments: Vec<SegmentId>,
     /// Segments that were open at the snapshot; recovery replays them from
     /// the recorded offset.
     pub open_segments: Vec<OpenSegmentPos>,
@@ -143,6 +153,12 @@ impl Root {
         out.u64(cp.seq_boundary);
         out.u64(cp.next_seq);
         out.u64(cp.next_version);
+        out.u64(cp.seq_reserved);
+        out.u64(cp.version_reserved);
+        out.u32(cp.reserved_segments.len() as u32);
+        for segment in &cp.reserved_segments {
+            out.u32(segment.0);
+        }
         out.u32(cp.open_segments.len() as u32);
         for open in &cp.open_segments {
             out.u32(open.segment.0);
@@ -224,6 +240,18 @@ impl Root {
         let seq_boundary = input.u64()?;
         let next_seq = input.u64()?;
         let next_version = input.u64()?;
+        let seq_reserved = input.u64()?;
+        let version_reserved = input.u64()?;
+        let reserved_count = input.u32()? as usize;
+        if reserved_count > input.remaining() / 4 {
+            return Err(format!(
+                "{reserved_count} reserved segments overrun the root"
+            ));
+        }
+        let mut reserved_segments = Vec::with_capacity(reserved_count);
+        for _ in 0..reserved_count {
+            reserved_segments.push(SegmentId(input.u32()?));
+        }
         let open_count = input.u32()? as usize;
         if open_count > 16 {
             return Err(format!("{open_count} open segments"));
@@ -277,6 +305,9 @@ impl Root {
                 seq_boundary,
                 next_seq,
                 next_version,
+                seq_reserved,
+                version_reserved,
+                reserved_segments,
                 open_segments,
                 dump,
                 counters,
@@ -311,7 +342,7 @@ pub fn read_roots(media: &dyn crate::media::Media) -> Result<(Vec<Root>, Vec<Str
             Err(problem) => problems.push(format!("slot {slot}: {problem}")),
         }
     }
-    roots.sort_by(|a, b| b.generation.cmp(&a.generation));
+    roots.sort_by_key(|root| std::cmp::Reverse(root.generation));
     if roots.is_empty() {
         return Err(Error::CorruptImage(format!(
             "no valid superblock in either metadata slot ({})",
@@ -351,6 +382,9 @@ pub(crate) mod tests_support {
                 seq_boundary: 40,
                 next_seq: 45,
                 next_version: 123_456,
+                seq_reserved: 1045,
+                version_reserved: 1_123_456,
+                reserved_segments: vec![SegmentId(20), SegmentId(21)],
                 open_segments: vec![OpenSegmentPos {
                     segment: SegmentId(9),
                     seq: 39,

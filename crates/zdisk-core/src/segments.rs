@@ -54,6 +54,9 @@ pub struct SegmentTable {
     infos: Vec<SegmentInfo>,
     /// Free segments, oldest-freed first, so that wear spreads evenly.
     free: VecDeque<SegmentId>,
+    /// The first `reserved` free segments are named in a durable root as the
+    /// only ones this run may allocate (see `CheckpointRoot::reserved_segments`).
+    reserved: usize,
 }
 
 impl SegmentTable {
@@ -62,6 +65,7 @@ impl SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
             free: (0..segment_count).map(SegmentId).collect(),
+            reserved: 0,
         }
     }
 
@@ -73,7 +77,11 @@ impl SegmentTable {
             .filter(|(_, info)| info.state == SegmentState::Free)
             .map(|(index, _)| SegmentId(index as u32))
             .collect();
-        SegmentTable { infos, free }
+        SegmentTable {
+            infos,
+            free,
+            reserved: 0,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -107,8 +115,45 @@ impl SegmentTable {
         self.infos.iter().filter(|info| wanted(info.state)).count() as u64
     }
 
-    /// Takes the longest-free segment and makes it `Open` with `seq`.
+    /// Free segments a durable root lets this run allocate.
+    pub fn reserved_count(&self) -> u64 {
+        self.reserved as u64
+    }
+
+    /// The segments a root written now should reserve: the first `count`
+    /// free ones (those already reserved come first).
+    pub fn propose_reservation(&self, count: usize) -> Vec<SegmentId> {
+        self.free
+            .iter()
+            .take(count.max(self.reserved))
+            .copied()
+            .collect()
+    }
+
+    /// Makes a proposed reservation usable once its root is durable.
+    /// Segments of it allocated meanwhile were taken from the front.
+    pub fn commit_reservation(&mut self, proposal: &[SegmentId]) {
+        let still_free = proposal
+            .iter()
+            .filter(|s| self.infos[s.index()].state == SegmentState::Free)
+            .count();
+        for (index, segment) in proposal.iter().rev().take(still_free).rev().enumerate() {
+            assert_eq!(
+                self.free.get(index),
+                Some(segment),
+                "a reserved segment is no longer at the front of the free list"
+            );
+        }
+        self.reserved = self.reserved.max(still_free);
+    }
+
+    /// Takes the longest-free reserved segment and makes it `Open` with
+    /// `seq`; `None` when no reserved segment is left.
     pub fn allocate(&mut self, seq: u64) -> Option<SegmentId> {
+        if self.reserved == 0 {
+            return None;
+        }
+        self.reserved -= 1;
         let segment = self.free.pop_front()?;
         let info = &mut self.infos[segment.index()];
         assert_eq!(
@@ -180,6 +225,13 @@ mod tests {
     #[test]
     fn segments_cycle_through_their_states() {
         let mut table = SegmentTable::new(4);
+        assert_eq!(
+            table.allocate(1),
+            None,
+            "nothing is allocatable before a reservation"
+        );
+        let proposal = table.propose_reservation(4);
+        table.commit_reservation(&proposal);
         let a = table.allocate(1).unwrap();
         assert_eq!(table.get(a).state, SegmentState::Open);
         assert_eq!(table.free_count(), 3);
@@ -190,6 +242,16 @@ mod tests {
         assert_eq!(table.release_reclaimable(4), 0);
         assert_eq!(table.release_reclaimable(5), 1);
         assert_eq!(table.free_count(), 4);
+        assert_eq!(
+            table.reserved_count(),
+            3,
+            "a freed segment is not reserved yet"
+        );
+        assert_eq!(
+            table.reserved_count(),
+            3,
+            "a freed segment is not reserved yet"
+        );
         // Freed segments queue behind the ones that were already free.
         assert_ne!(table.allocate(2), Some(a));
     }
@@ -198,6 +260,10 @@ mod tests {
     #[should_panic(expected = "freed with live data")]
     fn freeing_live_data_is_a_bug() {
         let mut table = SegmentTable::new(2);
+        let proposal = table.propose_reservation(2);
+        table.commit_reservation(&proposal);
+        let proposal = table.propose_reservation(2);
+        table.commit_reservation(&proposal);
         let a = table.allocate(1).unwrap();
         table.add_live(a, 1);
         table.get_mut(a).state = SegmentState::Sealed;

@@ -266,6 +266,10 @@ fn options(codec: Codec, policy: GcPolicy) -> OpenOptions {
         // Small enough that periodic checkpoints happen during a run.
         checkpoint_interval_bytes: 256 * 1024,
         write_batch_bytes: 8192,
+        // Small reservations, so that renewing them is exercised too.
+        seq_reserve_ahead: 64,
+        version_reserve_ahead: 64 * 1024,
+        segment_reserve_ahead: 4,
         ..OpenOptions::default()
     }
 }

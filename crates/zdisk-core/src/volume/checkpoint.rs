@@ -38,6 +38,18 @@ const TAG_DATA: u8 = 2;
 const TAG_DAMAGED: u8 = 3;
 
 /// Upper bound of the bytes a dump of this state takes on the medium (one copy).
+/// Uncompressed bytes per checkpoint chunk record.
+pub fn chunk_target_bytes(segment_size: u64) -> usize {
+    (segment_size / 4).min(64 * 1024) as usize
+}
+
+/// The most a chunk record can occupy: a full target plus one item,
+/// LZ4's worst-case expansion and the record header.
+pub fn chunk_record_max_bytes(segment_size: u64) -> u64 {
+    let raw = chunk_target_bytes(segment_size) as u64 + 16 + CHUNK_BLOCKS * 41 + 1;
+    raw + raw / 255 + 16 + 4 + 48
+}
+
 /// `extra_chunks` allows for map chunks a write in progress may add.
 pub fn dump_size_estimate(state: &State, extra_chunks: u64) -> u64 {
     let chunks = state.map.chunk_count() as u64 + extra_chunks;
@@ -405,7 +417,7 @@ impl super::Volume {
 
         let segment_size = self.geometry.segment_size_bytes;
         let page_size = self.geometry.page_size_bytes as u64;
-        let target = (segment_size / 4).min(64 * 1024) as usize;
+        let target = chunk_target_bytes(segment_size);
         let (payloads, gen, boundary, open) = {
             let mut state = self.lock();
             let gen = state.barrier()?;
@@ -415,6 +427,32 @@ impl super::Volume {
         self.sync_to(gen)?;
 
         let placement = layout(&payloads, segment_size);
+        let wanted = 2 * placement.len() as u64;
+        let (reserved, ahead) = {
+            let mut state = self.lock();
+            // The root this checkpoint's root will overwrite stops being a
+            // fallback as soon as that write starts, so its dump can make
+            // room for the new one: a checkpoint never needs more than one
+            // dump's worth of free space.
+            let replaced = ((state.generation + 1) % 2) as usize;
+            if let Some(old) = state.roots[replaced].take() {
+                let other_uses = |dump: &DumpRef| {
+                    state.roots[1 - replaced]
+                        .as_ref()
+                        .and_then(|root| root.dump.as_ref())
+                        .is_some_and(|d| d.generation == dump.generation)
+                };
+                if let Some(dump) = old.dump.filter(|d| !other_uses(d)) {
+                    for segment in dump.segments() {
+                        state.segments.release(segment);
+                    }
+                }
+            }
+            (state.segments.reserved_count(), state.segment_reserve_ahead)
+        };
+        if reserved < wanted {
+            self.write_root(false, wanted + ahead / 2)?;
+        }
         let (copies, generation) = {
             let mut state = self.lock();
             let mut taken: Vec<(SegmentId, u64)> = Vec::with_capacity(2 * placement.len());
@@ -458,12 +496,13 @@ impl super::Volume {
             record_count: payloads.len() as u64,
             generation,
         };
-        let root = {
+        let (root, reservation) = {
             let mut state = self.lock();
+            let reservation = state.reservations_for_root(0);
             state.counters.meta_write_bytes += written;
             state.counters.media_write_bytes += written;
             state.counters.checkpoints += 1;
-            Root {
+            let root = Root {
                 generation,
                 superblock: self.superblock.clone(),
                 settings: self.settings,
@@ -472,15 +511,20 @@ impl super::Volume {
                     seq_boundary: boundary,
                     next_seq: state.next_seq,
                     next_version: state.next_version,
+                    seq_reserved: reservation.seq,
+                    version_reserved: reservation.version,
+                    reserved_segments: reservation.segments.clone(),
                     open_segments: open.clone(),
                     dump: Some(dump.clone()),
                     counters: state.counters,
                 },
-            }
+            };
+            (root, reservation)
         };
         self.commit_root(&root)?;
 
         let mut state = self.lock();
+        state.commit_reservation(&reservation);
         state.install_root(super::state::RetainedRoot {
             generation,
             boundary,

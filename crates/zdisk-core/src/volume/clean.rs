@@ -123,6 +123,15 @@ impl Volume {
             let info = *state.segments.get(victim);
             // Room for its live records plus a damaged marker or two.
             let needed = state.segments_needed(StreamKind::Gc, info.live_bytes + 4096);
+            if state.segments.reserved_count() < needed
+                && state.segments.free_count() >= needed + state.dump_reserve_segments()
+            {
+                // Free segments exist but no root has reserved them yet.
+                let wanted = needed + state.segment_reserve_ahead / 2;
+                drop(state);
+                self.write_root(false, wanted)?;
+                return Ok(true);
+            }
             if state.segments.free_count() < needed + state.dump_reserve_segments() {
                 let reclaimable = state.reclaimable_count();
                 drop(state);

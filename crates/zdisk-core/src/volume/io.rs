@@ -429,7 +429,8 @@ impl Volume {
     /// cleaning segments in this thread if needed (this is what throttles
     /// writers when space runs short).
     /// `reserve_for_blocks`: keep the reserve, sized for a write of that
-    /// many blocks; `None`: the reserve may be used (trims and zeroes).
+    /// many blocks; `None`: only keep room for a checkpoint, so that trims
+    /// and zeroes work on a full medium.
     /// Returns the guard and the number of segments that must stay free.
     pub(crate) fn lock_with_room(
         &self,
@@ -439,9 +440,18 @@ impl Volume {
         let mut attempts = 0u64;
         let limit = 4 * self.geometry.segment_count as u64 + 16;
         loop {
-            let state = self.lock();
+            let mut state = self.lock();
             state.check_writable()?;
-            let floor = reserve_for_blocks.map_or(0, |blocks| state.reserved_segments_for(blocks));
+            let floor = match reserve_for_blocks {
+                Some(blocks) => state.reserved_segments_for(blocks),
+                None => state.dump_reserve_segments(),
+            };
+            let needed = state.segments_needed(StreamKind::Host, bytes);
+            if state.reservation_low() || state.segments.reserved_count() < needed {
+                drop(state);
+                self.renew_reservations(needed)?;
+                state = self.lock();
+            }
             if state.host_has_room(bytes, floor) {
                 return Ok((state, floor));
             }
@@ -516,14 +526,14 @@ impl Volume {
                 Discard::Trim | Discard::ZeroPunch => RecordKind::Trim,
                 Discard::Zero => RecordKind::Zero,
             };
-            // Trims and zeroes free space, so they may use the reserve.
-            let (mut state, _) = self.lock_with_room(RANGE_RECORD_LEN, None)?;
+            // Trims and zeroes free space, so they may use the cleaner's reserve.
+            let (mut state, floor) = self.lock_with_room(RANGE_RECORD_LEN, None)?;
             append_range(
                 &mut state,
                 kind,
                 Lba(first_full / BLOCK_SIZE_U64),
                 (end_full - first_full) / BLOCK_SIZE_U64,
-                0,
+                floor,
             )?;
             drop(state);
             if zeroing && end_full < end {

@@ -86,6 +86,12 @@ pub struct OpenOptions {
     pub gc_low_free_segments: Option<u64>,
     /// ... and stops once this many are free.
     pub gc_high_free_segments: Option<u64>,
+    /// How many segment sequence numbers and versions a root reserves
+    /// ahead of use (tests shrink these to exercise renewal).
+    pub seq_reserve_ahead: u64,
+    pub version_reserve_ahead: u64,
+    /// How many free segments a root reserves for allocation.
+    pub segment_reserve_ahead: u64,
 }
 
 impl Default for OpenOptions {
@@ -99,6 +105,9 @@ impl Default for OpenOptions {
             write_batch_bytes: 128 * 1024,
             gc_low_free_segments: None,
             gc_high_free_segments: None,
+            seq_reserve_ahead: state::SEQ_RESERVE_AHEAD,
+            version_reserve_ahead: state::VERSION_RESERVE_AHEAD,
+            segment_reserve_ahead: 64,
         }
     }
 }
@@ -175,6 +184,9 @@ impl Volume {
                 seq_boundary: 1,
                 next_seq: 1,
                 next_version: 1,
+                seq_reserved: 1,
+                version_reserved: 1,
+                reserved_segments: Vec::new(),
                 open_segments: Vec::new(),
                 dump: None,
                 counters: Counters::default(),
@@ -212,7 +224,13 @@ impl Volume {
             // A damaged slot may have held a newer root: then this root's
             // clean flag says nothing about what came after it.
             let trust_clean = slot_problems.is_empty() && index == 0;
-            match recovery::recover(media.as_ref(), candidate, older, trust_clean) {
+            match recovery::recover(
+                media.as_ref(),
+                candidate,
+                older,
+                trust_clean,
+                !options.read_only,
+            ) {
                 Ok(recovered) => {
                     attempt = Some((candidate.clone(), recovered));
                     break;
@@ -255,6 +273,12 @@ impl Volume {
             streams: [Stream::default(), Stream::default()],
             next_version: recovered.next_version,
             next_seq: recovered.next_seq,
+            // Nothing may be numbered until a root reserves it.
+            seq_limit: recovered.next_seq,
+            version_limit: recovered.next_version,
+            seq_reserve_ahead: options.seq_reserve_ahead.max(64),
+            version_reserve_ahead: options.version_reserve_ahead.max(64 * 1024),
+            segment_reserve_ahead: options.segment_reserve_ahead.max(4),
             barrier_gen: 0,
             synced_gen: 0,
             counters: recovered.counters,
@@ -287,17 +311,19 @@ impl Volume {
             options,
         });
         if !read_only {
+            // First mark the volume dirty and reserve numbers for this run,
+            // before anything is written.
+            volume.write_root(false, 0)?;
             if report.replayed_records > 0 || !report.clean {
                 // Fold the replayed log into a checkpoint, so the next start
                 // does not replay it again and its trims are safe to clean.
                 // If even cleaning cannot make room for the dump, the volume
                 // opens on the old checkpoint, marked dirty; a later
                 // checkpoint catches up.
-                if let Err(Error::NoSpace { .. }) = volume.checkpoint_making_room(false) {
-                    volume.write_root(false)?;
+                match volume.checkpoint_making_room(false) {
+                    Ok(()) | Err(Error::NoSpace { .. }) => {}
+                    Err(other) => return Err(other),
                 }
-            } else {
-                volume.write_root(false)?;
             }
         }
         report.duration = started.elapsed();
@@ -375,13 +401,15 @@ impl Volume {
         Ok(())
     }
 
-    /// Writes a root that points at the current checkpoint dump.
-    /// Writes a root that points at the newest checkpoint dump (used to
-    /// mark the volume dirty when it opens).
-    fn write_root(&self, clean: bool) -> Result<()> {
-        let (root, retained) = {
+    /// Writes a root that points at the newest checkpoint dump: to mark
+    /// the volume dirty when it opens, and to renew reservations (with at
+    /// least `min_segments` segments). The caller holds the maintenance lock
+    /// or has the volume to itself.
+    fn write_root(&self, clean: bool, min_segments: u64) -> Result<()> {
+        let (root, retained, reservation) = {
             let mut state = self.lock();
             state.generation += 1;
+            let reservation = state.reservations_for_root(min_segments);
             let newest = state.newest_root().clone();
             let retained = state::RetainedRoot {
                 generation: state.generation,
@@ -396,15 +424,20 @@ impl Volume {
                     seq_boundary: retained.boundary,
                     next_seq: state.next_seq,
                     next_version: state.next_version,
+                    seq_reserved: reservation.seq,
+                    version_reserved: reservation.version,
+                    reserved_segments: reservation.segments.clone(),
                     open_segments: retained.open.clone(),
                     dump: retained.dump.clone(),
                     counters: state.counters,
                 },
             };
-            (root, retained)
+            (root, retained, reservation)
         };
         self.commit_root(&root)?;
-        self.lock().install_root(retained);
+        let mut state = self.lock();
+        state.commit_reservation(&reservation);
+        state.install_root(retained);
         Ok(())
     }
 
@@ -482,10 +515,28 @@ impl Volume {
         self.wake.notify_all();
     }
 
+    /// Writes a root to renew the reservations of sequence numbers,
+    /// versions and segments, with at least `min_segments` segments.
+    pub(crate) fn renew_reservations(&self, min_segments: u64) -> Result<()> {
+        let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
+        let needed = {
+            let state = self.lock();
+            state.reservation_low() || state.segments.reserved_count() < min_segments
+        };
+        if needed {
+            self.write_root(false, min_segments)?;
+        }
+        Ok(())
+    }
+
     /// One round of background work; returns true if it did something.
     pub fn maintenance_tick(&self) -> Result<bool> {
         if self.read_only {
             return Ok(false);
+        }
+        if self.lock().reservation_low() {
+            self.renew_reservations(0)?;
+            return Ok(true);
         }
         let (free, reclaimable, checkpoint_due) = {
             let state = self.lock();

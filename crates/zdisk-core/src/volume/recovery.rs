@@ -47,6 +47,9 @@ pub struct OpenReport {
     pub slot_problems: Vec<String>,
     /// Map entries that pointed outside the log and were marked damaged.
     pub dangling_entries: u64,
+    /// Reserved segments erased because the crashed run may have left
+    /// half-written records in them.
+    pub leftover_segments_erased: u64,
     #[serde(skip)]
     pub duration: Duration,
 }
@@ -92,6 +95,7 @@ pub(crate) fn recover(
     root: &Root,
     older: Option<&Root>,
     trust_clean: bool,
+    writable: bool,
 ) -> Result<Recovered> {
     let geometry = media.geometry();
     let segment_size = geometry.segment_size_bytes;
@@ -134,8 +138,9 @@ pub(crate) fn recover(
         })
         .collect();
     let mut counters = checkpoint.counters;
-    let mut next_seq = checkpoint.next_seq;
-    let mut next_version = checkpoint.next_version;
+    // Continue past everything the crashed run may have written.
+    let mut next_seq = checkpoint.next_seq.max(checkpoint.seq_reserved);
+    let mut next_version = checkpoint.next_version.max(checkpoint.version_reserved);
     let boundary = checkpoint.seq_boundary;
     // Range records replayed: (segment seq, segment, first block, count, version).
     let mut ranges: Vec<(u64, SegmentId, u64, u64, u64)> = Vec::new();
@@ -304,6 +309,31 @@ pub(crate) fn recover(
         }
         next_seq = next_seq.max(info.seq + 1);
         next_version = next_version.max(info.max_version + 1);
+    }
+    // Segments the crashed run was allowed to allocate but that recovery
+    // did not adopt may hold half-written leftovers: erase them, durably,
+    // before anything else happens, so no later recovery can replay them.
+    if writable && !clean {
+        let mut erased = 0;
+        for &segment in &checkpoint.reserved_segments {
+            if segment.0 < geometry.segment_count
+                && infos[segment.index()].state == SegmentState::Free
+            {
+                media.erase_segment(segment)?;
+                infos[segment.index()] = SegmentInfo {
+                    state: SegmentState::Free,
+                    seq: 0,
+                    live_bytes: 0,
+                    fill_bytes: 0,
+                    max_version: 0,
+                };
+                erased += 1;
+            }
+        }
+        if erased > 0 {
+            media.sync()?;
+        }
+        report.leftover_segments_erased = erased;
     }
     Ok(Recovered {
         roots,

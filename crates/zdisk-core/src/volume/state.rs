@@ -29,6 +29,11 @@ pub enum StreamKind {
     Gc = 1,
 }
 
+/// How far ahead of use a root reserves sequence numbers and versions by
+/// default; reservations are renewed once a quarter of that is left.
+pub const SEQ_RESERVE_AHEAD: u64 = 1 << 16;
+pub const VERSION_RESERVE_AHEAD: u64 = 1 << 26;
+
 /// Segments kept back for the cleaner, beyond those a checkpoint needs.
 pub const GC_RESERVE_SEGMENTS: u64 = 2;
 
@@ -41,6 +46,14 @@ pub struct RetainedRoot {
     /// Segments open at its snapshot, replayed from the recorded offset.
     pub open: Vec<OpenSegmentPos>,
     pub dump: Option<DumpRef>,
+}
+
+/// Numbers and segments a root reserves for the run that writes it.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    pub seq: u64,
+    pub version: u64,
+    pub segments: Vec<SegmentId>,
 }
 
 /// An open segment being filled.
@@ -69,6 +82,13 @@ pub struct State {
     pub streams: [Stream; 2],
     pub next_version: u64,
     pub next_seq: u64,
+    /// Sequence numbers and versions below these are covered by the
+    /// reservation in a durable root (see `CheckpointRoot::seq_reserved`).
+    pub seq_limit: u64,
+    pub version_limit: u64,
+    pub seq_reserve_ahead: u64,
+    pub version_reserve_ahead: u64,
+    pub segment_reserve_ahead: u64,
     /// Barriers issued; a barrier writes every buffered byte to the medium.
     pub barrier_gen: u64,
     /// Highest barrier generation known to be durable.
@@ -123,8 +143,14 @@ impl State {
     pub fn dump_reserve_segments_for(&self, extra_blocks: u64) -> u64 {
         let extra_chunks = extra_blocks.div_ceil(crate::map::CHUNK_BLOCKS) + 1;
         let dump_bytes = crate::volume::checkpoint::dump_size_estimate(self, extra_chunks);
-        let usable = self.segment_size() - RAW_RECORD_LEN;
-        2 * dump_bytes.div_ceil(usable)
+        // A chunk that does not fit the rest of a segment starts the next one.
+        let usable = self
+            .segment_size()
+            .saturating_sub(crate::volume::checkpoint::chunk_record_max_bytes(
+                self.segment_size(),
+            ))
+            .max(1);
+        2 * dump_bytes.div_ceil(usable).max(1)
     }
 
     /// Segments that host writes may not take: the cleaner's reserve plus
@@ -161,7 +187,9 @@ impl State {
     /// segments free.
     pub fn host_has_room(&self, bytes: u64, floor: u64) -> bool {
         let needed = self.segments_needed(StreamKind::Host, bytes);
-        needed == 0 || self.segments.free_count() >= floor + needed
+        needed == 0
+            || (self.segments.free_count() >= floor + needed
+                && self.segments.reserved_count() >= needed)
     }
 
     /// Appends one record to a stream and returns where it landed, keeping
@@ -292,8 +320,13 @@ impl State {
     /// Takes a free segment, erases it and gives it a new incarnation.
     pub fn allocate_erased(&mut self) -> Result<SegmentId> {
         let seq = self.next_seq;
+        assert!(
+            seq < self.seq_limit,
+            "sequence reservation {} exhausted",
+            self.seq_limit
+        );
         let segment = self.segments.allocate(seq).ok_or(Error::NoSpace {
-            free_segments: 0,
+            free_segments: self.segments.free_count(),
             reserved_segments: 0,
         })?;
         self.next_seq += 1;
@@ -416,6 +449,33 @@ impl State {
         );
         self.next_version += 1;
         version
+    }
+
+    /// True when a root should be written to renew the reservations.
+    pub fn reservation_low(&self) -> bool {
+        let segments_low = self.segments.reserved_count() < self.segment_reserve_ahead / 2
+            && self.segments.free_count() > self.segments.reserved_count();
+        segments_low
+            || self.next_seq + self.seq_reserve_ahead / 4 > self.seq_limit
+            || self.next_version + self.version_reserve_ahead / 4 > self.version_limit
+    }
+
+    /// The reservations a root written now should carry, with at least
+    /// `min_segments` segments.
+    pub fn reservations_for_root(&self, min_segments: u64) -> Reservation {
+        let segments = self.segment_reserve_ahead.max(min_segments) as usize;
+        Reservation {
+            seq: (self.next_seq + self.seq_reserve_ahead).max(self.seq_limit),
+            version: (self.next_version + self.version_reserve_ahead).max(self.version_limit),
+            segments: self.segments.propose_reservation(segments),
+        }
+    }
+
+    /// Makes a reservation usable once the root carrying it is durable.
+    pub fn commit_reservation(&mut self, reservation: &Reservation) {
+        self.seq_limit = self.seq_limit.max(reservation.seq);
+        self.version_limit = self.version_limit.max(reservation.version);
+        self.segments.commit_reservation(&reservation.segments);
     }
 
     /// Frees reclaimable segments once `synced_gen` covers their barrier.

@@ -87,3 +87,193 @@ fn thin_volume_fills_then_trim_gives_space_back() {
     let report = volume.check(true).unwrap();
     assert!(report.is_clean(), "{report:?}");
 }
+
+/// One operation of a random sequence checked against the model.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Write `blocks` blocks of the given kind of content at a block.
+    Write {
+        lba: u64,
+        blocks: u64,
+        kind: u8,
+        seed: u64,
+    },
+    /// Write `len` bytes at a byte offset (exercises read-modify-write).
+    WriteBytes {
+        offset: u64,
+        len: u64,
+        seed: u64,
+    },
+    Trim {
+        lba: u64,
+        blocks: u64,
+    },
+    Zero {
+        lba: u64,
+        blocks: u64,
+        punch: bool,
+    },
+    Read {
+        offset: u64,
+        len: u64,
+    },
+    Flush,
+    Clean,
+    Checkpoint,
+    /// Clean shutdown and reopen: everything must survive exactly.
+    Reopen,
+}
+
+fn op_strategy(blocks: u64) -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    let size = blocks * BLOCK_SIZE as u64;
+    prop_oneof![
+        6 => (0..blocks, 1..16u64, 0..4u8, any::<u64>())
+            .prop_map(move |(lba, n, kind, seed)| Op::Write { lba, blocks: n.min(blocks - lba), kind, seed }),
+        2 => (0..size, 1..20_000u64, any::<u64>())
+            .prop_map(move |(offset, len, seed)| Op::WriteBytes { offset, len: len.min(size - offset), seed }),
+        2 => (0..blocks, 1..32u64).prop_map(move |(lba, n)| Op::Trim { lba, blocks: n.min(blocks - lba) }),
+        1 => (0..blocks, 1..32u64, any::<bool>())
+            .prop_map(move |(lba, n, punch)| Op::Zero { lba, blocks: n.min(blocks - lba), punch }),
+        3 => (0..size, 1..40_000u64).prop_map(move |(offset, len)| Op::Read { offset, len: len.min(size - offset) }),
+        1 => Just(Op::Flush),
+        1 => Just(Op::Clean),
+        1 => Just(Op::Checkpoint),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+fn block_content(kind: u8, seed: u64, index: u64) -> Vec<u8> {
+    let mut rng = SmallRng::seed_from_u64(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    match kind {
+        0 => vec![0u8; BLOCK_SIZE],
+        1 => random(&mut rng, BLOCK_SIZE),
+        2 => {
+            let word: u32 = rng.gen();
+            (0..BLOCK_SIZE)
+                .map(|i| (word >> (i % 4 * 8)) as u8 ^ (i / 700) as u8)
+                .collect()
+        }
+        _ => {
+            let mut block = vec![b'z'; BLOCK_SIZE];
+            let half = rng.gen_range(0..BLOCK_SIZE);
+            rng.fill_bytes(&mut block[..half]);
+            block
+        }
+    }
+}
+
+fn run_against_model(ops: &[Op]) {
+    const BLOCKS: u64 = 192;
+    let media = Arc::new(MemMedia::with_size(4096, 64 * 1024, 24).unwrap());
+    let options = || OpenOptions {
+        background: false,
+        checkpoint_interval_bytes: 128 * 1024,
+        ..OpenOptions::default()
+    };
+    let mut volume = Volume::create(
+        media.clone() as Arc<dyn Media>,
+        CreateOptions::new(BLOCKS * BLOCK_SIZE as u64),
+        options(),
+    )
+    .unwrap();
+    let mut media = media;
+    let mut model = vec![0u8; (BLOCKS * BLOCK_SIZE as u64) as usize];
+    for op in ops {
+        match op.clone() {
+            Op::Write {
+                lba,
+                blocks,
+                kind,
+                seed,
+            } => {
+                let data: Vec<u8> = (0..blocks)
+                    .flat_map(|i| block_content(kind, seed, i))
+                    .collect();
+                match volume.write(lba * BLOCK_SIZE as u64, &data, false) {
+                    Ok(()) => {
+                        let at = (lba * BLOCK_SIZE as u64) as usize;
+                        model[at..at + data.len()].copy_from_slice(&data);
+                    }
+                    Err(Error::NoSpace { .. }) => {}
+                    Err(other) => panic!("{op:?}: {other}"),
+                }
+            }
+            Op::WriteBytes { offset, len, seed } => {
+                let data = random(&mut SmallRng::seed_from_u64(seed), len as usize);
+                match volume.write(offset, &data, false) {
+                    Ok(()) => {
+                        model[offset as usize..(offset + len) as usize].copy_from_slice(&data)
+                    }
+                    Err(Error::NoSpace { .. }) => {}
+                    Err(other) => panic!("{op:?}: {other}"),
+                }
+            }
+            Op::Trim { lba, blocks } => {
+                volume
+                    .trim(lba * BLOCK_SIZE as u64, blocks * BLOCK_SIZE as u64, false)
+                    .unwrap();
+                let at = (lba * BLOCK_SIZE as u64) as usize;
+                model[at..at + (blocks as usize * BLOCK_SIZE)].fill(0);
+            }
+            Op::Zero { lba, blocks, punch } => {
+                volume
+                    .write_zeroes(
+                        lba * BLOCK_SIZE as u64,
+                        blocks * BLOCK_SIZE as u64,
+                        punch,
+                        false,
+                    )
+                    .unwrap();
+                let at = (lba * BLOCK_SIZE as u64) as usize;
+                model[at..at + (blocks as usize * BLOCK_SIZE)].fill(0);
+            }
+            Op::Read { offset, len } => {
+                let mut buf = vec![0u8; len as usize];
+                volume.read(offset, &mut buf).unwrap();
+                assert!(
+                    buf == model[offset as usize..(offset + len) as usize],
+                    "{op:?} returned wrong bytes"
+                );
+            }
+            Op::Flush => volume.flush().unwrap(),
+            Op::Clean => {
+                volume.clean_one(0).unwrap();
+            }
+            Op::Checkpoint => volume.checkpoint().unwrap(),
+            Op::Reopen => {
+                volume.close().unwrap();
+                media = Arc::new(media.reopen());
+                volume = Volume::open(media.clone() as Arc<dyn Media>, options()).unwrap();
+                assert_eq!(
+                    volume.open_report().replayed_records,
+                    0,
+                    "a clean close leaves nothing to replay"
+                );
+            }
+        }
+    }
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let mut all = vec![0u8; model.len()];
+    volume.read(0, &mut all).unwrap();
+    assert!(all == model, "final contents differ from the model");
+    let stats = volume.stats();
+    let data_blocks = model
+        .chunks(BLOCK_SIZE)
+        .filter(|b| b.iter().any(|&x| x != 0))
+        .count() as u64;
+    assert_eq!(
+        stats.mapped_bytes,
+        data_blocks * BLOCK_SIZE as u64,
+        "mapped_bytes counts the non-zero blocks"
+    );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_operations_match_the_model(ops in proptest::collection::vec(op_strategy(192), 1..120)) {
+        run_against_model(&ops);
+    }
+}
