@@ -114,6 +114,52 @@ pub trait Media: Send + Sync {
 
     /// A short human description, e.g. "file demo.zdisk".
     fn describe(&self) -> String;
+
+    // --- Hooks for media that model a whole drive (emulated NAND). The
+    // defaults suit a plain file or RAM.
+
+    /// The host moved `bytes` of logical data (before compression) in or
+    /// out. A drive model charges its host link and compression engine.
+    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
+        let _ = (direction, bytes);
+    }
+
+    /// True if the medium's write buffer survives power loss (PLP), so a
+    /// flush need not pad and program a partial page.
+    fn has_power_loss_protection(&self) -> bool {
+        false
+    }
+
+    /// With power-loss protection: keeps `data`, the beginning of page
+    /// `page` of `segment`, durable without programming the page. Reads
+    /// return it until a `write_pages` of that page replaces it, and an
+    /// erase of the segment drops it. Only called when
+    /// [`Media::has_power_loss_protection`] is true.
+    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
+        let _ = (segment, page, data);
+        Err(Error::Unsupported("this medium has no power-loss protection".into()))
+    }
+
+    /// The cleaner reclaimed a segment of `segment_bytes`, relocating
+    /// `relocated_bytes`. A drive model charges its recycling engine.
+    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64) {
+        let _ = (segment_bytes, relocated_bytes);
+    }
+
+    /// False while a rate-capped recycling engine is still busy; the
+    /// background cleaner then waits (foreground cleaning does not).
+    fn recycling_ready(&self) -> bool {
+        true
+    }
+}
+
+/// Direction of a host transfer, for [`Media::host_transfer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostDirection {
+    /// Host to drive (WRITE).
+    Write,
+    /// Drive to host (READ).
+    Read,
 }
 
 /// Enforces flash write rules: erase before write, pages in order, each once.
