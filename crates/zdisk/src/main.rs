@@ -2,9 +2,11 @@
 //! wiring and printing; everything else lives in `zdisk-core` (the engine)
 //! and `zdisk-nbd` (the protocol server).
 
+mod bench;
 mod check;
 mod image;
 mod metrics;
+mod nand;
 mod serve;
 mod stats;
 
@@ -34,17 +36,19 @@ enum Command {
     Stats(StatsArgs),
     /// Verify an image's invariants and every stored extent's checksum.
     Check(CheckArgs),
+    /// Run storage benchmarks on an emulated drive (virtual time) or an image (real time).
+    Bench(bench::BenchArgs),
 }
 
-fn size_arg(text: &str) -> Result<u64, String> {
+pub(crate) fn size_arg(text: &str) -> Result<u64, String> {
     parse_size(text)
 }
 
-fn codec_arg(text: &str) -> Result<Codec, String> {
+pub(crate) fn codec_arg(text: &str) -> Result<Codec, String> {
     Codec::parse(text)
 }
 
-fn policy_arg(text: &str) -> Result<GcPolicy, String> {
+pub(crate) fn policy_arg(text: &str) -> Result<GcPolicy, String> {
     GcPolicy::parse(text)
 }
 
@@ -136,6 +140,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args).map(|_| ExitCode::SUCCESS),
         Command::Stats(args) => stats::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Check(args) => check::run(&args),
+        Command::Bench(args) => bench::run(&args).map(|_| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

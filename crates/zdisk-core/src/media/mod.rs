@@ -22,7 +22,7 @@
 mod file;
 mod mem;
 
-pub use file::{FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
+pub use file::{file_geometry, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
 pub use mem::{CrashConfig, MemMedia};
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -137,7 +137,9 @@ pub trait Media: Send + Sync {
     /// [`Media::has_power_loss_protection`] is true.
     fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
         let _ = (segment, page, data);
-        Err(Error::Unsupported("this medium has no power-loss protection".into()))
+        Err(Error::Unsupported(
+            "this medium has no power-loss protection".into(),
+        ))
     }
 
     /// The cleaner reclaimed a segment of `segment_bytes`, relocating

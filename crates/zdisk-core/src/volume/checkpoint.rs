@@ -50,10 +50,24 @@ pub fn chunk_record_max_bytes(segment_size: u64) -> u64 {
     raw + raw / 255 + 16 + 4 + 48
 }
 
+/// Segments a checkpoint's two dump copies need.
+pub fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u64) -> u64 {
+    let usable = segment_size
+        .saturating_sub(chunk_record_max_bytes(segment_size))
+        .max(1);
+    2 * dump_size_for(chunks, segment_count).div_ceil(usable).max(1)
+}
+
 /// `extra_chunks` allows for map chunks a write in progress may add.
 pub fn dump_size_estimate(state: &State, extra_chunks: u64) -> u64 {
-    let chunks = state.map.chunk_count() as u64 + extra_chunks;
-    let segments = state.segments.len() as u64;
+    dump_size_for(
+        state.map.chunk_count() as u64 + extra_chunks,
+        state.segments.len() as u64,
+    )
+}
+
+/// Upper bound of one dump copy's bytes for `chunks` map chunks and `segments` segments.
+pub fn dump_size_for(chunks: u64, segments: u64) -> u64 {
     // Worst case per entry: tag + 4 varints of up to 10 bytes.
     let raw = chunks * (16 + CHUNK_BLOCKS * 41) + segments * 40 + 64;
     // LZ4 worst case plus per-record headers.

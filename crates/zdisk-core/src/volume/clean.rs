@@ -26,6 +26,10 @@ use super::scan::scan_segment;
 use super::state::{State, StreamKind};
 use super::Volume;
 
+/// Room kept for small records a cleaning step may add beyond the live
+/// data it relocates (damage markers).
+const RELOCATION_SLACK_BYTES: u64 = 256;
+
 /// A release generation that no barrier reaches: set while a checkpoint
 /// must come first.
 const AFTER_CHECKPOINT: u64 = u64::MAX;
@@ -95,10 +99,11 @@ pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
 
 impl Volume {
     /// Garbage a victim must hold for a writer waiting on space to clean
-    /// it: cleaning a nearly full segment would cost a segment's worth of
-    /// copying to gain almost nothing, over and over, on a full volume.
+    /// it. More than the tail a full segment always wastes (under one raw
+    /// record), so that a volume whose only "garbage" is such tails reports
+    /// ENOSPC instead of copying segments around to gain nothing.
     pub(crate) fn foreground_min_garbage(&self) -> u64 {
-        (self.geometry.segment_size_bytes / 16).max(2 * crate::record::RAW_RECORD_LEN)
+        2 * crate::record::RAW_RECORD_LEN
     }
 
     /// Cleans one victim with at least `min_garbage_bytes` of reclaimable
@@ -116,13 +121,30 @@ impl Volume {
         let (victim, seq, fill_bytes, post_checkpoint) = {
             let state = self.lock();
             state.check_writable()?;
-            let Some(victim) = pick_victim(&state, self.settings.gc_policy, min_garbage_bytes)
+            let Some(mut victim) = pick_victim(&state, self.settings.gc_policy, min_garbage_bytes)
             else {
                 return Ok(false);
             };
+            // Room for its live records plus a few small records (damage markers).
+            let room_for = |state: &State, victim: SegmentId| {
+                state.segments_needed(
+                    StreamKind::Gc,
+                    state.segments.get(victim).live_bytes + RELOCATION_SLACK_BYTES,
+                )
+            };
+            let spare = state
+                .segments
+                .free_count()
+                .saturating_sub(state.dump_reserve_segments());
+            if room_for(&state, victim) > spare {
+                // Short of free segments: take the emptiest victim instead,
+                // which needs the least room to relocate.
+                if let Some(emptiest) = pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes) {
+                    victim = emptiest;
+                }
+            }
             let info = *state.segments.get(victim);
-            // Room for its live records plus a damaged marker or two.
-            let needed = state.segments_needed(StreamKind::Gc, info.live_bytes + 4096);
+            let needed = room_for(&state, victim);
             if state.segments.reserved_count() < needed
                 && state.segments.free_count() >= needed + state.dump_reserve_segments()
             {
@@ -154,6 +176,28 @@ impl Volume {
         let scan = scan_segment(&bytes, 0, seq as u32, page_size);
 
         let mut state = self.lock();
+        // Trim and zero records to relocate come on top of the live data:
+        // make sure everything fits before changing anything.
+        let range_bytes: u64 = scan
+            .records
+            .iter()
+            .filter(|r| post_checkpoint && r.header.kind.is_range())
+            .map(|r| r.header.record_len())
+            .sum();
+        let needed = state.segments_needed(
+            StreamKind::Gc,
+            state.segments.get(victim).live_bytes + range_bytes + RELOCATION_SLACK_BYTES,
+        );
+        if state.segments.free_count() < needed + state.dump_reserve_segments() {
+            let reclaimable = state.reclaimable_count();
+            drop(state);
+            if reclaimable > 0 {
+                self.flush()?;
+                return Ok(true);
+            }
+            return Ok(false);
+        }
+        let gc_written_before = state.counters.gc_write_bytes;
         state.counters.gc_read_bytes += fill_bytes;
         assert_eq!(
             state.segments.get(victim).state,
@@ -238,7 +282,10 @@ impl Volume {
         };
         state.segments.get_mut(victim).state = SegmentState::Reclaimable { release_gen };
         state.counters.segments_cleaned += 1;
+        let relocated = state.counters.gc_write_bytes - gc_written_before;
         drop(state);
+        self.media
+            .segment_recycled(self.geometry.segment_size_bytes, relocated);
         if checkpoint_first {
             // Also releases the victim for the next barrier.
             self.checkpoint_locked(false)?;

@@ -16,6 +16,7 @@
 use crate::codec::{compress_block, decompress_block, CodecId};
 use crate::error::{Error, Result};
 use crate::map::{Location, RangeState, Slot};
+use crate::media::HostDirection;
 use crate::record::{
     decode_record, record_len_for_payload, RecordHeader, RecordKind, RANGE_PAYLOAD_LEN,
 };
@@ -96,6 +97,14 @@ impl Volume {
             return Ok(());
         }
         self.lock().counters.host_read_bytes += buf.len() as u64;
+        let result = self.read_bytes_inner(offset, buf);
+        // The data leaves over the host link once it has been read.
+        self.media
+            .host_transfer(HostDirection::Read, buf.len() as u64);
+        result
+    }
+
+    fn read_bytes_inner(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         let first = offset / BLOCK_SIZE_U64;
         let end = (offset + buf.len() as u64).div_ceil(BLOCK_SIZE_U64);
         if offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE) {
@@ -279,6 +288,9 @@ impl Volume {
     }
 
     pub(crate) fn write_bytes(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        // The data crosses the host link (and a drive's compressor) first.
+        self.media
+            .host_transfer(HostDirection::Write, data.len() as u64);
         if data.is_empty() {
             return Ok(());
         }
@@ -501,6 +513,7 @@ impl Volume {
     }
 
     pub(crate) fn discard(&self, offset: u64, len: u64, mode: Discard, fua: bool) -> Result<()> {
+        self.media.host_transfer(HostDirection::Write, 0);
         if len == 0 {
             return Ok(());
         }

@@ -500,6 +500,19 @@ impl Volume {
         Ok(())
     }
 
+    /// Stops everything without flushing or checkpointing, as a crash
+    /// would: buffered writes are lost, the log is left for recovery. For
+    /// tests and benchmarks that measure recovery in-process.
+    pub fn halt(&self) {
+        self.stop_background();
+        self.closed.store(true, Ordering::SeqCst);
+        let mut state = self.lock();
+        state.failed = Some("the volume was halted".into());
+        for stream in state.streams.iter_mut() {
+            stream.buf.clear();
+        }
+    }
+
     fn stop_background(&self) {
         self.stop.store(true, Ordering::SeqCst);
         self.poke();
@@ -560,6 +573,10 @@ impl Volume {
                 self.flush()?;
                 return Ok(true);
             }
+            if !self.media.recycling_ready() {
+                // A rate-capped recycling engine is still busy.
+                return Ok(false);
+            }
             let cleaned = self.clean_one(self.geometry.segment_size_bytes / 16)?;
             if !cleaned {
                 self.set_gc_active(false);
@@ -594,6 +611,17 @@ impl Volume {
             entry.version(),
             state.roots
         )
+    }
+
+    /// Segments the engine keeps back (cleaner and checkpoint reserves) and
+    /// keeps open (two streams) for a volume with `mapped_blocks` blocks on
+    /// `segment_count` segments of `segment_size` bytes: what is left is the
+    /// space data and its garbage can use.
+    pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
+        let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
+        state::GC_RESERVE_SEGMENTS
+            + checkpoint::dump_segments_for(chunks, segment_count, segment_size)
+            + 2
     }
 
     /// A snapshot of the volume's statistics.
@@ -748,6 +776,8 @@ impl BlockDevice for Volume {
     }
 
     fn flush(&self) -> Result<()> {
+        self.media
+            .host_transfer(crate::media::HostDirection::Write, 0);
         Volume::flush(self)
     }
 

@@ -35,7 +35,7 @@ pub const SEQ_RESERVE_AHEAD: u64 = 1 << 16;
 pub const VERSION_RESERVE_AHEAD: u64 = 1 << 26;
 
 /// Segments kept back for the cleaner, beyond those a checkpoint needs.
-pub const GC_RESERVE_SEGMENTS: u64 = 2;
+pub const GC_RESERVE_SEGMENTS: u64 = 4;
 
 /// What a root in a metadata slot needs kept for recovery to start from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,15 +142,11 @@ impl State {
     /// blocks may have been mapped (a write grows the map as it goes).
     pub fn dump_reserve_segments_for(&self, extra_blocks: u64) -> u64 {
         let extra_chunks = extra_blocks.div_ceil(crate::map::CHUNK_BLOCKS) + 1;
-        let dump_bytes = crate::volume::checkpoint::dump_size_estimate(self, extra_chunks);
-        // A chunk that does not fit the rest of a segment starts the next one.
-        let usable = self
-            .segment_size()
-            .saturating_sub(crate::volume::checkpoint::chunk_record_max_bytes(
-                self.segment_size(),
-            ))
-            .max(1);
-        2 * dump_bytes.div_ceil(usable).max(1)
+        crate::volume::checkpoint::dump_segments_for(
+            self.map.chunk_count() as u64 + extra_chunks,
+            self.segments.len() as u64,
+            self.segment_size(),
+        )
     }
 
     /// Segments that host writes may not take: the cleaner's reserve plus
@@ -341,10 +337,36 @@ impl State {
     /// all of it durable.
     pub fn barrier(&mut self) -> Result<u64> {
         self.check_writable()?;
-        self.pad_and_write(StreamKind::Host)?;
-        self.pad_and_write(StreamKind::Gc)?;
+        for kind in [StreamKind::Host, StreamKind::Gc] {
+            if self.media.has_power_loss_protection() {
+                self.stage_tail(kind)?;
+            } else {
+                self.pad_and_write(kind)?;
+            }
+        }
         self.barrier_gen += 1;
         Ok(self.barrier_gen)
+    }
+
+    /// With power-loss protection: writes a stream's whole pages and hands
+    /// the partial last page to the medium's non-volatile buffer, instead
+    /// of padding and programming it. The page is programmed later, whole.
+    fn stage_tail(&mut self, kind: StreamKind) -> Result<()> {
+        self.write_whole_pages(kind)?;
+        let page = self.page_size();
+        let stream = &self.streams[kind as usize];
+        let (Some(segment), false) = (stream.segment, stream.buf.is_empty()) else {
+            return Ok(());
+        };
+        debug_assert!((stream.buf.len() as u64) < page);
+        let first_page = PageIndex((stream.base_offset / page) as u32);
+        let result = self
+            .media
+            .stage_partial_page(segment, first_page, &stream.buf);
+        if let Err(error) = result {
+            return self.fail(error);
+        }
+        Ok(())
     }
 
     /// The bytes of a record that is still (partly) in a stream buffer.

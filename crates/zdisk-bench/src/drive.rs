@@ -1,0 +1,144 @@
+//! The drives a benchmark can run on: a real image in real time, or an
+//! emulated NAND drive (see `zdisk-nand`) in virtual time. Every scenario
+//! asks for a fresh drive, so scenarios never see each other's data.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use zdisk_core::media::{file_geometry, FileMedia, Media, FILE_DATA_OFFSET};
+use zdisk_core::meta::MediaKind;
+use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
+
+use crate::driver::{Clock, Target};
+
+/// Variations a scenario asks of a drive.
+#[derive(Debug, Clone, Default)]
+pub struct DriveOptions {
+    /// Power-loss protection (emulated drives only).
+    pub plp: bool,
+    /// Logical size; `None` for the drive's default.
+    pub logical_bytes: Option<u64>,
+    /// Physical size; `None` for the drive's default.
+    pub physical_bytes: Option<u64>,
+    pub gc_policy: Option<GcPolicy>,
+    pub codec: Option<Codec>,
+}
+
+pub trait Drive: Send + Sync {
+    /// E.g. "image /tmp/b.zdisk (real time)".
+    fn describe(&self) -> String;
+    fn supports_plp(&self) -> bool;
+    /// Physical log capacity and logical size a default drive has.
+    fn default_sizes(&self) -> (u64, u64);
+    /// Segment size and page size of the medium.
+    fn segment_and_page(&self) -> (u64, u64);
+    /// A fresh, empty drive.
+    fn create(&self, options: &DriveOptions) -> Result<Target, String>;
+
+    /// Reopens the drive last created (with its data), if the drive can.
+    fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {
+        None
+    }
+}
+
+/// A real image file or block device, driven in real time.
+pub struct ImageDrive {
+    pub path: PathBuf,
+    pub logical_bytes: u64,
+    pub physical_bytes: u64,
+    pub segment_bytes: u64,
+    pub codec: Codec,
+    pub gc_policy: GcPolicy,
+}
+
+impl ImageDrive {
+    fn remove_old(&self) -> Result<(), String> {
+        use std::io::Read;
+        let Ok(metadata) = std::fs::metadata(&self.path) else {
+            return Ok(());
+        };
+        if !metadata.is_file() {
+            return Ok(()); // a block device is simply overwritten
+        }
+        let mut magic = [0u8; 8];
+        let mut file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
+        let is_image =
+            file.read_exact(&mut magic).is_ok() && &magic == zdisk_core::meta::META_MAGIC;
+        if !is_image && metadata.len() > 0 {
+            return Err(format!(
+                "{} exists and is not a zdisk image; the benchmark overwrites its image, so give a new path",
+                self.path.display()
+            ));
+        }
+        std::fs::remove_file(&self.path)
+            .map_err(|e| format!("cannot replace {}: {e}", self.path.display()))
+    }
+}
+
+impl Drive for ImageDrive {
+    fn describe(&self) -> String {
+        format!("image {} (real time)", self.path.display())
+    }
+
+    fn supports_plp(&self) -> bool {
+        false
+    }
+
+    fn default_sizes(&self) -> (u64, u64) {
+        let geometry = file_geometry(self.physical_bytes, self.segment_bytes);
+        let log = geometry
+            .map(|g| g.log_capacity_bytes())
+            .unwrap_or(self.physical_bytes);
+        (log, self.logical_bytes)
+    }
+
+    fn segment_and_page(&self) -> (u64, u64) {
+        (self.segment_bytes, 4096)
+    }
+
+    fn create(&self, options: &DriveOptions) -> Result<Target, String> {
+        if options.plp {
+            return Err("a file medium has no power-loss protection".into());
+        }
+        self.remove_old()?;
+        let physical = options
+            .physical_bytes
+            .map(|log| log + FILE_DATA_OFFSET)
+            .unwrap_or(self.physical_bytes);
+        let media = FileMedia::create(&self.path, Some(physical), self.segment_bytes, true)
+            .map_err(|e| e.to_string())?;
+        let create = CreateOptions {
+            logical_size_bytes: options.logical_bytes.unwrap_or(self.logical_bytes),
+            codec: options.codec.unwrap_or(self.codec),
+            gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
+            media_kind: MediaKind::File,
+            media_params: Vec::new(),
+        };
+        let volume = Volume::create(
+            Arc::new(media) as Arc<dyn Media>,
+            create,
+            OpenOptions::default(),
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Target {
+            volume,
+            clock: Clock::Real,
+            now_ns: 0,
+            details: None,
+        })
+    }
+
+    fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {
+        Some(Box::new(|| {
+            let media = FileMedia::open(&self.path, false).map_err(|e| e.to_string())?;
+            let volume = Volume::open(Arc::new(media) as Arc<dyn Media>, OpenOptions::default())
+                .map_err(|e| e.to_string())?;
+            Ok(Target {
+                volume,
+                clock: Clock::Real,
+                now_ns: 0,
+                details: None,
+            })
+        }))
+    }
+}

@@ -1,0 +1,396 @@
+//! Running a workload against a drive, in real or virtual time.
+//!
+//! Real time: `queue_depth` threads issue operations back to back and the
+//! wall clock is the measure; the volume's own background thread cleans.
+//!
+//! Virtual time: one thread plays a closed queue of `queue_depth` slots.
+//! Each operation is issued when a slot frees, at that slot's virtual
+//! time, and the emulated drive says when it completes; its resources
+//! (dies, channels, link, compressor) stay busy in between, so concurrency
+//! and contention come out of the model. Between operations the harness
+//! runs the volume's background work at the current virtual time, as a
+//! drive's controller would. Host CPU speed never enters the figures.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+
+use zdisk_core::{BlockDevice, Stats, Volume, BLOCK_SIZE};
+
+use crate::pattern::Pattern;
+
+/// Time control of an emulated drive running in virtual time.
+pub trait VirtualClock: Send + Sync {
+    /// Starts an operation issued at `issue_ns`.
+    fn begin_op(&self, issue_ns: u64);
+    /// Ends it and returns its completion time.
+    fn end_op(&self) -> u64;
+}
+
+pub enum Clock {
+    Real,
+    Virtual(Arc<dyn VirtualClock>),
+}
+
+/// A volume under test, with its notion of time.
+pub struct Target {
+    pub volume: Arc<Volume>,
+    pub clock: Clock,
+    /// Virtual time reached so far (virtual clock only).
+    pub now_ns: u64,
+    /// Extra figures a drive model reports (NAND counters), refreshed by `details`.
+    pub details: Option<Box<dyn Fn() -> serde_json::Value + Send + Sync>>,
+}
+
+impl Target {
+    pub fn is_virtual(&self) -> bool {
+        matches!(self.clock, Clock::Virtual(_))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    Write,
+    Read,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Sequential,
+    Random,
+    /// `hot_percent` of the writes go to the first `hot_space_percent` of
+    /// the region, the rest anywhere else in it (a skewed, hot/cold load).
+    HotCold {
+        hot_percent: u8,
+        hot_space_percent: u8,
+    },
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub kind: OpKind,
+    pub access: Access,
+    pub block_bytes: u64,
+    /// Byte range the operations fall in.
+    pub region_start: u64,
+    pub region_bytes: u64,
+    pub total_bytes: u64,
+    pub queue_depth: usize,
+    pub pattern: Pattern,
+    /// Flush after every write (the flush belongs to the same operation).
+    pub flush_each_write: bool,
+    pub seed: u64,
+    /// Shown in progress lines.
+    pub label: String,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Measured {
+    pub ops: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub mb_s: f64,
+    pub iops: f64,
+    /// Mean latency of an operation (queueing included).
+    pub latency_us: f64,
+    pub host_write_bytes: u64,
+    pub media_write_bytes: u64,
+    pub padding_bytes: u64,
+    pub gc_write_bytes: u64,
+    /// media / host write bytes during the run.
+    pub write_amplification: Option<f64>,
+}
+
+impl Measured {
+    fn finish(mut self, before: &Stats, after: &Stats, latency_total_ns: f64) -> Measured {
+        self.mb_s = if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e6
+        } else {
+            0.0
+        };
+        self.iops = if self.seconds > 0.0 {
+            self.ops as f64 / self.seconds
+        } else {
+            0.0
+        };
+        self.latency_us = if self.ops > 0 {
+            latency_total_ns / self.ops as f64 / 1e3
+        } else {
+            0.0
+        };
+        self.host_write_bytes = after.host_write_bytes - before.host_write_bytes;
+        self.media_write_bytes = after.media_write_bytes - before.media_write_bytes;
+        self.padding_bytes = after.padding_bytes - before.padding_bytes;
+        self.gc_write_bytes = after.gc_write_bytes - before.gc_write_bytes;
+        self.write_amplification = (self.host_write_bytes > 0)
+            .then(|| self.media_write_bytes as f64 / self.host_write_bytes as f64);
+        self
+    }
+}
+
+/// Prints progress for runs longer than a second, on one line on a terminal.
+pub struct Progress {
+    started: Instant,
+    last: Mutex<Instant>,
+    tty: bool,
+    enabled: bool,
+}
+
+impl Progress {
+    pub fn new(enabled: bool) -> Progress {
+        Progress {
+            started: Instant::now(),
+            last: Mutex::new(Instant::now()),
+            tty: std::io::stderr().is_terminal(),
+            enabled,
+        }
+    }
+
+    fn update(&self, label: &str, done: u64, total: u64, run_started: Instant) {
+        if !self.enabled {
+            return;
+        }
+        let mut last = self.last.lock().expect("progress lock");
+        let now = Instant::now();
+        let interval = if self.tty {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(5)
+        };
+        if now.duration_since(run_started) < Duration::from_secs(1)
+            || now.duration_since(*last) < interval
+        {
+            return;
+        }
+        *last = now;
+        let percent = 100.0 * done as f64 / total.max(1) as f64;
+        let mut err = std::io::stderr();
+        if self.tty {
+            let _ = write!(
+                err,
+                "\r  {label}: {percent:5.1}% ({:.0} s elapsed)   ",
+                self.started.elapsed().as_secs_f64()
+            );
+        } else {
+            let _ = writeln!(err, "  {label}: {percent:.0}%");
+        }
+    }
+
+    fn done(&self, run_started: Instant) {
+        if self.enabled && self.tty && run_started.elapsed() >= Duration::from_secs(1) {
+            let _ = write!(std::io::stderr(), "\r{:70}\r", "");
+        }
+    }
+}
+
+fn offset_of(workload: &Workload, index: u64, rng: &mut rand::rngs::SmallRng) -> u64 {
+    let slots = (workload.region_bytes / workload.block_bytes).max(1);
+    let slot = match workload.access {
+        Access::Sequential => index % slots,
+        Access::Random => rng.gen_range(0..slots),
+        Access::HotCold {
+            hot_percent,
+            hot_space_percent,
+        } => {
+            let hot = (slots * hot_space_percent as u64 / 100).clamp(1, slots - 1);
+            if rng.gen_range(0..100) < hot_percent as u32 {
+                rng.gen_range(0..hot)
+            } else {
+                rng.gen_range(hot..slots)
+            }
+        }
+    };
+    workload.region_start + slot * workload.block_bytes
+}
+
+fn do_op(
+    volume: &Volume,
+    workload: &Workload,
+    offset: u64,
+    buf: &mut [u8],
+    source: &mut crate::pattern::BlockSource,
+) -> Result<(), String> {
+    match workload.kind {
+        OpKind::Write => {
+            source.fill(buf);
+            volume
+                .write(offset, buf, false)
+                .map_err(|e| format!("write at {offset}: {e}"))?;
+            if workload.flush_each_write {
+                BlockDevice::flush(volume).map_err(|e| format!("flush: {e}"))?;
+            }
+        }
+        OpKind::Read => volume
+            .read(offset, buf)
+            .map_err(|e| format!("read at {offset}: {e}"))?,
+    }
+    Ok(())
+}
+
+/// Runs `workload` on `target` and measures it.
+pub fn run(
+    target: &mut Target,
+    workload: &Workload,
+    progress: &Progress,
+) -> Result<Measured, String> {
+    assert!(workload.block_bytes > 0 && workload.block_bytes % BLOCK_SIZE as u64 == 0);
+    let ops = (workload.total_bytes / workload.block_bytes).max(1);
+    let before = target.volume.stats();
+    let started = Instant::now();
+    let (seconds, latency_total_ns) = match &target.clock {
+        Clock::Virtual(clock) => run_virtual(
+            target.volume.clone(),
+            clock.clone(),
+            &mut target.now_ns,
+            workload,
+            ops,
+            progress,
+        )?,
+        Clock::Real => run_real(&target.volume, workload, ops, progress)?,
+    };
+    progress.done(started);
+    let after = target.volume.stats();
+    let measured = Measured {
+        ops,
+        bytes: ops * workload.block_bytes,
+        seconds,
+        ..Measured::default()
+    };
+    Ok(measured.finish(&before, &after, latency_total_ns))
+}
+
+fn run_virtual(
+    volume: Arc<Volume>,
+    clock: Arc<dyn VirtualClock>,
+    now_ns: &mut u64,
+    workload: &Workload,
+    ops: u64,
+    progress: &Progress,
+) -> Result<(f64, f64), String> {
+    let started = Instant::now();
+    let start = *now_ns;
+    let mut slots: BinaryHeap<Reverse<u64>> = (0..workload.queue_depth.max(1))
+        .map(|_| Reverse(start))
+        .collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(workload.seed);
+    let mut source = workload.pattern.source(workload.seed);
+    let mut buf = vec![0u8; workload.block_bytes as usize];
+    let mut last = start;
+    let mut latency_total = 0.0;
+    for index in 0..ops {
+        let Reverse(issue) = slots.pop().expect("queue depth is at least 1");
+        // The controller's background work runs when it has a moment.
+        clock.begin_op(issue);
+        let _ = volume.maintenance_tick();
+        clock.end_op();
+        clock.begin_op(issue);
+        let offset = offset_of(workload, index, &mut rng);
+        let result = do_op(&volume, workload, offset, &mut buf, &mut source);
+        let done = clock.end_op().max(issue);
+        result?;
+        latency_total += (done - issue) as f64;
+        last = last.max(done);
+        slots.push(Reverse(done));
+        progress.update(&workload.label, index + 1, ops, started);
+    }
+    *now_ns = last;
+    Ok(((last - start) as f64 / 1e9, latency_total))
+}
+
+fn run_real(
+    volume: &Arc<Volume>,
+    workload: &Workload,
+    ops: u64,
+    progress: &Progress,
+) -> Result<(f64, f64), String> {
+    let next = AtomicU64::new(0);
+    let failure: Mutex<Option<String>> = Mutex::new(None);
+    let latency_ns = AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for thread in 0..workload.queue_depth.max(1) {
+            let (next, failure, latency_ns) = (&next, &failure, &latency_ns);
+            scope.spawn(move || {
+                let seed = workload.seed.wrapping_add(thread as u64 * 0x9E37_79B9);
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+                let mut source = workload.pattern.source(seed);
+                let mut buf = vec![0u8; workload.block_bytes as usize];
+                loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    if index >= ops || failure.lock().expect("lock").is_some() {
+                        break;
+                    }
+                    let offset = offset_of(workload, index, &mut rng);
+                    let op_started = Instant::now();
+                    if let Err(error) = do_op(volume, workload, offset, &mut buf, &mut source) {
+                        *failure.lock().expect("lock") = Some(error);
+                        break;
+                    }
+                    latency_ns.fetch_add(op_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    if thread == 0 {
+                        progress.update(&workload.label, index + 1, ops, started);
+                    }
+                }
+            });
+        }
+    });
+    if let Some(error) = failure.into_inner().expect("lock") {
+        return Err(error);
+    }
+    Ok((
+        started.elapsed().as_secs_f64(),
+        latency_ns.into_inner() as f64,
+    ))
+}
+
+/// Runs a single host command (trim, flush) at the current time.
+pub fn run_command(
+    target: &mut Target,
+    command: impl FnOnce(&Volume) -> Result<(), String>,
+) -> Result<f64, String> {
+    match &target.clock {
+        Clock::Real => {
+            let started = Instant::now();
+            command(&target.volume)?;
+            Ok(started.elapsed().as_secs_f64())
+        }
+        Clock::Virtual(clock) => {
+            let issue = target.now_ns;
+            clock.begin_op(issue);
+            let result = command(&target.volume);
+            let done = clock.end_op().max(issue);
+            result?;
+            target.now_ns = done;
+            Ok((done - issue) as f64 / 1e9)
+        }
+    }
+}
+
+/// Lets the drive's background work catch up (virtual: `seconds` of idle
+/// time; real: sleeps).
+pub fn idle(target: &mut Target, seconds: f64) {
+    match &target.clock {
+        Clock::Real => std::thread::sleep(Duration::from_secs_f64(seconds)),
+        Clock::Virtual(clock) => {
+            let end = target.now_ns + (seconds * 1e9) as u64;
+            let mut now = target.now_ns;
+            while now < end {
+                clock.begin_op(now);
+                let worked = target.volume.maintenance_tick().unwrap_or(false);
+                let done = clock.end_op().max(now);
+                if !worked {
+                    break;
+                }
+                now = done.max(now + 1);
+            }
+            target.now_ns = end.max(now);
+        }
+    }
+}

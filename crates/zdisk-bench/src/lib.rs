@@ -1,0 +1,148 @@
+//! zdisk-bench: a storage microbenchmark with a few figures of merit that
+//! anyone can rerun, on a real image in real time or on an emulated drive
+//! in virtual time (`zdisk bench`).
+//!
+//! Scenarios (`scenarios.rs`): `sweep` (compressibility), `dirty` (clean /
+//! dirty / after TRIM), `flush` (flush after every write, with and without
+//! power-loss protection), `qd` (queue depth 1–32), `wa` (steady-state
+//! write amplification under random overwrites, against theory).
+//! Results print as tables, and optionally as JSON lines (one object per
+//! scenario) and a chart.
+
+pub mod drive;
+pub mod driver;
+pub mod pattern;
+pub mod plot;
+pub mod scenarios;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use drive::Drive;
+use driver::Progress;
+use scenarios::{Outcome, Settings};
+
+/// A scenario by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    Sweep,
+    Dirty,
+    Flush,
+    QueueDepth,
+    WriteAmplification,
+    Restart,
+}
+
+impl Scenario {
+    pub fn parse(text: &str) -> Result<Scenario, String> {
+        match text {
+            "sweep" => Ok(Scenario::Sweep),
+            "dirty" => Ok(Scenario::Dirty),
+            "flush" => Ok(Scenario::Flush),
+            "qd" => Ok(Scenario::QueueDepth),
+            "wa" => Ok(Scenario::WriteAmplification),
+            "restart" => Ok(Scenario::Restart),
+            other => Err(format!(
+                "unknown scenario {other:?}: use sweep, dirty, flush, qd, wa or restart"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Sweep => "sweep",
+            Scenario::Dirty => "dirty",
+            Scenario::Flush => "flush",
+            Scenario::QueueDepth => "qd",
+            Scenario::WriteAmplification => "wa",
+            Scenario::Restart => "restart",
+        }
+    }
+}
+
+pub struct BenchConfig {
+    pub scenarios: Vec<Scenario>,
+    pub settings: Settings,
+    pub json: Option<PathBuf>,
+    pub plot: Option<PathBuf>,
+    pub progress: bool,
+}
+
+/// Runs the scenarios on `drive`, printing tables to stdout.
+pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Outcome)>, String> {
+    let progress = Progress::new(config.progress);
+    let mut outcomes = Vec::new();
+    println!("zdisk bench on {}", drive.describe());
+    for &scenario in &config.scenarios {
+        let started = std::time::Instant::now();
+        let mut outcome = match scenario {
+            Scenario::Sweep => scenarios::sweep(drive, &config.settings, &progress),
+            Scenario::Dirty => scenarios::dirty(drive, &config.settings, &progress),
+            Scenario::Flush => scenarios::flush(drive, &config.settings, &progress),
+            Scenario::QueueDepth => scenarios::queue_depths(drive, &config.settings, &progress),
+            Scenario::WriteAmplification => {
+                scenarios::write_amplification(drive, &config.settings, &progress)
+            }
+            Scenario::Restart => scenarios::restart(drive, &config.settings, &progress),
+        }
+        .map_err(|e| format!("scenario {}: {e}", scenario.name()))?;
+        if let Some(object) = outcome.json.as_object_mut() {
+            object.insert("drive".into(), drive.describe().into());
+            object.insert(
+                "host_seconds".into(),
+                started.elapsed().as_secs_f64().into(),
+            );
+        }
+        println!(
+            "\n{} ({:.1} s)",
+            scenario.name(),
+            started.elapsed().as_secs_f64()
+        );
+        print!("{}", render_table(&outcome.table));
+        outcomes.push((scenario, outcome));
+    }
+    if let Some(path) = &config.json {
+        let mut file = std::fs::File::create(path)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        for (_, outcome) in &outcomes {
+            writeln!(file, "{}", outcome.json).map_err(|e| e.to_string())?;
+        }
+        println!(
+            "\nJSON written to {} (one object per scenario)",
+            path.display()
+        );
+    }
+    if let Some(path) = &config.plot {
+        plot::plot(&outcomes, &drive.describe(), path)?;
+        println!("chart written to {}", path.display());
+    }
+    Ok(outcomes)
+}
+
+/// Renders rows as an aligned text table (first row is the header).
+pub fn render_table(rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for (index, row) in rows.iter().enumerate() {
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| format!("{cell:>width$}", width = widths[c]))
+            .collect();
+        out.push_str(&format!("  {}\n", line.join("  ")));
+        if index == 0 {
+            let total: usize = widths.iter().sum::<usize>() + 2 * columns.saturating_sub(1);
+            out.push_str(&format!("  {}\n", "-".repeat(total)));
+        }
+    }
+    out
+}

@@ -1,0 +1,392 @@
+//! Charts of benchmark results, drawn with plotters: one panel per
+//! scenario, PNG or SVG by the file's extension. Text needs a TrueType
+//! font; the DejaVu Sans of Debian's fonts-dejavu-core is used when found.
+
+use std::path::Path;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde_json::Value;
+
+use crate::scenarios::Outcome;
+use crate::Scenario;
+
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+];
+
+fn register_font() -> Result<(), String> {
+    static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    REGISTERED
+        .get_or_init(|| {
+            let bytes = FONT_PATHS
+                .iter()
+                .find_map(|path| std::fs::read(path).ok())
+                .ok_or("no TrueType font found for chart text: install fonts-dejavu-core")?;
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+                .map_err(|_| "the DejaVu font could not be loaded".to_string())
+        })
+        .clone()
+}
+
+/// Draws every outcome into one chart file.
+pub fn plot(outcomes: &[(Scenario, Outcome)], title: &str, path: &Path) -> Result<(), String> {
+    register_font()?;
+    let panels = outcomes.len().max(1);
+    let size = (900u32, 420 * panels as u32);
+    let extension = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    match extension.as_str() {
+        "png" => {
+            let root = BitMapBackend::new(path, size).into_drawing_area();
+            draw(&root, outcomes, title)?;
+            root.present()
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))
+        }
+        "svg" => {
+            let root = SVGBackend::new(path, size).into_drawing_area();
+            draw(&root, outcomes, title)?;
+            root.present()
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))
+        }
+        _ => Err(format!(
+            "{}: the chart file must end in .png or .svg",
+            path.display()
+        )),
+    }
+}
+
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    outcomes: &[(Scenario, Outcome)],
+    title: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root
+        .titled(&format!("zdisk bench: {title}"), ("sans-serif", 22))
+        .map_err(err)?;
+    let areas = root.split_evenly((outcomes.len().max(1), 1));
+    for ((scenario, outcome), area) in outcomes.iter().zip(areas.iter()) {
+        match scenario {
+            Scenario::Sweep => sweep(area, &outcome.json)?,
+            Scenario::Dirty => bars(
+                area,
+                "dirty drive: sequential incompressible writes",
+                "MB/s",
+                &[
+                    ("clean".into(), number(&outcome.json["clean_mb_s"])),
+                    ("dirty".into(), number(&outcome.json["dirty_mb_s"])),
+                    (
+                        "after TRIM".into(),
+                        number(&outcome.json["after_trim_mb_s"]),
+                    ),
+                ],
+            )?,
+            Scenario::Flush => {
+                let values: Vec<(String, f64)> = outcome.json["results"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        let label = if r["plp"].as_bool() == Some(true) {
+                            "PLP on"
+                        } else {
+                            "PLP off"
+                        };
+                        (label.to_string(), number(&r["write_amplification"]))
+                    })
+                    .collect();
+                bars(
+                    area,
+                    "4 KiB writes, each flushed",
+                    "write amplification",
+                    &values,
+                )?
+            }
+            Scenario::QueueDepth => queue_depth(area, &outcome.json)?,
+            Scenario::Restart => bars(
+                area,
+                "restart time",
+                "seconds",
+                &[
+                    (
+                        "after clean shutdown".into(),
+                        number(&outcome.json["clean_restart_seconds"]),
+                    ),
+                    (
+                        "after crash".into(),
+                        number(&outcome.json["crash_restart_seconds"]),
+                    ),
+                ],
+            )?,
+            Scenario::WriteAmplification => {
+                let rows: Vec<&Value> = outcome.json["results"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|r| r["workload"] == "uniform")
+                    .collect();
+                let mut spares: Vec<String> = Vec::new();
+                for r in &rows {
+                    let spare = format!("ρ = {}", r["spare"]);
+                    if !spares.contains(&spare) {
+                        spares.push(spare);
+                    }
+                }
+                let pick = |policy: &str, key: &str| -> Vec<f64> {
+                    spares
+                        .iter()
+                        .map(|spare| {
+                            rows.iter()
+                                .find(|r| {
+                                    r["gc_policy"] == policy
+                                        && format!("ρ = {}", r["spare"]) == *spare
+                                })
+                                .map_or(0.0, |r| number(&r[key]))
+                        })
+                        .collect()
+                };
+                let series = vec![
+                    (
+                        "greedy, measured".to_string(),
+                        pick("greedy", "write_amplification"),
+                    ),
+                    (
+                        "cost-benefit, measured".to_string(),
+                        pick("cost-benefit", "write_amplification"),
+                    ),
+                    (
+                        "greedy, theory".to_string(),
+                        pick("greedy", "greedy_theory"),
+                    ),
+                ];
+                grouped_bars(
+                    area,
+                    "steady-state uniform random overwrites",
+                    "write amplification",
+                    &spares,
+                    &series,
+                )?
+            }
+        }
+    }
+    Ok(())
+}
+
+fn number(value: &Value) -> f64 {
+    value.as_f64().unwrap_or(0.0)
+}
+
+fn bars<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    caption: &str,
+    unit: &str,
+    values: &[(String, f64)],
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    let top = values.iter().map(|(_, v)| *v).fold(0.0, f64::max).max(1e-9) * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..values.len().max(1) as f64, 0f64..top)
+        .map_err(err)?;
+    let labels: Vec<String> = values.iter().map(|(l, _)| l.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .y_desc(unit)
+        .x_labels(values.len().max(1) * 2 + 1)
+        .x_label_formatter(&|x| {
+            let index = x.floor() as usize;
+            if (x - index as f64 - 0.5).abs() < 0.01 {
+                labels.get(index).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .draw()
+        .map_err(err)?;
+    for (index, (_, value)) in values.iter().enumerate() {
+        let color = Palette99::pick(index).filled();
+        let x = index as f64;
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(x + 0.15, 0.0), (x + 0.85, *value)],
+                color,
+            )))
+            .map_err(err)?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("{value:.2}"),
+                (x + 0.3, *value + top * 0.02),
+                ("sans-serif", 14),
+            )))
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+fn sweep<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, json: &Value) -> Result<(), String> {
+    let rows: Vec<&Value> = json["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["mb_s"].is_number())
+        .collect();
+    let mut directions: Vec<String> = Vec::new();
+    let mut patterns: Vec<String> = Vec::new();
+    for r in &rows {
+        let direction = r["direction"].as_str().unwrap_or("?").to_string();
+        let pattern = r["pattern"].as_str().unwrap_or("?").to_string();
+        if !directions.contains(&direction) {
+            directions.push(direction);
+        }
+        if !patterns.contains(&pattern) {
+            patterns.push(pattern);
+        }
+    }
+    let series: Vec<(String, Vec<f64>)> = patterns
+        .iter()
+        .map(|pattern| {
+            let values = directions
+                .iter()
+                .map(|direction| {
+                    rows.iter()
+                        .find(|r| {
+                            r["pattern"] == pattern.as_str() && r["direction"] == direction.as_str()
+                        })
+                        .map_or(0.0, |r| number(&r["mb_s"]))
+                })
+                .collect();
+            (pattern.clone(), values)
+        })
+        .collect();
+    grouped_bars(area, "compressibility sweep", "MB/s", &directions, &series)
+}
+
+/// Bars grouped along x (one group per label), one colour per series.
+pub fn grouped_bars<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    caption: &str,
+    unit: &str,
+    groups: &[String],
+    series: &[(String, Vec<f64>)],
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    let top = series
+        .iter()
+        .flat_map(|(_, values)| values.iter().copied())
+        .fold(0.0, f64::max)
+        .max(1e-9)
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..groups.len().max(1) as f64, 0f64..top)
+        .map_err(err)?;
+    let labels = groups.to_vec();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .y_desc(unit)
+        .x_labels(groups.len().max(1) * 2 + 1)
+        .x_label_formatter(&|x| {
+            let index = x.floor() as usize;
+            if (x - index as f64 - 0.5).abs() < 0.01 {
+                labels.get(index).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .draw()
+        .map_err(err)?;
+    let width = 0.8 / series.len().max(1) as f64;
+    for (s, (name, values)) in series.iter().enumerate() {
+        let color = Palette99::pick(s);
+        chart
+            .draw_series(values.iter().enumerate().map(|(g, value)| {
+                let x = g as f64 + 0.1 + s as f64 * width;
+                Rectangle::new([(x, 0.0), (x + width * 0.9, *value)], color.filled())
+            }))
+            .map_err(err)?
+            .label(name.as_str())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+fn queue_depth<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    json: &Value,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    let rows: Vec<&Value> = json["results"].as_array().into_iter().flatten().collect();
+    let series = |key: &str| -> Vec<(f64, f64)> {
+        rows.iter()
+            .map(|r| (number(&r["queue_depth"]).log2(), number(&r[key])))
+            .collect()
+    };
+    let reads = series("read_iops");
+    let writes = series("write_iops");
+    let top = reads
+        .iter()
+        .chain(&writes)
+        .map(|p| p.1)
+        .fold(0.0, f64::max)
+        .max(1.0)
+        * 1.1;
+    let mut chart = ChartBuilder::on(area)
+        .caption("4 KiB random I/O by queue depth", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..5.2, 0f64..top)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("queue depth")
+        .y_desc("IOPS")
+        .x_labels(6)
+        .x_label_formatter(&|x| format!("{}", 2f64.powf(x.round()) as u64))
+        .draw()
+        .map_err(err)?;
+    for (name, points, color) in [("read", reads, BLUE), ("write", writes, RED)] {
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 4, color.filled())),
+            )
+            .map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
