@@ -142,3 +142,104 @@ impl Drive for ImageDrive {
         }))
     }
 }
+
+/// An emulated NAND drive in virtual time, its contents in RAM.
+pub struct NandDrive {
+    pub params: zdisk_nand::NandParams,
+    pub codec: Option<Codec>,
+    pub gc_policy: GcPolicy,
+}
+
+struct NandClock(Arc<zdisk_nand::NandMedia>);
+
+impl crate::driver::VirtualClock for NandClock {
+    fn begin_op(&self, issue_ns: u64) {
+        self.0.begin_op(issue_ns);
+    }
+
+    fn end_op(&self) -> u64 {
+        self.0.end_op()
+    }
+}
+
+impl NandDrive {
+    fn params_for(&self, options: &DriveOptions) -> zdisk_nand::NandParams {
+        let mut params = self.params.clone();
+        if let Some(bytes) = options.physical_bytes {
+            params.profile = params.profile.clone().with_physical_bytes(bytes);
+        }
+        params.config.power_loss_protection = options.plp;
+        params
+    }
+}
+
+impl Drive for NandDrive {
+    fn describe(&self) -> String {
+        let config = &self.params.config;
+        let mut text = format!(
+            "emulated {} (virtual time, {} physical",
+            self.params.profile.name,
+            zdisk_core::units::format_size(self.params.profile.physical_bytes())
+        );
+        if let Some(cap) = config.recycle_cap_bytes_per_sec {
+            text.push_str(&format!(
+                ", recycling capped at {:.0} MB/s",
+                cap as f64 / 1e6
+            ));
+        }
+        text.push(')');
+        text
+    }
+
+    fn supports_plp(&self) -> bool {
+        true
+    }
+
+    fn default_sizes(&self) -> (u64, u64) {
+        let profile = &self.params.profile;
+        (profile.physical_bytes(), profile.logical_size_bytes())
+    }
+
+    fn segment_and_page(&self) -> (u64, u64) {
+        let profile = &self.params.profile;
+        (profile.segment_size_bytes(), profile.page_size_bytes as u64)
+    }
+
+    fn create(&self, options: &DriveOptions) -> Result<Target, String> {
+        let params = self.params_for(options);
+        let logical = options
+            .logical_bytes
+            .unwrap_or_else(|| params.profile.logical_size_bytes());
+        let codec = match options.codec.or(self.codec) {
+            Some(codec) => codec,
+            None => Codec::parse(&params.profile.codec)?,
+        };
+        let media = Arc::new(
+            zdisk_nand::NandMedia::new_in_memory(params.clone(), zdisk_nand::Clock::Virtual)
+                .map_err(|e| e.to_string())?,
+        );
+        let create = CreateOptions {
+            logical_size_bytes: logical,
+            codec,
+            gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
+            media_kind: MediaKind::Nand,
+            media_params: params.encode_params(),
+        };
+        let open = OpenOptions {
+            background: false,
+            ..OpenOptions::default()
+        };
+        let volume = Volume::create(media.clone() as Arc<dyn Media>, create, open)
+            .map_err(|e| e.to_string())?;
+        let now_ns = media.now_ns();
+        let stats_media = media.clone();
+        Ok(Target {
+            volume,
+            clock: Clock::Virtual(Arc::new(NandClock(media))),
+            now_ns,
+            details: Some(Box::new(move || {
+                serde_json::to_value(stats_media.stats()).unwrap_or_default()
+            })),
+        })
+    }
+}

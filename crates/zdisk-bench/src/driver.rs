@@ -90,6 +90,58 @@ pub struct Workload {
     pub label: String,
 }
 
+impl Workload {
+    /// A workload of `kind` operations of `block_bytes` each; set the
+    /// region, amount and queue depth with the builder methods.
+    pub fn new(kind: OpKind, access: Access, block_bytes: u64, pattern: &Pattern) -> Workload {
+        Workload {
+            kind,
+            access,
+            block_bytes,
+            region_start: 0,
+            region_bytes: block_bytes,
+            total_bytes: block_bytes,
+            queue_depth: 1,
+            pattern: pattern.clone(),
+            flush_each_write: false,
+            seed: 0,
+            label: String::new(),
+        }
+    }
+
+    /// Operations fall in `start..start + bytes`.
+    pub fn region(mut self, start: u64, bytes: u64) -> Workload {
+        self.region_start = start;
+        self.region_bytes = bytes;
+        self
+    }
+
+    pub fn total(mut self, bytes: u64) -> Workload {
+        self.total_bytes = bytes;
+        self
+    }
+
+    pub fn queue_depth(mut self, depth: usize) -> Workload {
+        self.queue_depth = depth;
+        self
+    }
+
+    pub fn label(mut self, label: impl Into<String>) -> Workload {
+        self.label = label.into();
+        self
+    }
+
+    pub fn seed(mut self, seed: u64) -> Workload {
+        self.seed = seed;
+        self
+    }
+
+    pub fn flush_each_write(mut self) -> Workload {
+        self.flush_each_write = true;
+        self
+    }
+}
+
 /// What a run measured.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Measured {
@@ -240,7 +292,7 @@ pub fn run(
     workload: &Workload,
     progress: &Progress,
 ) -> Result<Measured, String> {
-    assert!(workload.block_bytes > 0 && workload.block_bytes % BLOCK_SIZE as u64 == 0);
+    assert!(workload.block_bytes > 0 && workload.block_bytes.is_multiple_of(BLOCK_SIZE as u64));
     let ops = (workload.total_bytes / workload.block_bytes).max(1);
     let before = target.volume.stats();
     let started = Instant::now();

@@ -33,32 +33,6 @@ pub struct Settings {
     pub seed: u64,
 }
 
-fn workload(
-    kind: OpKind,
-    access: Access,
-    block: u64,
-    region: (u64, u64),
-    total: u64,
-    qd: usize,
-    pattern: &Pattern,
-    label: String,
-    seed: u64,
-) -> Workload {
-    Workload {
-        kind,
-        access,
-        block_bytes: block,
-        region_start: region.0,
-        region_bytes: region.1,
-        total_bytes: total,
-        queue_depth: qd,
-        pattern: pattern.clone(),
-        flush_each_write: false,
-        seed,
-        label,
-    }
-}
-
 fn mb(value: f64) -> String {
     format!("{value:.1}")
 }
@@ -98,59 +72,39 @@ pub fn sweep(
         let runs = [
             (
                 "seq_write",
-                workload(
-                    OpKind::Write,
-                    Access::Sequential,
-                    128 * KIB,
-                    (0, region),
-                    region,
-                    8,
-                    pattern,
-                    format!("sweep {pattern} sequential write"),
-                    seed,
-                ),
+                Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, pattern)
+                    .region(0, region)
+                    .total(region)
+                    .queue_depth(8)
+                    .label(format!("sweep {pattern} sequential write"))
+                    .seed(seed),
             ),
             (
                 "rand_write_4k",
-                workload(
-                    OpKind::Write,
-                    Access::Random,
-                    4 * KIB,
-                    (0, region),
-                    random_total,
-                    32,
-                    pattern,
-                    format!("sweep {pattern} random write"),
-                    seed + 1,
-                ),
+                Workload::new(OpKind::Write, Access::Random, 4 * KIB, pattern)
+                    .region(0, region)
+                    .total(random_total)
+                    .queue_depth(32)
+                    .label(format!("sweep {pattern} random write"))
+                    .seed(seed + 1),
             ),
             (
                 "seq_read",
-                workload(
-                    OpKind::Read,
-                    Access::Sequential,
-                    128 * KIB,
-                    (0, region),
-                    region,
-                    8,
-                    pattern,
-                    format!("sweep {pattern} sequential read"),
-                    seed + 2,
-                ),
+                Workload::new(OpKind::Read, Access::Sequential, 128 * KIB, pattern)
+                    .region(0, region)
+                    .total(region)
+                    .queue_depth(8)
+                    .label(format!("sweep {pattern} sequential read"))
+                    .seed(seed + 2),
             ),
             (
                 "rand_read_4k",
-                workload(
-                    OpKind::Read,
-                    Access::Random,
-                    4 * KIB,
-                    (0, region),
-                    random_total,
-                    32,
-                    pattern,
-                    format!("sweep {pattern} random read"),
-                    seed + 3,
-                ),
+                Workload::new(OpKind::Read, Access::Random, 4 * KIB, pattern)
+                    .region(0, region)
+                    .total(random_total)
+                    .queue_depth(32)
+                    .label(format!("sweep {pattern} random read"))
+                    .seed(seed + 3),
             ),
         ];
         for (direction, run) in runs {
@@ -201,17 +155,12 @@ pub fn dirty(
     let size = round_down(settings.size_bytes.min(logical / 2), MIB).max(MIB);
     let random = Pattern::Random;
     let seq = |label: &str, seed: u64| {
-        workload(
-            OpKind::Write,
-            Access::Sequential,
-            128 * KIB,
-            (0, logical),
-            size,
-            8,
-            &random,
-            format!("dirty: {label}"),
-            seed,
-        )
+        Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
+            .region(0, logical)
+            .total(size)
+            .queue_depth(8)
+            .label(format!("dirty: {label}"))
+            .seed(seed)
     };
     let clean = driver::run(&mut target, &seq("clean drive", settings.seed), progress)?;
 
@@ -220,41 +169,26 @@ pub fn dirty(
     // reserve): one pass over the logical space plus the spare.
     let spare = log_capacity.saturating_sub(logical);
     let fill = if settings.dirty_fill_random {
-        let sequential = workload(
-            OpKind::Write,
-            Access::Sequential,
-            128 * KIB,
-            (0, logical),
-            logical,
-            8,
-            &random,
-            "dirty: filling every block".into(),
-            settings.seed + 1,
-        );
+        let sequential = Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
+            .region(0, logical)
+            .total(logical)
+            .queue_depth(8)
+            .label("dirty: filling every block")
+            .seed(settings.seed + 1);
         driver::run(&mut target, &sequential, progress)?;
-        workload(
-            OpKind::Write,
-            Access::Random,
-            4 * KIB,
-            (0, logical),
-            spare + logical / 4,
-            32,
-            &random,
-            "dirty: random fill of the spare area".into(),
-            settings.seed + 2,
-        )
+        Workload::new(OpKind::Write, Access::Random, 4 * KIB, &random)
+            .region(0, logical)
+            .total(spare + logical / 4)
+            .queue_depth(32)
+            .label("dirty: random fill of the spare area")
+            .seed(settings.seed + 2)
     } else {
-        workload(
-            OpKind::Write,
-            Access::Sequential,
-            128 * KIB,
-            (0, logical),
-            logical + spare,
-            8,
-            &random,
-            "dirty: filling every block and the spare area".into(),
-            settings.seed + 2,
-        )
+        Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
+            .region(0, logical)
+            .total(logical + spare)
+            .queue_depth(8)
+            .label("dirty: filling every block and the spare area")
+            .seed(settings.seed + 2)
     };
     driver::run(&mut target, &fill, progress)?;
     let free_after_fill = target.volume.stats().free_segments;
@@ -346,21 +280,21 @@ pub fn flush(
         let total = (settings.size_bytes / 16)
             .clamp(256 * KIB, 64 * MIB)
             .min(logical / 2);
-        let mut run = workload(
+        let run = Workload::new(
             OpKind::Write,
             Access::Sequential,
             4 * KIB,
-            (0, logical / 2),
-            total,
-            1,
             &Pattern::Compressible { percent: 50 },
-            format!(
-                "flush after each write (PLP {})",
-                if plp { "on" } else { "off" }
-            ),
-            settings.seed,
-        );
-        run.flush_each_write = true;
+        )
+        .region(0, logical / 2)
+        .total(total)
+        .queue_depth(1)
+        .label(format!(
+            "flush after each write (PLP {})",
+            if plp { "on" } else { "off" }
+        ))
+        .seed(settings.seed)
+        .flush_each_write();
         let measured = driver::run(&mut target, &run, progress)?;
         table.push(vec![
             if plp { "on" } else { "off" }.into(),
@@ -408,17 +342,12 @@ pub fn queue_depths(
     let mut target = drive.create(&DriveOptions::default())?;
     let region = round_down(settings.size_bytes.min(logical_of(&target) / 2), MIB).max(MIB);
     let random = Pattern::Random;
-    let fill = workload(
-        OpKind::Write,
-        Access::Sequential,
-        128 * KIB,
-        (0, region),
-        region,
-        8,
-        &random,
-        "qd: preconditioning".into(),
-        settings.seed,
-    );
+    let fill = Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
+        .region(0, region)
+        .total(region)
+        .queue_depth(8)
+        .label("qd: preconditioning")
+        .seed(settings.seed);
     driver::run(&mut target, &fill, progress)?;
     let mut table = vec![vec![
         "QD".into(),
@@ -430,29 +359,19 @@ pub fn queue_depths(
     let mut results = Vec::new();
     let ops_bytes = (region / 8).clamp(4 * MIB, 256 * MIB);
     for qd in [1usize, 2, 4, 8, 16, 32] {
-        let read = workload(
-            OpKind::Read,
-            Access::Random,
-            4 * KIB,
-            (0, region),
-            ops_bytes,
-            qd,
-            &random,
-            format!("qd {qd} random read"),
-            settings.seed + qd as u64,
-        );
+        let read = Workload::new(OpKind::Read, Access::Random, 4 * KIB, &random)
+            .region(0, region)
+            .total(ops_bytes)
+            .queue_depth(qd)
+            .label(format!("qd {qd} random read"))
+            .seed(settings.seed + qd as u64);
         let read = driver::run(&mut target, &read, progress)?;
-        let write = workload(
-            OpKind::Write,
-            Access::Random,
-            4 * KIB,
-            (0, region),
-            ops_bytes,
-            qd,
-            &random,
-            format!("qd {qd} random write"),
-            settings.seed + 100 + qd as u64,
-        );
+        let write = Workload::new(OpKind::Write, Access::Random, 4 * KIB, &random)
+            .region(0, region)
+            .total(ops_bytes)
+            .queue_depth(qd)
+            .label(format!("qd {qd} random write"))
+            .seed(settings.seed + 100 + qd as u64);
         let write = driver::run(&mut target, &write, progress)?;
         table.push(vec![
             qd.to_string(),
@@ -573,41 +492,26 @@ pub fn write_amplification(
                 let effective = usable as f64 / live_stored as f64 - 1.0;
                 let random = Pattern::Random;
                 let label = format!("wa {policy} ρ={spare}");
-                let fill = workload(
-                    OpKind::Write,
-                    Access::Sequential,
-                    128 * KIB,
-                    (0, logical),
-                    logical,
-                    8,
-                    &random,
-                    format!("{label}: fill"),
-                    settings.seed,
-                );
+                let fill = Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
+                    .region(0, logical)
+                    .total(logical)
+                    .queue_depth(8)
+                    .label(format!("{label}: fill"))
+                    .seed(settings.seed);
                 driver::run(&mut target, &fill, progress)?;
-                let warm = workload(
-                    OpKind::Write,
-                    access,
-                    4 * KIB,
-                    (0, logical),
-                    2 * logical,
-                    32,
-                    &random,
-                    format!("{label} {load_name}: warm-up"),
-                    settings.seed + 1,
-                );
+                let warm = Workload::new(OpKind::Write, access, 4 * KIB, &random)
+                    .region(0, logical)
+                    .total(2 * logical)
+                    .queue_depth(32)
+                    .label(format!("{label} {load_name}: warm-up"))
+                    .seed(settings.seed + 1);
                 driver::run(&mut target, &warm, progress)?;
-                let steady = workload(
-                    OpKind::Write,
-                    access,
-                    4 * KIB,
-                    (0, logical),
-                    2 * logical,
-                    32,
-                    &random,
-                    format!("{label} {load_name}: measure"),
-                    settings.seed + 2,
-                );
+                let steady = Workload::new(OpKind::Write, access, 4 * KIB, &random)
+                    .region(0, logical)
+                    .total(2 * logical)
+                    .queue_depth(32)
+                    .label(format!("{label} {load_name}: measure"))
+                    .seed(settings.seed + 2);
                 let measured = driver::run(&mut target, &steady, progress)?;
                 let theory = greedy_theory(spare);
                 let theory_text = if access == Access::Random {
@@ -646,37 +550,6 @@ pub fn write_amplification(
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn greedy_theory_matches_the_published_values() {
-        // Xiang & Kurkoski report about 2.48 at ρ = 0.28 and 7.5 at ρ = 0.07
-        // for finite blocks; this large-block limit gives 2.47 and 7.82.
-        assert!(
-            (greedy_theory(0.28) - 2.47).abs() < 0.02,
-            "{}",
-            greedy_theory(0.28)
-        );
-        assert!(
-            (greedy_theory(0.07) - 7.82).abs() < 0.02,
-            "{}",
-            greedy_theory(0.07)
-        );
-        assert!(greedy_theory(1.0) < greedy_theory(0.5));
-    }
-
-    #[test]
-    fn lambert_w_inverts_w_exp_w() {
-        for x in [-0.36, -0.2, -0.01, -1.0 / std::f64::consts::E] {
-            let w = lambert_w0(x);
-            assert!((w * w.exp() - x).abs() < 1e-9, "W({x}) = {w}");
-            assert!(w >= -1.0);
-        }
-    }
-}
-
 /// Restart time with data on the drive: after a clean shutdown, and after
 /// a crash (the volume dropped without flushing or checkpointing, as
 /// `kill -9` leaves it), with up to one checkpoint interval of log to replay.
@@ -692,17 +565,12 @@ pub fn restart(
     let logical = round_down(logical_of(&target), MIB);
     let size = round_down(settings.size_bytes.min(logical * 3 / 4), MIB).max(MIB);
     let pattern = Pattern::Compressible { percent: 50 };
-    let fill = workload(
-        OpKind::Write,
-        Access::Sequential,
-        128 * KIB,
-        (0, logical),
-        size,
-        8,
-        &pattern,
-        "restart: writing data".into(),
-        settings.seed,
-    );
+    let fill = Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &pattern)
+        .region(0, logical)
+        .total(size)
+        .queue_depth(8)
+        .label("restart: writing data")
+        .seed(settings.seed);
     driver::run(&mut target, &fill, progress)?;
     let stored = target.volume.stats();
     target.volume.close().map_err(|e| e.to_string())?;
@@ -716,17 +584,12 @@ pub fn restart(
     // Write more, then crash: no flush, no checkpoint, buffers lost.
     let mut target = target;
     let more = (size / 4).max(MIB);
-    let tail = workload(
-        OpKind::Write,
-        Access::Random,
-        64 * KIB,
-        (0, logical),
-        more,
-        8,
-        &pattern,
-        "restart: writing before the crash".into(),
-        settings.seed + 1,
-    );
+    let tail = Workload::new(OpKind::Write, Access::Random, 64 * KIB, &pattern)
+        .region(0, logical)
+        .total(more)
+        .queue_depth(8)
+        .label("restart: writing before the crash")
+        .seed(settings.seed + 1);
     driver::run(&mut target, &tail, progress)?;
     target.volume.halt();
     drop(target);
@@ -769,4 +632,35 @@ pub fn restart(
         }),
         table,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_theory_matches_the_published_values() {
+        // Xiang & Kurkoski report about 2.48 at ρ = 0.28 and 7.5 at ρ = 0.07
+        // for finite blocks; this large-block limit gives 2.47 and 7.82.
+        assert!(
+            (greedy_theory(0.28) - 2.47).abs() < 0.02,
+            "{}",
+            greedy_theory(0.28)
+        );
+        assert!(
+            (greedy_theory(0.07) - 7.82).abs() < 0.02,
+            "{}",
+            greedy_theory(0.07)
+        );
+        assert!(greedy_theory(1.0) < greedy_theory(0.5));
+    }
+
+    #[test]
+    fn lambert_w_inverts_w_exp_w() {
+        for x in [-0.36, -0.2, -0.01, -1.0 / std::f64::consts::E] {
+            let w = lambert_w0(x);
+            assert!((w * w.exp() - x).abs() < 1e-9, "W({x}) = {w}");
+            assert!(w >= -1.0);
+        }
+    }
 }

@@ -324,6 +324,12 @@ pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
         .map(|root| (root.generation, root.superblock.geometry))
 }
 
+/// True for bytes that were never written: all zeros (a sparse file) or
+/// all ones (erased flash).
+pub fn is_blank(bytes: &[u8]) -> bool {
+    bytes.iter().all(|&b| b == 0) || bytes.iter().all(|&b| b == 0xFF)
+}
+
 /// Reads both slots and returns the valid roots, newest first, with the
 /// error of each slot that did not decode (for diagnostics).
 pub fn read_roots(media: &dyn crate::media::Media) -> Result<(Vec<Root>, Vec<String>)> {
@@ -331,6 +337,10 @@ pub fn read_roots(media: &dyn crate::media::Media) -> Result<(Vec<Root>, Vec<Str
     let mut problems = Vec::new();
     for slot in 0..2 {
         let bytes = media.read_meta_slot(slot)?;
+        if is_blank(&bytes[..bytes.len().min(4096)]) {
+            // Never written (a new image has one root): not a problem.
+            continue;
+        }
         match Root::decode(&bytes) {
             Ok(root) if root.slot() != slot => {
                 problems.push(format!(

@@ -36,11 +36,15 @@ pub struct SegmentInfo {
     pub fill_bytes: u64,
     /// Highest version of any record written into this incarnation.
     pub max_version: u64,
+    /// The incarnation holds trim, zero or damaged records (written in this
+    /// run or found by recovery's replay).
+    pub holds_ranges: bool,
 }
 
 impl SegmentInfo {
     fn free() -> SegmentInfo {
         SegmentInfo {
+            holds_ranges: false,
             state: SegmentState::Free,
             seq: 0,
             live_bytes: 0,
@@ -52,6 +56,10 @@ impl SegmentInfo {
 
 pub struct SegmentTable {
     infos: Vec<SegmentInfo>,
+    /// Blocks whose data records were appended to each segment's current
+    /// incarnation (possibly since overwritten): the cleaner's segment
+    /// summary, so it can find live records without reading the segment.
+    members: Vec<Vec<u64>>,
     /// Free segments, oldest-freed first, so that wear spreads evenly.
     free: VecDeque<SegmentId>,
     /// The first `reserved` free segments are named in a durable root as the
@@ -64,6 +72,7 @@ impl SegmentTable {
     pub fn new(segment_count: u32) -> SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
+            members: vec![Vec::new(); segment_count as usize],
             free: (0..segment_count).map(SegmentId).collect(),
             reserved: 0,
         }
@@ -78,6 +87,7 @@ impl SegmentTable {
             .map(|(index, _)| SegmentId(index as u32))
             .collect();
         SegmentTable {
+            members: vec![Vec::new(); infos.len()],
             infos,
             free,
             reserved: 0,
@@ -167,7 +177,9 @@ impl SegmentTable {
             live_bytes: 0,
             fill_bytes: 0,
             max_version: 0,
+            holds_ranges: false,
         };
+        self.members[segment.index()].clear();
         Some(segment)
     }
 
@@ -200,6 +212,16 @@ impl SegmentTable {
             self.release(segment);
         }
         ready.len() as u64
+    }
+
+    /// Notes that a data record of block `lba` was appended to `segment`.
+    pub fn add_member(&mut self, segment: SegmentId, lba: u64) {
+        self.members[segment.index()].push(lba);
+    }
+
+    /// Blocks whose records were appended to `segment` (some may be stale).
+    pub fn members(&self, segment: SegmentId) -> &[u64] {
+        &self.members[segment.index()]
     }
 
     pub fn add_live(&mut self, segment: SegmentId, bytes: u64) {

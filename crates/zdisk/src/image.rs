@@ -72,24 +72,111 @@ pub fn create(
 }
 
 pub fn create_command(args: &CreateArgs) -> Result<(), String> {
-    let volume = create(
-        &args.image,
-        &args.layout,
-        args.codec,
-        args.gc_policy,
-        args.force,
-        OpenOptions {
-            background: false,
-            ..OpenOptions::default()
-        },
-    )?;
+    let options = OpenOptions {
+        background: false,
+        ..OpenOptions::default()
+    };
+    let volume = match &args.nand {
+        Some(profile) => create_nand(args, profile, options)?,
+        None => create(
+            &args.image,
+            &args.layout,
+            args.codec.unwrap_or_default(),
+            args.gc_policy,
+            args.force,
+            options,
+        )?,
+    };
     volume.close().map_err(|e| e.to_string())?;
     println!("created {}", describe(&volume, &args.image));
     Ok(())
 }
 
-/// Opens an existing image.
+/// Creates an emulated NAND drive image.
+fn create_nand(
+    args: &CreateArgs,
+    profile: &str,
+    options: OpenOptions,
+) -> Result<Arc<Volume>, String> {
+    let params = crate::nand::params(
+        profile,
+        args.layout.physical,
+        args.plp,
+        args.recycle_cap_mb_s,
+    )?;
+    if args.layout.segment_size.is_some() {
+        return Err(
+            "--segment-size does not apply to an emulated drive: its geometry sets it".into(),
+        );
+    }
+    let logical = args
+        .layout
+        .logical
+        .unwrap_or_else(|| params.profile.logical_size_bytes());
+    let codec = match args.codec {
+        Some(codec) => codec,
+        None => Codec::parse(&params.profile.codec)?,
+    };
+    let existed = path_exists(&args.image);
+    let media = zdisk_nand::NandMedia::create(
+        &args.image,
+        params.clone(),
+        zdisk_nand::Clock::Virtual,
+        args.force,
+    )
+    .map_err(|e| e.to_string())?;
+    let create = CreateOptions {
+        logical_size_bytes: logical,
+        codec,
+        gc_policy: args.gc_policy,
+        media_kind: MediaKind::Nand,
+        media_params: params.encode_params(),
+    };
+    Volume::create(Arc::new(media) as Arc<dyn Media>, create, options).map_err(|e| {
+        if !existed {
+            let _ = std::fs::remove_file(&args.image);
+        }
+        e.to_string()
+    })
+}
+
+fn path_exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// True if the file at `path` is an emulated NAND image.
+pub fn is_nand_image(path: &Path) -> bool {
+    use std::io::Read;
+    let mut prefix = [0u8; 16];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut prefix))
+        .is_ok_and(|_| zdisk_nand::is_nand_image(&prefix))
+}
+
+/// Opens an existing image; an emulated drive runs in real time unless
+/// `virtual_time`.
+pub fn open_with_clock(
+    path: &Path,
+    options: OpenOptions,
+    virtual_time: bool,
+) -> Result<Arc<Volume>, String> {
+    if is_nand_image(path) {
+        let clock = if virtual_time {
+            zdisk_nand::Clock::Virtual
+        } else {
+            zdisk_nand::Clock::Real
+        };
+        let media = zdisk_nand::NandMedia::open(path, clock).map_err(|e| e.to_string())?;
+        return Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string());
+    }
+    open(path, options)
+}
+
+/// Opens an existing image (an emulated drive without its timing).
 pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
+    if is_nand_image(path) {
+        return open_with_clock(path, options, true);
+    }
     let media = FileMedia::open(path, options.read_only).map_err(|e| match e {
         zdisk_core::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
             format!(
@@ -106,8 +193,20 @@ pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
 pub fn describe(volume: &Volume, path: &Path) -> String {
     let sb = volume.superblock();
     let geometry = volume.geometry();
+    let drive = match zdisk_nand::NandParams::decode_params(&sb.media_params) {
+        Ok(params) if sb.media_kind == MediaKind::Nand => format!(
+            " (emulated {}{})",
+            params.profile.name,
+            if params.config.power_loss_protection {
+                ", PLP"
+            } else {
+                ""
+            }
+        ),
+        _ => String::new(),
+    };
     format!(
-        "{}: logical {}, physical {}, {} segments of {}, codec {}, GC {}",
+        "{}{drive}: logical {}, physical {}, {} segments of {}, codec {}, GC {}",
         path.display(),
         format_size(sb.logical_size_bytes),
         format_size(sb.physical_size_bytes),

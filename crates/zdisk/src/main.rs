@@ -73,15 +73,26 @@ pub struct CreateArgs {
     pub image: PathBuf,
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// Compression codec: lz4, zstd[:LEVEL], deflate[:LEVEL] or none.
-    #[arg(long, value_parser = codec_arg, default_value = "lz4")]
-    pub codec: Codec,
+    /// Compression codec: lz4 (default), zstd[:LEVEL], deflate[:LEVEL] or
+    /// none; an emulated drive defaults to its controller's codec.
+    #[arg(long, value_parser = codec_arg)]
+    pub codec: Option<Codec>,
     /// Cleaner victim policy: greedy or cost-benefit.
     #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
     pub gc_policy: GcPolicy,
     /// Overwrite an existing image file.
     #[arg(long)]
     pub force: bool,
+    /// Create an emulated NAND drive with this profile (see docs/emulation.md):
+    /// plain-tlc, sf1200, sf2500, csd2000, femu-default or tiny.
+    #[arg(long)]
+    pub nand: Option<String>,
+    /// Emulated drive: model power-loss protection (flushes cost no padding).
+    #[arg(long, requires = "nand")]
+    pub plp: bool,
+    /// Emulated drive: cap the recycling bandwidth (MB/s), imitating SandForce's lazy recycling.
+    #[arg(long = "recycle-cap-mb-s", requires = "nand")]
+    pub recycle_cap_mb_s: Option<f64>,
 }
 
 #[derive(Args, Debug)]
@@ -109,6 +120,10 @@ pub struct ServeArgs {
     /// Export name offered to clients (the default export "" always works too).
     #[arg(long, default_value = "zdisk")]
     pub export_name: String,
+    /// Emulated NAND images: run the drive model in virtual time, without
+    /// sleeping (clients see the host's speed, not the drive's).
+    #[arg(long)]
+    pub virtual_time: bool,
     /// Layout used only when the image has to be created.
     #[command(flatten)]
     pub layout: LayoutArgs,

@@ -1,11 +1,39 @@
-//! Emulated NAND drives for the CLI (filled in once zdisk-nand lands).
+//! Emulated NAND drives in the CLI: `create --nand`, serving and
+//! inspecting NAND images, and `bench --profile`.
 
-use zdisk_bench::drive::Drive;
+use zdisk_bench::drive::{Drive, NandDrive};
+use zdisk_nand::{NandConfig, NandParams};
 
 use crate::bench::BenchArgs;
 
-pub fn bench_drive(profile: &str, _args: &BenchArgs) -> Result<Box<dyn Drive>, String> {
-    Err(format!(
-        "emulated drive profile {profile:?}: not available yet"
-    ))
+/// Parameters for a named profile with the command line's overrides.
+pub fn params(
+    profile: &str,
+    physical: Option<u64>,
+    plp: bool,
+    recycle_cap_mb_s: Option<f64>,
+) -> Result<NandParams, String> {
+    let mut params = NandParams::named(profile).map_err(|e| e.to_string())?;
+    if let Some(bytes) = physical {
+        params.profile = params.profile.clone().with_physical_bytes(bytes);
+    }
+    params.config = NandConfig {
+        power_loss_protection: plp || params.config.power_loss_protection,
+        recycle_cap_bytes_per_sec: match recycle_cap_mb_s {
+            Some(cap) if cap <= 0.0 => return Err("--recycle-cap-mb-s must be positive".into()),
+            Some(cap) => Some((cap * 1e6) as u64),
+            None => params.config.recycle_cap_bytes_per_sec,
+        },
+    };
+    params.validate().map_err(|e| e.to_string())?;
+    Ok(params)
+}
+
+pub fn bench_drive(profile: &str, args: &BenchArgs) -> Result<Box<dyn Drive>, String> {
+    let params = params(profile, args.physical, false, args.recycle_cap_mb_s)?;
+    Ok(Box::new(NandDrive {
+        params,
+        codec: args.codec,
+        gc_policy: args.gc_policy,
+    }))
 }

@@ -47,7 +47,7 @@ fn open_or_create(args: &ServeArgs) -> Result<Arc<Volume>, String> {
         ..OpenOptions::default()
     };
     let volume = if args.image.exists() {
-        let volume = image::open(&args.image, options)?;
+        let volume = image::open_with_clock(&args.image, options, args.virtual_time)?;
         let report = volume.open_report();
         for problem in &report.slot_problems {
             eprintln!("zdisk: warning: metadata {problem}");

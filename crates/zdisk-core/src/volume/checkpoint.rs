@@ -38,6 +38,11 @@ const TAG_DATA: u8 = 2;
 const TAG_DAMAGED: u8 = 3;
 
 /// Upper bound of the bytes a dump of this state takes on the medium (one copy).
+/// The most one map entry takes in a dump: a tag, zigzag varints of a
+/// segment delta (33 bits: 5 bytes) and an offset delta (5 bytes), a
+/// length (13 bits: 2 bytes) and a version delta (49 bits: 7 bytes).
+const ENTRY_MAX_BYTES: u64 = 1 + 5 + 5 + 2 + 7;
+
 /// Uncompressed bytes per checkpoint chunk record.
 pub fn chunk_target_bytes(segment_size: u64) -> usize {
     (segment_size / 4).min(64 * 1024) as usize
@@ -46,7 +51,7 @@ pub fn chunk_target_bytes(segment_size: u64) -> usize {
 /// The most a chunk record can occupy: a full target plus one item,
 /// LZ4's worst-case expansion and the record header.
 pub fn chunk_record_max_bytes(segment_size: u64) -> u64 {
-    let raw = chunk_target_bytes(segment_size) as u64 + 16 + CHUNK_BLOCKS * 41 + 1;
+    let raw = chunk_target_bytes(segment_size) as u64 + 16 + CHUNK_BLOCKS * ENTRY_MAX_BYTES + 1;
     raw + raw / 255 + 16 + 4 + 48
 }
 
@@ -68,8 +73,7 @@ pub fn dump_size_estimate(state: &State, extra_chunks: u64) -> u64 {
 
 /// Upper bound of one dump copy's bytes for `chunks` map chunks and `segments` segments.
 pub fn dump_size_for(chunks: u64, segments: u64) -> u64 {
-    // Worst case per entry: tag + 4 varints of up to 10 bytes.
-    let raw = chunks * (16 + CHUNK_BLOCKS * 41) + segments * 40 + 64;
+    let raw = chunks * (16 + CHUNK_BLOCKS * ENTRY_MAX_BYTES) + segments * 40 + 64;
     // LZ4 worst case plus per-record headers.
     raw + raw / 255 + 16 + (raw / (16 * 1024) + 1) * 64
 }

@@ -30,6 +30,9 @@ use super::Volume;
 /// data it relocates (damage markers).
 const RELOCATION_SLACK_BYTES: u64 = 256;
 
+/// Live records closer than this are read in one request, gap included.
+const MERGE_GAP_BYTES: u64 = 16 * 1024;
+
 /// A release generation that no barrier reaches: set while a checkpoint
 /// must come first.
 const AFTER_CHECKPOINT: u64 = u64::MAX;
@@ -60,6 +63,22 @@ pub(crate) fn pick_victim(
         }
     }
     best.map(|(segment, _)| segment)
+}
+
+/// Moves a live data record from `from` to the GC stream, unchanged.
+fn move_record(
+    state: &mut State,
+    from: Location,
+    header: RecordHeader,
+    payload: &[u8],
+) -> Result<()> {
+    let moved = relocate(state, header, payload)?;
+    state.segments.add_live(moved.segment, moved.len as u64);
+    state
+        .map
+        .set(Lba(header.lba), Slot::Data(moved), header.version);
+    state.release_location(from);
+    Ok(())
 }
 
 fn relocate(state: &mut State, header: RecordHeader, payload: &[u8]) -> Result<Location> {
@@ -98,6 +117,57 @@ pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
 }
 
 impl Volume {
+    /// The live records of `segment`: (block, location, version), found
+    /// through the segment summary, or a scan of the map if it has none.
+    fn live_extents(&self, segment: SegmentId) -> Vec<(Lba, Location, u64)> {
+        let state = self.lock();
+        let mut members = state.segments.members(segment).to_vec();
+        members.sort_unstable();
+        members.dedup();
+        let mut live = Vec::new();
+        let mut live_bytes = 0;
+        for lba in members {
+            let entry = state.map.get(Lba(lba));
+            if let Slot::Data(loc) = entry.slot() {
+                if loc.segment == segment {
+                    live_bytes += loc.len as u64;
+                    live.push((Lba(lba), loc, entry.version()));
+                }
+            }
+        }
+        if live_bytes != state.segments.get(segment).live_bytes {
+            // The summary is incomplete (it is rebuilt from the map at open,
+            // so this is a bug guard): fall back to the whole map.
+            live.clear();
+            state.map.for_each_data(|lba, loc, version| {
+                if loc.segment == segment {
+                    live.push((lba, loc, version));
+                }
+            });
+        }
+        live
+    }
+
+    fn has_relocation_room(&self, state: &State, victim: SegmentId, extra_bytes: u64) -> bool {
+        let needed = state.segments_needed(
+            StreamKind::Gc,
+            state.segments.get(victim).live_bytes + extra_bytes + RELOCATION_SLACK_BYTES,
+        );
+        state.segments.free_count() >= needed + state.gc_floor_segments()
+    }
+
+    /// Not enough room to relocate: release cleaned segments if a barrier
+    /// can, else report no progress.
+    fn short_of_room(&self, state: std::sync::MutexGuard<'_, State>) -> Result<bool> {
+        let reclaimable = state.reclaimable_count();
+        drop(state);
+        if reclaimable > 0 {
+            self.flush()?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Garbage a victim must hold for a writer waiting on space to clean
     /// it. More than the tail a full segment always wastes (under one raw
     /// record), so that a volume whose only "garbage" is such tails reports
@@ -135,7 +205,7 @@ impl Volume {
             let spare = state
                 .segments
                 .free_count()
-                .saturating_sub(state.dump_reserve_segments());
+                .saturating_sub(state.gc_floor_segments());
             if room_for(&state, victim) > spare {
                 // Short of free segments: take the emptiest victim instead,
                 // which needs the least room to relocate.
@@ -146,7 +216,7 @@ impl Volume {
             let info = *state.segments.get(victim);
             let needed = room_for(&state, victim);
             if state.segments.reserved_count() < needed
-                && state.segments.free_count() >= needed + state.dump_reserve_segments()
+                && state.segments.free_count() >= needed + state.gc_floor_segments()
             {
                 // Free segments exist but no root has reserved them yet.
                 let wanted = needed + state.segment_reserve_ahead / 2;
@@ -154,7 +224,7 @@ impl Volume {
                 self.write_root(false, wanted)?;
                 return Ok(true);
             }
-            if state.segments.free_count() < needed + state.dump_reserve_segments() {
+            if state.segments.free_count() < needed + state.gc_floor_segments() {
                 let reclaimable = state.reclaimable_count();
                 drop(state);
                 if reclaimable > 0 {
@@ -171,86 +241,99 @@ impl Volume {
             )
         };
 
-        let mut bytes = vec![0u8; fill_bytes as usize];
-        self.media.read(victim, 0, &mut bytes)?;
-        let scan = scan_segment(&bytes, 0, seq as u32, page_size);
-
-        let mut state = self.lock();
-        // Trim and zero records to relocate come on top of the live data:
-        // make sure everything fits before changing anything.
-        let range_bytes: u64 = scan
-            .records
-            .iter()
-            .filter(|r| post_checkpoint && r.header.kind.is_range())
-            .map(|r| r.header.record_len())
-            .sum();
-        let needed = state.segments_needed(
-            StreamKind::Gc,
-            state.segments.get(victim).live_bytes + range_bytes + RELOCATION_SLACK_BYTES,
-        );
-        if state.segments.free_count() < needed + state.dump_reserve_segments() {
-            let reclaimable = state.reclaimable_count();
-            drop(state);
-            if reclaimable > 0 {
-                self.flush()?;
-                return Ok(true);
-            }
-            return Ok(false);
-        }
-        let gc_written_before = state.counters.gc_write_bytes;
-        state.counters.gc_read_bytes += fill_bytes;
-        assert_eq!(
-            state.segments.get(victim).state,
-            SegmentState::Sealed,
-            "victim {victim} changed state during cleaning"
-        );
-        for record in &scan.records {
-            let header = record.header;
-            let payload = &bytes[record.payload.clone()];
-            match header.kind {
-                RecordKind::Data => {
-                    let here = Location {
-                        segment: victim,
-                        offset: record.offset as u32,
-                        len: header.record_len() as u32,
-                    };
-                    let entry = state.map.get(Lba(header.lba));
-                    if entry.slot() == Slot::Data(here) {
-                        let moved = relocate(&mut state, header, payload)?;
-                        state.segments.add_live(moved.segment, moved.len as u64);
-                        state
-                            .map
-                            .set(Lba(header.lba), Slot::Data(moved), header.version);
-                        state.release_location(here);
-                    }
-                }
-                RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged if post_checkpoint => {
-                    // Needed by recovery unless later writes replaced every block it covers.
-                    let count = crate::record::range_count(payload);
-                    if !state
-                        .map
-                        .all_newer_than(Lba(header.lba), count, header.version)
-                    {
-                        relocate(&mut state, header, payload)?;
-                    }
-                }
-                _ => {}
-            }
-        }
+        // Trims in a segment written after the durable checkpoint must be
+        // relocated, and only a full scan finds them. Otherwise the
+        // segment summary (the blocks appended to it) and the map say which
+        // records are live, and only those are read.
+        let holds_ranges = self.lock().segments.get(victim).holds_ranges;
+        let full_scan = post_checkpoint && holds_ranges;
         let mut checkpoint_first = false;
-        if state.segments.get(victim).live_bytes > 0 {
-            // The scan stopped at damage before reaching every live record:
-            // find the rest through the map and verify them one by one.
-            let mut stragglers = Vec::new();
-            state.map.for_each_data(|lba, loc, version| {
-                if loc.segment == victim {
-                    stragglers.push((lba, loc, version));
+        let gc_written_before;
+        let mut state = if full_scan {
+            let mut bytes = vec![0u8; fill_bytes as usize];
+            self.media.read(victim, 0, &mut bytes)?;
+            let scan = scan_segment(&bytes, 0, seq as u32, page_size);
+            let mut state = self.lock();
+            // Trim and zero records come on top of the live data: make sure
+            // everything fits before changing anything.
+            let range_bytes: u64 = scan
+                .records
+                .iter()
+                .filter(|r| r.header.kind.is_range())
+                .map(|r| r.header.record_len())
+                .sum();
+            if !self.has_relocation_room(&state, victim, range_bytes) {
+                return self.short_of_room(state);
+            }
+            gc_written_before = state.counters.gc_write_bytes;
+            state.counters.gc_read_bytes += fill_bytes;
+            for record in &scan.records {
+                let header = record.header;
+                let payload = &bytes[record.payload.clone()];
+                match header.kind {
+                    RecordKind::Data => {
+                        let here = Location {
+                            segment: victim,
+                            offset: record.offset as u32,
+                            len: header.record_len() as u32,
+                        };
+                        if state.map.get(Lba(header.lba)).slot() == Slot::Data(here) {
+                            move_record(&mut state, here, header, payload)?;
+                        }
+                    }
+                    RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
+                        // Needed by recovery unless later writes replaced every block it covers.
+                        let count = crate::record::range_count(payload);
+                        if !state
+                            .map
+                            .all_newer_than(Lba(header.lba), count, header.version)
+                        {
+                            relocate(&mut state, header, payload)?;
+                        }
+                    }
+                    RecordKind::MapChunk => {}
                 }
-            });
-            for (lba, loc, version) in stragglers {
-                let start = loc.offset as usize;
-                let record = bytes
-                    .get(start..start + loc.len as usize)
+            }
+            // Range records lost to damage in the segment could not be
+            // relocated: only a checkpoint makes them unnecessary.
+            checkpoint_first = scan.first_error.is_some();
+            state
+        } else {
+            let mut live = self.live_extents(victim);
+            live.sort_by_key(|(_, loc, _)| loc.offset);
+            // Read the live records, merging those close together.
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for (_, loc, _) in &live {
+                let (start, end) = (loc.offset as u64, loc.offset as u64 + loc.len as u64);
+                match runs.last_mut() {
+                    Some(run) if start <= run.1 + MERGE_GAP_BYTES => run.1 = run.1.max(end),
+                    _ => runs.push((start, end)),
+                }
+            }
+            let mut buffers = Vec::with_capacity(runs.len());
+            let mut read = 0;
+            for &(start, end) in &runs {
+                let mut buffer = vec![0u8; (end - start) as usize];
+                self.media.read(victim, start, &mut buffer)?;
+                read += end - start;
+                buffers.push((start, buffer));
+            }
+            let mut state = self.lock();
+            if !self.has_relocation_room(&state, victim, 0) {
+                return self.short_of_room(state);
+            }
+            gc_written_before = state.counters.gc_write_bytes;
+            state.counters.gc_read_bytes += read;
+            for (lba, loc, version) in live {
+                // A host write may have replaced the block meanwhile.
+                if state.map.get(lba).slot() != Slot::Data(loc) {
+                    continue;
+                }
+                let index = buffers.partition_point(|(start, _)| *start <= loc.offset as u64) - 1;
+                let (start, buffer) = &buffers[index];
+                let at = (loc.offset as u64 - start) as usize;
+                let record = buffer
+                    .get(at..at + loc.len as usize)
                     .and_then(|slice| decode_record(slice, Some(seq as u32)).ok());
                 match record {
                     Some((header, payload))
@@ -258,18 +341,42 @@ impl Volume {
                             && header.lba == lba.0
                             && header.version == version =>
                     {
-                        let moved = relocate(&mut state, header, payload)?;
-                        state.segments.add_live(moved.segment, moved.len as u64);
-                        state.map.set(lba, Slot::Data(moved), version);
-                        state.release_location(loc);
+                        move_record(&mut state, loc, header, payload)?;
                     }
                     _ => mark_damaged(&mut state, lba)?,
                 }
             }
-            // Range records after the damage could not be relocated: only a
-            // checkpoint makes them unnecessary.
-            checkpoint_first = post_checkpoint && scan.first_error.is_some();
+            state
+        };
+        if state.segments.get(victim).live_bytes > 0 {
+            // Live records the scan could not reach (damage in the segment):
+            // find them through the map and verify them one by one.
+            drop(state);
+            let stragglers = self.live_extents(victim);
+            state = self.lock();
+            for (lba, loc, version) in stragglers {
+                if state.map.get(lba).slot() != Slot::Data(loc) {
+                    continue;
+                }
+                let mut bytes = vec![0u8; loc.len as usize];
+                let record = self
+                    .media
+                    .read(victim, loc.offset as u64, &mut bytes)
+                    .ok()
+                    .and_then(|_| decode_record(&bytes, Some(seq as u32)).ok());
+                match record {
+                    Some((header, payload))
+                        if header.kind == RecordKind::Data
+                            && header.lba == lba.0
+                            && header.version == version =>
+                    {
+                        move_record(&mut state, loc, header, payload)?;
+                    }
+                    _ => mark_damaged(&mut state, lba)?,
+                }
+            }
         }
+        checkpoint_first &= post_checkpoint;
         assert_eq!(
             state.segments.get(victim).live_bytes,
             0,

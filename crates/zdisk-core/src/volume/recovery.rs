@@ -135,6 +135,7 @@ pub(crate) fn recover(
             live_bytes: 0,
             fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
             max_version: dumped.map_or(0, |d| d.max_version),
+            holds_ranges: false,
         })
         .collect();
     let mut counters = checkpoint.counters;
@@ -158,7 +159,7 @@ pub(crate) fn recover(
             let seg_seq = match decode_record(&head, None) {
                 Ok((header, _)) => header.seg_seq,
                 // Never written, or erased.
-                Err(_) if head.iter().all(|&b| b == 0) => continue,
+                Err(_) if crate::meta::is_blank(&head) => continue,
                 // The first record is torn or damaged: look further in.
                 Err(_) => {
                     let mut bytes = vec![0u8; segment_size as usize];
@@ -304,6 +305,7 @@ pub(crate) fn recover(
         } else {
             SegmentState::Free
         };
+        info.holds_ranges = holds_ranges.contains(&segment);
         if info.state == SegmentState::Sealed && info.fill_bytes == 0 {
             info.fill_bytes = segment_size;
         }
@@ -326,6 +328,7 @@ pub(crate) fn recover(
                     live_bytes: 0,
                     fill_bytes: 0,
                     max_version: 0,
+                    holds_ranges: false,
                 };
                 erased += 1;
             }
@@ -335,10 +338,12 @@ pub(crate) fn recover(
         }
         report.leftover_segments_erased = erased;
     }
+    let mut segments = SegmentTable::from_infos(infos);
+    map.for_each_data(|lba, loc, _| segments.add_member(loc.segment, lba.0));
     Ok(Recovered {
         roots,
         map,
-        segments: SegmentTable::from_infos(infos),
+        segments,
         next_seq,
         next_version,
         counters,

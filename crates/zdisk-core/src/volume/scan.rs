@@ -45,12 +45,14 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
     // The start of the undecodable run being skipped, if any.
     let mut skipping: Option<(u64, RecordError)> = None;
     while pos + HEADER_SIZE <= bytes.len() {
-        if bytes[pos] == 0 && bytes[pos + 1] == 0 {
-            // No record starts with a zero magic: this is flush padding,
+        let blank = bytes[pos];
+        if (blank == 0 || blank == 0xFF) && bytes[pos + 1] == blank {
+            // No record starts with these bytes: zeros are flush padding,
             // which runs to the end of the page (it may be shorter than a
-            // header), or never-written space.
+            // header); zeros or ones to the page end are unwritten or erased
+            // space.
             let page_end = (align_up(pos as u64 + 1, page_size) as usize).min(bytes.len());
-            if bytes[pos..page_end].iter().all(|&b| b == 0) {
+            if bytes[pos..page_end].iter().all(|&b| b == blank) {
                 pos = page_end;
                 continue;
             }

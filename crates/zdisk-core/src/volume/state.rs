@@ -35,7 +35,7 @@ pub const SEQ_RESERVE_AHEAD: u64 = 1 << 16;
 pub const VERSION_RESERVE_AHEAD: u64 = 1 << 26;
 
 /// Segments kept back for the cleaner, beyond those a checkpoint needs.
-pub const GC_RESERVE_SEGMENTS: u64 = 4;
+pub const GC_RESERVE_SEGMENTS: u64 = 2;
 
 /// What a root in a metadata slot needs kept for recovery to start from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,6 +149,13 @@ impl State {
         )
     }
 
+    /// Free segments the cleaner keeps: the checkpoint's reserve less one.
+    /// Cleaning borrows at most that one, and returns more once its victim
+    /// is released, so a checkpoint is delayed at worst, never prevented.
+    pub fn gc_floor_segments(&self) -> u64 {
+        self.dump_reserve_segments().saturating_sub(1)
+    }
+
     /// Segments that host writes may not take: the cleaner's reserve plus
     /// room for the next checkpoint. The cleaner may use its reserve but
     /// not the checkpoint's; only trims, zeroes and dumps may use everything.
@@ -220,6 +227,12 @@ impl State {
         let info = self.segments.get_mut(segment);
         info.max_version = info.max_version.max(header.version);
         info.fill_bytes = offset + len;
+        if header.kind.is_range() {
+            info.holds_ranges = true;
+        }
+        if header.kind == crate::record::RecordKind::Data {
+            self.segments.add_member(segment, header.lba);
+        }
         self.log_bytes_since_checkpoint += len;
         if self.streams[kind as usize].buf.len() >= self.write_batch_bytes {
             self.write_whole_pages(kind)?;

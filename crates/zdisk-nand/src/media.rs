@@ -1,0 +1,421 @@
+//! `NandMedia`: the [`Media`] implementation, tying a drive model to a
+//! clock and a page store.
+//!
+//! Every call takes its start time from the clock, asks the model when the
+//! caller may continue, and then either sleeps until then (real time) or
+//! moves the current operation's cursor there (virtual time). The model
+//! and the virtual clock share one mutex; the real clock never sleeps
+//! while holding it.
+
+use std::cell::Cell;
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use zdisk_core::media::{HostDirection, Media, MediaGeometry};
+use zdisk_core::units::{PageIndex, SegmentId};
+use zdisk_core::{Error, Result};
+
+use crate::model::{Model, NandStats, PageAddress};
+use crate::profile::{NandParams, Profile, META_SLOT_SIZE_BYTES};
+use crate::store::Store;
+
+/// Which time a drive runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Clock {
+    /// Calls sleep until their modelled completion on the monotonic clock.
+    Real,
+    /// Calls never sleep; a harness brackets each host operation with
+    /// [`NandMedia::begin_op`] and [`NandMedia::end_op`].
+    Virtual,
+}
+
+/// The virtual clock: the running operation's cursor, or the idle time
+/// that calls outside an operation are issued at.
+#[derive(Debug, Default)]
+struct VirtualTime {
+    in_op: bool,
+    cursor_ns: u64,
+    idle_ns: u64,
+}
+
+struct Inner {
+    model: Model,
+    time: VirtualTime,
+}
+
+/// An emulated NAND drive. See the crate documentation for the model.
+pub struct NandMedia {
+    params: NandParams,
+    geometry: MediaGeometry,
+    clock: Clock,
+    epoch: Instant,
+    inner: Mutex<Inner>,
+    store: Store,
+}
+
+impl NandMedia {
+    /// A drive whose pages live in RAM (allocated as they are programmed).
+    pub fn new_in_memory(params: NandParams, clock: Clock) -> Result<NandMedia> {
+        params.validate()?;
+        let store = Store::ram(&params);
+        Ok(NandMedia::assemble(params, clock, store, None, Vec::new()))
+    }
+
+    /// Creates a sparse image file for the drive. An existing file is
+    /// replaced only if `overwrite`.
+    pub fn create(
+        path: &Path,
+        params: NandParams,
+        clock: Clock,
+        overwrite: bool,
+    ) -> Result<NandMedia> {
+        params.validate()?;
+        let store = Store::create_file(path, &params, overwrite)?;
+        Ok(NandMedia::assemble(params, clock, store, None, Vec::new()))
+    }
+
+    /// Reopens an image: everything comes from its header. Every block
+    /// must be erased before it is programmed again (write pointers are
+    /// not kept), as on `FileMedia`; erase counts and staged pages are.
+    pub fn open(path: &Path, clock: Clock) -> Result<NandMedia> {
+        let (store, params, erase_counts, staged) = Store::open_file(path)?;
+        let staged = staged
+            .into_iter()
+            .map(|page| (page.segment, page.page, page.data))
+            .collect();
+        Ok(NandMedia::assemble(
+            params,
+            clock,
+            store,
+            Some(erase_counts),
+            staged,
+        ))
+    }
+
+    fn assemble(
+        params: NandParams,
+        clock: Clock,
+        store: Store,
+        erase_counts: Option<Vec<u32>>,
+        staged: Vec<(u32, u32, Vec<u8>)>,
+    ) -> NandMedia {
+        let blocks = params.profile.segment_count() as usize * params.profile.units() as usize;
+        // A new drive is erased throughout; a reopened one is unknown
+        // until each block's next erase.
+        let fresh = erase_counts.is_none();
+        let mut model = Model::new(
+            params.clone(),
+            erase_counts.unwrap_or_else(|| vec![0; blocks]),
+            fresh,
+        );
+        for (segment, page, data) in staged {
+            model.restore_staged(segment, page, data);
+        }
+        NandMedia {
+            geometry: params.profile.geometry(),
+            params,
+            clock,
+            epoch: Instant::now(),
+            inner: Mutex::new(Inner {
+                model,
+                time: VirtualTime::default(),
+            }),
+            store,
+        }
+    }
+
+    pub fn params(&self) -> &NandParams {
+        &self.params
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.params.profile
+    }
+
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// The image file, or `None` in RAM.
+    pub fn path(&self) -> Option<&Path> {
+        self.store.path()
+    }
+
+    pub fn stats(&self) -> NandStats {
+        self.lock().model.stats()
+    }
+
+    /// Where a segment page lives in the array.
+    pub fn locate(&self, segment: SegmentId, page: PageIndex) -> PageAddress {
+        self.lock().model.locate(segment.0, page.0)
+    }
+
+    /// Starts a host operation issued at `issue_ns` (virtual clock only).
+    /// Media calls until [`NandMedia::end_op`] are scheduled no earlier
+    /// than the operation's cursor, and each moves the cursor to when the
+    /// operation may continue.
+    pub fn begin_op(&self, issue_ns: u64) {
+        self.assert_virtual("begin_op");
+        let mut inner = self.lock();
+        assert!(!inner.time.in_op, "begin_op while an operation is running");
+        inner.time.in_op = true;
+        inner.time.cursor_ns = issue_ns;
+    }
+
+    /// Ends the running operation and returns its completion time.
+    pub fn end_op(&self) -> u64 {
+        self.assert_virtual("end_op");
+        let mut inner = self.lock();
+        assert!(inner.time.in_op, "end_op without begin_op");
+        inner.time.in_op = false;
+        inner.time.cursor_ns
+    }
+
+    /// Sets the time at which media calls outside an operation are issued
+    /// (virtual clock only), e.g. background cleaning between host
+    /// operations. Such calls occupy resources but wait for nothing.
+    pub fn set_time(&self, now_ns: u64) {
+        self.assert_virtual("set_time");
+        self.lock().time.idle_ns = now_ns;
+    }
+
+    /// The current time: the running operation's cursor or the idle time
+    /// (virtual), or nanoseconds since the drive was opened (real).
+    pub fn now_ns(&self) -> u64 {
+        let inner = self.lock();
+        self.start_ns(&inner)
+    }
+
+    /// When every resource is idle and everything issued so far is durable.
+    pub fn idle_at_ns(&self) -> u64 {
+        self.lock().model.idle_at_ns()
+    }
+
+    fn assert_virtual(&self, what: &str) {
+        assert_eq!(self.clock, Clock::Virtual, "{what} needs the virtual clock");
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().expect("NAND model lock poisoned")
+    }
+
+    fn real_now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    fn start_ns(&self, inner: &Inner) -> u64 {
+        match self.clock {
+            Clock::Real => self.real_now_ns(),
+            Clock::Virtual if inner.time.in_op => inner.time.cursor_ns,
+            Clock::Virtual => inner.time.idle_ns,
+        }
+    }
+
+    /// Lets the caller continue at `done_ns`: moves the virtual cursor, or
+    /// returns the real-time deadline to sleep until once the lock is gone.
+    fn settle(&self, mut inner: MutexGuard<'_, Inner>, done_ns: u64) -> Option<u64> {
+        match self.clock {
+            Clock::Virtual => {
+                if inner.time.in_op {
+                    inner.time.cursor_ns = inner.time.cursor_ns.max(done_ns);
+                }
+                None
+            }
+            Clock::Real => Some(done_ns),
+        }
+    }
+
+    fn wait(&self, deadline_ns: Option<u64>) {
+        let Some(deadline_ns) = deadline_ns else {
+            return;
+        };
+        thread_local! {
+            static FINE_SLACK: Cell<bool> = const { Cell::new(false) };
+        }
+        FINE_SLACK.with(|done| {
+            if !done.get() {
+                // Linux's default 50 us timer slack would lengthen every
+                // modelled wait; 1 us keeps sleeps close to the model.
+                // SAFETY: PR_SET_TIMERSLACK only changes this thread's slack.
+                unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
+                done.set(true);
+            }
+        });
+        loop {
+            let now = self.real_now_ns();
+            if now >= deadline_ns {
+                return;
+            }
+            std::thread::sleep(Duration::from_nanos(deadline_ns - now));
+        }
+    }
+
+    /// Runs a timed model step and waits as the clock demands.
+    fn timed(&self, step: impl FnOnce(&mut Model, u64) -> u64) {
+        let mut inner = self.lock();
+        let start = self.start_ns(&inner);
+        let done = step(&mut inner.model, start);
+        let deadline = self.settle(inner, done);
+        self.wait(deadline);
+    }
+
+    fn check_read_range(&self, segment: SegmentId, offset: u64, len: usize) -> Result<()> {
+        if segment.0 >= self.geometry.segment_count
+            || offset
+                .checked_add(len as u64)
+                .is_none_or(|end| end > self.geometry.segment_size_bytes)
+        {
+            return Err(Error::CorruptImage(format!(
+                "read of {len} bytes at segment {segment} offset {offset} is outside the medium"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Media for NandMedia {
+    fn geometry(&self) -> MediaGeometry {
+        self.geometry
+    }
+
+    fn physical_size_bytes(&self) -> u64 {
+        self.geometry.log_capacity_bytes() + 2 * META_SLOT_SIZE_BYTES as u64
+    }
+
+    fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
+        let mut inner = self.lock();
+        let start = self.start_ns(&inner);
+        let programmed = inner
+            .model
+            .program(start, segment.0, first_page.0, data.len());
+        let deadline = self.settle(inner, programmed.continue_ns);
+        let offset = first_page.0 as u64 * self.geometry.page_size_bytes as u64;
+        self.store.write(segment.0, offset, data)?;
+        if programmed.unstaged {
+            self.store.unstage(segment.0)?;
+        }
+        self.wait(deadline);
+        Ok(())
+    }
+
+    fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_read_range(segment, offset_bytes, buf.len())?;
+        let mut inner = self.lock();
+        let start = self.start_ns(&inner);
+        let done = inner
+            .model
+            .read(start, segment.0, offset_bytes, buf.len() as u64);
+        let page_size = self.geometry.page_size_bytes as u64;
+        let staged = inner.model.staged(segment.0).and_then(|(page, data)| {
+            let begin = page as u64 * page_size;
+            let end = begin + data.len() as u64;
+            (begin < offset_bytes + buf.len() as u64 && end > offset_bytes)
+                .then(|| (begin, data.to_vec()))
+        });
+        let deadline = self.settle(inner, done);
+        self.store.read(segment.0, offset_bytes, buf)?;
+        if let Some((begin, data)) = staged {
+            // The staged bytes overlay the (unprogrammed, 0xFF) page.
+            let from = begin.max(offset_bytes);
+            let to = (begin + data.len() as u64).min(offset_bytes + buf.len() as u64);
+            buf[(from - offset_bytes) as usize..(to - offset_bytes) as usize]
+                .copy_from_slice(&data[(from - begin) as usize..(to - begin) as usize]);
+        }
+        self.wait(deadline);
+        Ok(())
+    }
+
+    fn erase_segment(&self, segment: SegmentId) -> Result<()> {
+        let mut inner = self.lock();
+        let start = self.start_ns(&inner);
+        let dropped_staged = inner.model.erase(start, segment.0);
+        let counts = inner.model.erase_counts_of(segment.0).to_vec();
+        // The store is erased under the lock, so no program of the fresh
+        // segment can reach the store before the erase does.
+        self.store.erase(segment.0)?;
+        self.store.save_erase_counts(segment.0, &counts)?;
+        if dropped_staged {
+            self.store.unstage(segment.0)?;
+        }
+        let deadline = self.settle(inner, start);
+        self.wait(deadline);
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        let mut inner = self.lock();
+        let start = self.start_ns(&inner);
+        let done = inner.model.sync(start);
+        let deadline = self.settle(inner, done);
+        // The host file's own flush overlaps the modelled wait.
+        self.store.sync()?;
+        self.wait(deadline);
+        Ok(())
+    }
+
+    fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert!(slot < 2, "metadata slot {slot} does not exist");
+        assert!(
+            data.len() <= META_SLOT_SIZE_BYTES as usize,
+            "metadata record of {} bytes exceeds the slot",
+            data.len()
+        );
+        self.timed(|model, start| {
+            model.meta_write(start);
+            start
+        });
+        self.store.write_meta(slot, data)
+    }
+
+    fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>> {
+        assert!(slot < 2, "metadata slot {slot} does not exist");
+        self.store.read_meta(slot)
+    }
+
+    fn describe(&self) -> String {
+        let place = match self.store.path() {
+            Some(path) => format!("image {}", path.display()),
+            None => "RAM".to_string(),
+        };
+        let clock = match self.clock {
+            Clock::Real => "real time",
+            Clock::Virtual => "virtual time",
+        };
+        format!(
+            "emulated NAND drive {} ({place}, {clock})",
+            self.params.profile.name
+        )
+    }
+
+    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
+        self.timed(|model, start| model.host_transfer(start, direction, bytes));
+    }
+
+    fn has_power_loss_protection(&self) -> bool {
+        self.params.config.power_loss_protection
+    }
+
+    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
+        if !self.params.config.power_loss_protection {
+            return Err(Error::Unsupported(format!(
+                "emulated drive {} is configured without power-loss protection",
+                self.params.profile.name
+            )));
+        }
+        let mut inner = self.lock();
+        inner.model.stage(segment.0, page.0, data);
+        // Persisted under the lock so an erase cannot interleave.
+        self.store.stage(segment.0, page.0, data)
+    }
+
+    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64) {
+        self.timed(|model, start| model.recycle(start, segment_bytes, relocated_bytes));
+    }
+
+    fn recycling_ready(&self) -> bool {
+        let inner = self.lock();
+        let now = self.start_ns(&inner);
+        inner.model.recycling_ready(now)
+    }
+}

@@ -1,0 +1,685 @@
+//! Drive profiles: the geometry, NAND timing and controller figures of an
+//! emulated SSD, and the per-image configuration (power-loss protection,
+//! recycling cap) that goes with them.
+//!
+//! A profile is plain data. [`NandParams`] (profile plus configuration)
+//! has a versioned byte encoding, stored both in a NAND image's header and
+//! in the zdisk superblock's `media_params`, so an image always says which
+//! drive it emulates. Where each figure comes from is in PROFILES.md.
+
+use zdisk_core::bytes::{ByteReader, ByteWriter};
+use zdisk_core::media::MediaGeometry;
+use zdisk_core::{Codec, Error, Result, BLOCK_SIZE};
+
+/// Size of each of the two metadata slots. They live outside the NAND
+/// array (see the crate documentation).
+pub const META_SLOT_SIZE_BYTES: u32 = 256 * 1024;
+
+/// Fewest segments (blocks per plane) a profile may have: the engine
+/// needs at least 8.
+pub const MIN_BLOCKS_PER_PLANE: u32 = 8;
+
+/// Version of the [`NandParams`] byte encoding.
+const PARAMS_VERSION: u8 = 1;
+
+/// Bits stored per cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CellType {
+    Slc,
+    Mlc,
+    Tlc,
+}
+
+impl CellType {
+    pub fn bits_per_cell(self) -> u8 {
+        match self {
+            CellType::Slc => 1,
+            CellType::Mlc => 2,
+            CellType::Tlc => 3,
+        }
+    }
+
+    fn from_bits(bits: u8) -> Option<CellType> {
+        match bits {
+            1 => Some(CellType::Slc),
+            2 => Some(CellType::Mlc),
+            3 => Some(CellType::Tlc),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CellType::Slc => "SLC",
+            CellType::Mlc => "MLC",
+            CellType::Tlc => "TLC",
+        }
+    }
+}
+
+/// Everything that describes one emulated drive model.
+///
+/// Rates are bytes per second; `None` means "not modelled" (the transfer
+/// takes no time) or, for the compressor and the recycling cap, "absent".
+#[derive(Debug, Clone, PartialEq)]
+pub struct Profile {
+    pub name: String,
+    pub description: String,
+    pub cell_type: CellType,
+
+    // --- Geometry.
+    pub channels: u32,
+    pub dies_per_channel: u32,
+    pub planes_per_die: u32,
+    /// Erase blocks per plane; also the number of zdisk segments.
+    pub blocks_per_plane: u32,
+    pub pages_per_block: u32,
+    pub page_size_bytes: u32,
+
+    // --- NAND array timing.
+    pub latency_read_ns: u64,
+    pub latency_program_ns: u64,
+    pub latency_erase_ns: u64,
+    /// One channel's bus rate (`None`: transfers are free, as in FEMU).
+    pub channel_bytes_per_sec: Option<u64>,
+
+    // --- Controller.
+    /// Per host command, serialised on the controller.
+    pub command_overhead_ns: u64,
+    /// Host link payload rate (`None`: not modelled).
+    pub link_bytes_per_sec: Option<u64>,
+    /// Inline compression engine rate (`None`: the drive has none).
+    pub compress_bytes_per_sec: Option<u64>,
+    /// Pages the write buffer holds. 0 means no buffer: a write waits
+    /// until its pages are programmed (FEMU's model).
+    pub write_buffer_pages: u32,
+    /// The codec zdisk should run to stand in for the controller's
+    /// compressor, in `Codec::parse` syntax ("none", "lz4", "deflate:1").
+    pub codec: String,
+    /// Logical size offered = physical NAND bytes × this factor.
+    pub logical_capacity_factor: f64,
+
+    // --- Defaults for the per-image configuration.
+    pub default_power_loss_protection: bool,
+    /// The recycling bandwidth the original controller's firmware showed
+    /// (to imitate it, pass it as `--recycle-cap-mb-s`). Not applied by
+    /// default: an emulated drive runs zdisk's own cleaner, uncapped.
+    pub default_recycle_cap_bytes_per_sec: Option<u64>,
+}
+
+/// Theoretical peak rates of a profile, in bytes per second.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bandwidth {
+    /// Every plane programming back to back, capped by the channel buses.
+    pub program_bytes_per_sec: f64,
+    /// Every plane reading back to back, capped by the channel buses.
+    pub read_bytes_per_sec: f64,
+    /// Host link (`None`: unlimited).
+    pub link_bytes_per_sec: Option<f64>,
+    /// Compression engine (`None`: no engine).
+    pub compress_bytes_per_sec: Option<f64>,
+    /// Host commands per second the controller overhead allows (`None`: unlimited).
+    pub commands_per_sec: Option<f64>,
+}
+
+impl Profile {
+    /// Parallel units: planes across every die of every channel.
+    pub fn units(&self) -> u32 {
+        self.channels * self.dies_per_channel * self.planes_per_die
+    }
+
+    pub fn block_size_bytes(&self) -> u64 {
+        self.pages_per_block as u64 * self.page_size_bytes as u64
+    }
+
+    /// A segment is one block on every plane (a superblock).
+    pub fn segment_size_bytes(&self) -> u64 {
+        self.block_size_bytes() * self.units() as u64
+    }
+
+    pub fn segment_count(&self) -> u32 {
+        self.blocks_per_plane
+    }
+
+    /// Bytes of the NAND array.
+    pub fn physical_bytes(&self) -> u64 {
+        self.segment_size_bytes() * self.segment_count() as u64
+    }
+
+    /// The logical size a volume on this drive offers, a whole number of
+    /// 4 KiB blocks.
+    pub fn logical_size_bytes(&self) -> u64 {
+        let bytes = (self.physical_bytes() as f64 * self.logical_capacity_factor) as u64;
+        bytes / BLOCK_SIZE as u64 * BLOCK_SIZE as u64
+    }
+
+    /// The same drive with about `bytes` of NAND: blocks per plane are
+    /// scaled (at least [`MIN_BLOCKS_PER_PLANE`]); everything else stays.
+    pub fn with_physical_bytes(mut self, bytes: u64) -> Profile {
+        let blocks = (bytes / self.segment_size_bytes().max(1)).min(u32::MAX as u64) as u32;
+        self.blocks_per_plane = blocks.max(MIN_BLOCKS_PER_PLANE);
+        self
+    }
+
+    /// The shape the engine sees.
+    pub fn geometry(&self) -> MediaGeometry {
+        MediaGeometry {
+            page_size_bytes: self.page_size_bytes,
+            segment_size_bytes: self.segment_size_bytes(),
+            segment_count: self.segment_count(),
+            meta_slot_size_bytes: META_SLOT_SIZE_BYTES,
+        }
+    }
+
+    pub fn bandwidth(&self) -> Bandwidth {
+        let units = self.units() as f64;
+        let page = self.page_size_bytes as f64;
+        let bus = self
+            .channel_bytes_per_sec
+            .map(|rate| rate as f64 * self.channels as f64)
+            .unwrap_or(f64::INFINITY);
+        let per_unit = |latency_ns: u64| {
+            if latency_ns == 0 {
+                f64::INFINITY
+            } else {
+                units * page * 1e9 / latency_ns as f64
+            }
+        };
+        Bandwidth {
+            program_bytes_per_sec: per_unit(self.latency_program_ns).min(bus),
+            read_bytes_per_sec: per_unit(self.latency_read_ns).min(bus),
+            link_bytes_per_sec: self.link_bytes_per_sec.map(|rate| rate as f64),
+            compress_bytes_per_sec: self.compress_bytes_per_sec.map(|rate| rate as f64),
+            commands_per_sec: (self.command_overhead_ns > 0)
+                .then(|| 1e9 / self.command_overhead_ns as f64),
+        }
+    }
+
+    /// Checks that the profile describes a drive the engine can use.
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |what: String| {
+            Err(Error::InvalidArgument(format!(
+                "profile {:?}: {what}",
+                self.name
+            )))
+        };
+        if self.name.is_empty() || self.name.len() > 256 {
+            return invalid("the name must have 1 to 256 bytes".into());
+        }
+        if self.description.len() > 4096 || self.codec.len() > 256 {
+            return invalid("description or codec too long".into());
+        }
+        for (what, value) in [
+            ("channels", self.channels),
+            ("dies per channel", self.dies_per_channel),
+            ("planes per die", self.planes_per_die),
+            ("pages per block", self.pages_per_block),
+        ] {
+            if value == 0 {
+                return invalid(format!("{what} must be at least 1"));
+            }
+        }
+        if self.blocks_per_plane < MIN_BLOCKS_PER_PLANE {
+            return invalid(format!(
+                "{} blocks per plane; at least {MIN_BLOCKS_PER_PLANE} are needed",
+                self.blocks_per_plane
+            ));
+        }
+        let units =
+            self.channels as u64 * self.dies_per_channel as u64 * self.planes_per_die as u64;
+        if units > 1 << 16 {
+            return invalid(format!("{units} planes is too many"));
+        }
+        if units * self.blocks_per_plane as u64 > u32::MAX as u64 {
+            return invalid("too many blocks".into());
+        }
+        for (what, rate) in [
+            ("channel rate", self.channel_bytes_per_sec),
+            ("link rate", self.link_bytes_per_sec),
+            ("compression rate", self.compress_bytes_per_sec),
+            ("recycling cap", self.default_recycle_cap_bytes_per_sec),
+        ] {
+            if rate == Some(0) {
+                return invalid(format!("a {what} of 0 bytes per second"));
+            }
+        }
+        if !self.logical_capacity_factor.is_finite()
+            || self.logical_capacity_factor <= 0.0
+            || self.logical_capacity_factor > 1000.0
+        {
+            return invalid(format!(
+                "logical capacity factor {} must be positive",
+                self.logical_capacity_factor
+            ));
+        }
+        if let Err(problem) = Codec::parse(&self.codec) {
+            return invalid(problem);
+        }
+        self.geometry()
+            .validate()
+            .map_err(|e| Error::InvalidArgument(format!("profile {:?}: {e}", self.name)))
+    }
+}
+
+/// Per-image choices that a profile only suggests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NandConfig {
+    /// The write buffer survives power loss: `sync` returns at once and
+    /// partial pages can be staged instead of padded.
+    pub power_loss_protection: bool,
+    /// Rate at which the recycling engine reclaims segments (`None`: uncapped).
+    pub recycle_cap_bytes_per_sec: Option<u64>,
+}
+
+impl NandConfig {
+    /// The profile's defaults: its power-loss protection, and no
+    /// recycling cap (zdisk's own cleaner).
+    pub fn default_for(profile: &Profile) -> NandConfig {
+        NandConfig {
+            power_loss_protection: profile.default_power_loss_protection,
+            recycle_cap_bytes_per_sec: None,
+        }
+    }
+}
+
+/// A profile and its configuration: everything an emulated drive is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NandParams {
+    pub profile: Profile,
+    pub config: NandConfig,
+}
+
+impl NandParams {
+    /// The profile with its default configuration.
+    pub fn new(profile: Profile) -> NandParams {
+        let config = NandConfig::default_for(&profile);
+        NandParams { profile, config }
+    }
+
+    /// A named profile with its default configuration.
+    pub fn named(name: &str) -> Result<NandParams> {
+        profile(name).map(NandParams::new).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "unknown drive profile {name:?}: choose one of {}",
+                profile_names().join(", ")
+            ))
+        })
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        self.profile.validate()?;
+        if self.config.recycle_cap_bytes_per_sec == Some(0) {
+            return Err(Error::InvalidArgument(
+                "a recycling cap of 0 bytes per second".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The byte encoding (little-endian, versioned), for the image header
+    /// and the superblock's `media_params`.
+    pub fn encode_params(&self) -> Vec<u8> {
+        let p = &self.profile;
+        let mut out = ByteWriter::new();
+        out.u8(PARAMS_VERSION);
+        for text in [&p.name, &p.description, &p.codec] {
+            let bytes = text.as_bytes();
+            assert!(
+                bytes.len() <= u16::MAX as usize,
+                "profile text too long to encode"
+            );
+            out.u16(bytes.len() as u16);
+            out.bytes(bytes);
+        }
+        out.u8(p.cell_type.bits_per_cell());
+        for value in [
+            p.channels,
+            p.dies_per_channel,
+            p.planes_per_die,
+            p.blocks_per_plane,
+            p.pages_per_block,
+            p.page_size_bytes,
+            p.write_buffer_pages,
+        ] {
+            out.u32(value);
+        }
+        for value in [
+            p.latency_read_ns,
+            p.latency_program_ns,
+            p.latency_erase_ns,
+            p.channel_bytes_per_sec.unwrap_or(0),
+            p.command_overhead_ns,
+            p.link_bytes_per_sec.unwrap_or(0),
+            p.compress_bytes_per_sec.unwrap_or(0),
+            p.logical_capacity_factor.to_bits(),
+            p.default_recycle_cap_bytes_per_sec.unwrap_or(0),
+        ] {
+            out.u64(value);
+        }
+        out.u8(p.default_power_loss_protection as u8);
+        out.u8(self.config.power_loss_protection as u8);
+        out.u64(self.config.recycle_cap_bytes_per_sec.unwrap_or(0));
+        out.buf
+    }
+
+    /// Decodes [`NandParams::encode_params`] output, checking every field.
+    pub fn decode_params(bytes: &[u8]) -> Result<NandParams> {
+        let params = decode(bytes).map_err(|problem| {
+            Error::CorruptImage(format!("emulated drive parameters: {problem}"))
+        })?;
+        params.validate()?;
+        Ok(params)
+    }
+}
+
+fn decode(bytes: &[u8]) -> std::result::Result<NandParams, String> {
+    let mut input = ByteReader::new(bytes);
+    let version = input.u8()?;
+    if version != PARAMS_VERSION {
+        return Err(format!(
+            "version {version}, this zdisk reads version {PARAMS_VERSION}"
+        ));
+    }
+    let mut text = || -> std::result::Result<String, String> {
+        let len = input.u16()? as usize;
+        String::from_utf8(input.take(len)?.to_vec()).map_err(|_| "text is not UTF-8".to_string())
+    };
+    let name = text()?;
+    let description = text()?;
+    let codec = text()?;
+    let cell_type = CellType::from_bits(input.u8()?).ok_or("unknown cell type")?;
+    let channels = input.u32()?;
+    let dies_per_channel = input.u32()?;
+    let planes_per_die = input.u32()?;
+    let blocks_per_plane = input.u32()?;
+    let pages_per_block = input.u32()?;
+    let page_size_bytes = input.u32()?;
+    let write_buffer_pages = input.u32()?;
+    let latency_read_ns = input.u64()?;
+    let latency_program_ns = input.u64()?;
+    let latency_erase_ns = input.u64()?;
+    let rate = |value: u64| (value != 0).then_some(value);
+    let channel_bytes_per_sec = rate(input.u64()?);
+    let command_overhead_ns = input.u64()?;
+    let link_bytes_per_sec = rate(input.u64()?);
+    let compress_bytes_per_sec = rate(input.u64()?);
+    let logical_capacity_factor = f64::from_bits(input.u64()?);
+    let default_recycle_cap_bytes_per_sec = rate(input.u64()?);
+    let default_power_loss_protection = input.u8()? != 0;
+    let power_loss_protection = input.u8()? != 0;
+    let recycle_cap_bytes_per_sec = rate(input.u64()?);
+    if input.remaining() != 0 {
+        return Err(format!("{} unexpected trailing bytes", input.remaining()));
+    }
+    Ok(NandParams {
+        profile: Profile {
+            name,
+            description,
+            cell_type,
+            channels,
+            dies_per_channel,
+            planes_per_die,
+            blocks_per_plane,
+            pages_per_block,
+            page_size_bytes,
+            latency_read_ns,
+            latency_program_ns,
+            latency_erase_ns,
+            channel_bytes_per_sec,
+            command_overhead_ns,
+            link_bytes_per_sec,
+            compress_bytes_per_sec,
+            write_buffer_pages,
+            codec,
+            logical_capacity_factor,
+            default_power_loss_protection,
+            default_recycle_cap_bytes_per_sec,
+        },
+        config: NandConfig {
+            power_loss_protection,
+            recycle_cap_bytes_per_sec,
+        },
+    })
+}
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+const US: u64 = 1_000;
+const MS: u64 = 1_000_000;
+/// Decimal megabytes, as drive specifications and reviews quote them.
+const MB: u64 = 1_000_000;
+
+/// Names of the built-in profiles.
+pub fn profile_names() -> &'static [&'static str] {
+    &[
+        "plain-tlc",
+        "sf1200",
+        "sf2500",
+        "csd2000",
+        "femu-default",
+        "tiny",
+    ]
+}
+
+/// A built-in profile by name. PROFILES.md gives the source of every figure.
+pub fn profile(name: &str) -> Option<Profile> {
+    let profile = match name {
+        "plain-tlc" => Profile {
+            name: "plain-tlc".into(),
+            description: "an ordinary SATA TLC SSD without compression (baseline)".into(),
+            cell_type: CellType::Tlc,
+            channels: 4,
+            dies_per_channel: 2,
+            planes_per_die: 2,
+            blocks_per_plane: 0,
+            pages_per_block: 64,
+            page_size_bytes: 16 * KIB as u32,
+            latency_read_ns: 60 * US,
+            latency_program_ns: 500 * US,
+            latency_erase_ns: 3500 * US,
+            channel_bytes_per_sec: Some(400 * MB),
+            command_overhead_ns: 10 * US,
+            link_bytes_per_sec: Some(550 * MB),
+            compress_bytes_per_sec: None,
+            write_buffer_pages: 256,
+            codec: "none".into(),
+            logical_capacity_factor: 0.91,
+            default_power_loss_protection: false,
+            default_recycle_cap_bytes_per_sec: None,
+        },
+        "sf1200" => Profile {
+            name: "sf1200".into(),
+            description: "SandForce SF-1200 class SATA 3 Gb/s MLC SSD with inline compression \
+                          (OCZ Vertex 2 / Corsair Force 120 GB era)"
+                .into(),
+            cell_type: CellType::Mlc,
+            channels: 8,
+            dies_per_channel: 4,
+            planes_per_die: 1,
+            blocks_per_plane: 0,
+            pages_per_block: 256,
+            page_size_bytes: 4 * KIB as u32,
+            latency_read_ns: 50 * US,
+            latency_program_ns: 1000 * US,
+            latency_erase_ns: 3 * MS,
+            channel_bytes_per_sec: Some(40 * MB),
+            command_overhead_ns: 58 * US,
+            link_bytes_per_sec: Some(285 * MB),
+            compress_bytes_per_sec: Some(300 * MB),
+            write_buffer_pages: 128,
+            codec: "lz4".into(),
+            logical_capacity_factor: 0.93,
+            default_power_loss_protection: false,
+            default_recycle_cap_bytes_per_sec: Some(70 * MB),
+        },
+        "sf2500" => Profile {
+            name: "sf2500".into(),
+            description: "SandForce SF-2500/SF-2281 class SATA 6 Gb/s MLC SSD with inline \
+                          compression (OCZ Vertex 3 240 GB era)"
+                .into(),
+            cell_type: CellType::Mlc,
+            channels: 8,
+            dies_per_channel: 4,
+            planes_per_die: 2,
+            blocks_per_plane: 0,
+            pages_per_block: 128,
+            page_size_bytes: 8 * KIB as u32,
+            latency_read_ns: 75 * US,
+            latency_program_ns: 1800 * US,
+            latency_erase_ns: 3800 * US,
+            channel_bytes_per_sec: Some(166 * MB),
+            command_overhead_ns: 16 * US,
+            link_bytes_per_sec: Some(550 * MB),
+            compress_bytes_per_sec: Some(600 * MB),
+            write_buffer_pages: 256,
+            codec: "lz4".into(),
+            logical_capacity_factor: 0.93,
+            default_power_loss_protection: false,
+            default_recycle_cap_bytes_per_sec: Some(400 * MB),
+        },
+        "csd2000" => Profile {
+            name: "csd2000".into(),
+            description: "ScaleFlux CSD 2000 class PCIe Gen3 x4 TLC drive with per-4 KiB \
+                          DEFLATE compression and 2.5x logical capacity"
+                .into(),
+            cell_type: CellType::Tlc,
+            channels: 8,
+            dies_per_channel: 4,
+            planes_per_die: 2,
+            blocks_per_plane: 0,
+            pages_per_block: 64,
+            page_size_bytes: 16 * KIB as u32,
+            latency_read_ns: 60 * US,
+            latency_program_ns: 500 * US,
+            latency_erase_ns: 3500 * US,
+            channel_bytes_per_sec: Some(800 * MB),
+            command_overhead_ns: 4 * US,
+            link_bytes_per_sec: Some(3500 * MB),
+            compress_bytes_per_sec: Some(4000 * MB),
+            write_buffer_pages: 1024,
+            codec: "deflate:1".into(),
+            logical_capacity_factor: 2.5,
+            default_power_loss_protection: true,
+            default_recycle_cap_bytes_per_sec: None,
+        },
+        "femu-default" => Profile {
+            name: "femu-default".into(),
+            description: "FEMU's default black-box SSD: 8 channels x 8 LUNs, 4 KiB pages, \
+                          40/200/2000 us, no channel transfer time, no write buffer"
+                .into(),
+            cell_type: CellType::Mlc,
+            channels: 8,
+            dies_per_channel: 8,
+            planes_per_die: 1,
+            blocks_per_plane: 256,
+            pages_per_block: 256,
+            page_size_bytes: 4 * KIB as u32,
+            latency_read_ns: 40 * US,
+            latency_program_ns: 200 * US,
+            latency_erase_ns: 2 * MS,
+            channel_bytes_per_sec: None,
+            command_overhead_ns: 0,
+            link_bytes_per_sec: None,
+            compress_bytes_per_sec: None,
+            write_buffer_pages: 0,
+            codec: "none".into(),
+            logical_capacity_factor: 0.75,
+            default_power_loss_protection: false,
+            default_recycle_cap_bytes_per_sec: None,
+        },
+        "tiny" => Profile {
+            name: "tiny".into(),
+            description: "a small, fast drive for tests (8 MiB, 128 KiB segments)".into(),
+            cell_type: CellType::Slc,
+            channels: 2,
+            dies_per_channel: 1,
+            planes_per_die: 2,
+            blocks_per_plane: 64,
+            pages_per_block: 8,
+            page_size_bytes: 4 * KIB as u32,
+            latency_read_ns: 20 * US,
+            latency_program_ns: 100 * US,
+            latency_erase_ns: 500 * US,
+            // 4 KiB in exactly 10 us, to keep hand-computed schedules simple.
+            channel_bytes_per_sec: Some(409_600_000),
+            command_overhead_ns: 5 * US,
+            link_bytes_per_sec: Some(409_600_000),
+            compress_bytes_per_sec: Some(204_800_000),
+            write_buffer_pages: 8,
+            codec: "lz4".into(),
+            logical_capacity_factor: 0.5,
+            default_power_loss_protection: false,
+            default_recycle_cap_bytes_per_sec: None,
+        },
+        _ => return None,
+    };
+    // Profiles without a fixed block count default to about 4 GiB of NAND.
+    Some(if profile.blocks_per_plane == 0 {
+        profile.with_physical_bytes(4 * GIB)
+    } else {
+        profile
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_profile_validates_and_round_trips() {
+        for name in profile_names() {
+            let params = NandParams::named(name).unwrap();
+            params.validate().unwrap();
+            assert_eq!(params.profile.name, *name);
+            let bytes = params.encode_params();
+            assert_eq!(NandParams::decode_params(&bytes).unwrap(), params);
+            assert!(params.profile.logical_size_bytes() > 0);
+            // Every segment fits the engine's limits, with room to clean.
+            assert!(
+                params.profile.segment_count() >= 32 || *name == "tiny",
+                "{name}"
+            );
+        }
+        assert!(profile("no-such-drive").is_none());
+        assert!(NandParams::named("no-such-drive").is_err());
+    }
+
+    #[test]
+    fn decoding_rejects_damage_instead_of_panicking() {
+        let bytes = NandParams::named("sf1200").unwrap().encode_params();
+        for len in 0..bytes.len() {
+            assert!(
+                NandParams::decode_params(&bytes[..len]).is_err(),
+                "prefix of {len} bytes"
+            );
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(NandParams::decode_params(&longer).is_err());
+        let mut wrong_version = bytes.clone();
+        wrong_version[0] = 99;
+        assert!(NandParams::decode_params(&wrong_version).is_err());
+    }
+
+    #[test]
+    fn physical_size_scales_blocks_per_plane_only() {
+        let base = profile("sf1200").unwrap();
+        let bigger = base.clone().with_physical_bytes(16 * GIB);
+        assert_eq!(bigger.segment_size_bytes(), base.segment_size_bytes());
+        assert_eq!(bigger.physical_bytes(), 16 * GIB);
+        assert_eq!(bigger.blocks_per_plane, 4 * base.blocks_per_plane);
+        let smallest = base.with_physical_bytes(1);
+        assert_eq!(smallest.blocks_per_plane, MIN_BLOCKS_PER_PLANE);
+    }
+
+    #[test]
+    fn sf1200_is_calibrated_near_its_published_figures() {
+        let bandwidth = profile("sf1200").unwrap().bandwidth();
+        // AS-SSD incompressible sequential write, clean drive: 131.7 MB/s.
+        assert!((125e6..140e6).contains(&bandwidth.program_bytes_per_sec));
+        // 4 KiB random writes at QD32: ~70 MB/s, bounded by the command overhead.
+        let random_write = bandwidth.commands_per_sec.unwrap() * 4096.0;
+        assert!((65e6..75e6).contains(&random_write));
+    }
+}

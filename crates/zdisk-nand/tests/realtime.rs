@@ -1,0 +1,79 @@
+//! Real-time smoke test: calls sleep for about the modelled time, and the
+//! shared resources serialise concurrent callers. Lower bounds are exact
+//! (a call may not finish before its modelled completion); upper bounds
+//! are generous, since the host may be busy.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use zdisk_core::media::{HostDirection, Media};
+use zdisk_core::units::{PageIndex, SegmentId};
+use zdisk_nand::{Clock, NandMedia};
+
+const SLACK: Duration = Duration::from_secs(1);
+
+fn slow_tiny() -> zdisk_nand::NandParams {
+    let mut params = tiny();
+    params.profile.latency_program_ns = 2 * MS;
+    params.profile.latency_erase_ns = 0;
+    params.profile.command_overhead_ns = MS;
+    params
+}
+
+fn timed(body: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    body();
+    start.elapsed()
+}
+
+fn assert_about(elapsed: Duration, modelled: Duration) {
+    assert!(
+        elapsed >= modelled,
+        "took {elapsed:?}, modelled {modelled:?}"
+    );
+    assert!(
+        elapsed < modelled + SLACK,
+        "took {elapsed:?}, modelled {modelled:?}"
+    );
+}
+
+#[test]
+fn writes_and_syncs_take_about_the_modelled_time() {
+    let drive = NandMedia::new_in_memory(slow_tiny(), Clock::Real).unwrap();
+    drive.erase_segment(SegmentId(0)).unwrap();
+    // Five pages fit the 8-page buffer: admitted at once.
+    let write = timed(|| {
+        drive
+            .write_pages(SegmentId(0), PageIndex(0), &vec![1u8; 5 * PAGE])
+            .unwrap()
+    });
+    assert!(write < SLACK, "a buffered write took {write:?}");
+    // Page 4 programs after page 0 on unit 0: done 4.03 ms after the write.
+    let sync = timed(|| drive.sync().unwrap());
+    assert_about(sync + write, Duration::from_micros(4030));
+    let mut buf = vec![0u8; PAGE];
+    drive.read(SegmentId(0), 0, &mut buf).unwrap();
+    assert_eq!(buf, vec![1u8; PAGE]);
+}
+
+#[test]
+fn concurrent_commands_serialise_on_the_controller() {
+    let drive = Arc::new(NandMedia::new_in_memory(slow_tiny(), Clock::Real).unwrap());
+    let elapsed = timed(|| {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let drive = drive.clone();
+                std::thread::spawn(move || drive.host_transfer(HostDirection::Read, 0))
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+    });
+    // Four commands of 1 ms each on one controller.
+    assert_about(elapsed, Duration::from_millis(4));
+    assert_eq!(drive.stats().host_commands, 4);
+}
