@@ -273,6 +273,7 @@ fn fio_verify() -> TestResult {
             "--size=48M",
             "--offset_increment=64M",
             "--verify=crc32c",
+            "--verify_state_save=0",
             "--do_verify=1",
             "--verify_fatal=1",
             "--refill_buffers",
