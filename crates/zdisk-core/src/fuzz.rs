@@ -5,7 +5,10 @@
 
 use crate::map::Map;
 use crate::meta::Root;
-use crate::record::decode_record;
+use crate::record::{decode_record, RecordKey};
+
+/// The key fuzzed records are checked with.
+const KEY: RecordKey = RecordKey([0x5A; 16]);
 use crate::volume::checkpoint::decode_chunk_payload;
 use crate::volume::scan::scan_segment;
 
@@ -14,10 +17,10 @@ pub fn fuzz_decoders(bytes: &[u8]) {
     let seq = bytes
         .get(4..8)
         .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
-    let _ = decode_record(bytes, None);
-    let _ = decode_record(bytes, Some(seq));
+    let _ = decode_record(bytes, &KEY, None);
+    let _ = decode_record(bytes, &KEY, Some(seq));
     for page_size in [512u64, 4096] {
-        let scan = scan_segment(bytes, 0, seq, page_size);
+        let scan = scan_segment(bytes, 0, seq, page_size, &KEY);
         for record in &scan.records {
             assert!(
                 record.payload.end <= bytes.len(),
@@ -42,10 +45,13 @@ pub fn fuzz_decoders(bytes: &[u8]) {
             let end = crate::record::HEADER_SIZE + header.payload_len as usize;
             if end <= record.len() {
                 let payload_crc = crc32c::crc32c(&record[crate::record::HEADER_SIZE..end]);
-                let crc =
-                    crate::record::record_crc(payload_crc, &record[..crate::record::HEADER_SIZE]);
+                let crc = crate::record::record_crc(
+                    payload_crc,
+                    &record[..crate::record::HEADER_SIZE],
+                    &KEY,
+                );
                 record[28..32].copy_from_slice(&crc.to_le_bytes());
-                let decoded = decode_record(&record, Some(header.seg_seq));
+                let decoded = decode_record(&record, &KEY, Some(header.seg_seq));
                 assert!(decoded.is_ok(), "a record with a fixed-up CRC must decode");
             }
         }

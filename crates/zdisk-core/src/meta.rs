@@ -242,6 +242,12 @@ impl Root {
         let next_version = input.u64()?;
         let seq_reserved = input.u64()?;
         let version_reserved = input.u64()?;
+        let version_end = crate::map::VERSION_MAX + 1;
+        if next_version > version_end || version_reserved > version_end {
+            return Err(format!(
+                "versions {next_version}/{version_reserved} exceed the 48-bit version space"
+            ));
+        }
         let reserved_count = input.u32()? as usize;
         if reserved_count > input.remaining() / 4 {
             return Err(format!(

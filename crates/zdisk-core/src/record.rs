@@ -185,23 +185,37 @@ pub fn record_len_for_payload(payload_len: usize) -> u64 {
     align_up((HEADER_SIZE + payload_len) as u64, RECORD_ALIGN)
 }
 
-/// The record checksum: CRC32C over the payload, continued over header bytes
-/// 0..28. Payload first, so the payload part can be computed before the
-/// header fields assigned at append time are known.
-pub fn record_crc(payload_crc: u32, header: &[u8]) -> u32 {
-    crc32c::crc32c_append(payload_crc, &header[..28])
+/// Secret bytes every record's checksum covers: the volume's UUID, which
+/// never leaves the image. A client cannot see it, so data it writes can
+/// never pass for a log record, even when a scan resynchronises after
+/// damage and lands inside a stored block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordKey(pub [u8; 16]);
+
+/// The record checksum: CRC32C over the payload, continued over header
+/// bytes 0..28 and then over the volume's key. Payload first, so that part
+/// can be computed before the header fields assigned at append time are
+/// known.
+pub fn record_crc(payload_crc: u32, header: &[u8], key: &RecordKey) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c_append(payload_crc, &header[..28]), &key.0)
 }
 
 /// Writes a complete record (header, payload, zero padding) into `out`,
 /// which must be exactly `record_len_for_payload(payload.len())` bytes.
 /// `payload_crc` must be `crc32c(payload)`.
-pub fn encode_record(out: &mut [u8], mut header: RecordHeader, payload: &[u8], payload_crc: u32) {
+pub fn encode_record(
+    out: &mut [u8],
+    mut header: RecordHeader,
+    payload: &[u8],
+    payload_crc: u32,
+    key: &RecordKey,
+) {
     debug_assert_eq!(payload_crc, crc32c::crc32c(payload));
     assert_eq!(header.payload_len as usize, payload.len());
     assert_eq!(out.len() as u64, record_len_for_payload(payload.len()));
     header.crc = 0;
     header.encode(&mut out[..HEADER_SIZE]);
-    let crc = record_crc(payload_crc, &out[..HEADER_SIZE]);
+    let crc = record_crc(payload_crc, &out[..HEADER_SIZE], key);
     out[28..32].copy_from_slice(&crc.to_le_bytes());
     out[HEADER_SIZE..HEADER_SIZE + payload.len()].copy_from_slice(payload);
     out[HEADER_SIZE + payload.len()..].fill(0);
@@ -209,10 +223,11 @@ pub fn encode_record(out: &mut [u8], mut header: RecordHeader, payload: &[u8], p
 
 /// Decodes and verifies the record at the start of `bytes`. With
 /// `expected_seq`, a record from another segment incarnation is rejected.
-pub fn decode_record(
-    bytes: &[u8],
+pub fn decode_record<'a>(
+    bytes: &'a [u8],
+    key: &RecordKey,
     expected_seq: Option<u32>,
-) -> Result<(RecordHeader, &[u8]), RecordError> {
+) -> Result<(RecordHeader, &'a [u8]), RecordError> {
     let header = RecordHeader::decode(bytes)?;
     if let Some(expected) = expected_seq {
         if header.seg_seq != expected {
@@ -227,7 +242,7 @@ pub fn decode_record(
         return Err(RecordError::Truncated);
     }
     let payload = &bytes[HEADER_SIZE..end];
-    let actual = record_crc(crc32c::crc32c(payload), &bytes[..HEADER_SIZE]);
+    let actual = record_crc(crc32c::crc32c(payload), &bytes[..HEADER_SIZE], key);
     if actual != header.crc {
         return Err(RecordError::Checksum {
             expected: header.crc,
@@ -237,14 +252,30 @@ pub fn decode_record(
     Ok((header, payload))
 }
 
-/// The block count carried by a range record's payload.
+/// The block count carried by a range record's payload; 0 (which no valid
+/// range record carries) if the payload is not 8 bytes.
 pub fn range_count(payload: &[u8]) -> u64 {
-    u64::from_le_bytes(payload[..8].try_into().expect("range payload is 8 bytes"))
+    match payload.try_into() {
+        Ok(bytes) => u64::from_le_bytes(bytes),
+        Err(_) => 0,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const KEY: RecordKey = RecordKey([9; 16]);
+
+    #[test]
+    fn another_volumes_key_rejects_the_record() {
+        let bytes = sample(RecordKind::Data, &[1, 2, 3]);
+        assert!(decode_record(&bytes, &KEY, None).is_ok());
+        assert!(matches!(
+            decode_record(&bytes, &RecordKey([8; 16]), None),
+            Err(RecordError::Checksum { .. })
+        ));
+    }
 
     fn sample(kind: RecordKind, payload: &[u8]) -> Vec<u8> {
         let header = RecordHeader {
@@ -257,7 +288,7 @@ mod tests {
             crc: 0,
         };
         let mut out = vec![0xEE; record_len_for_payload(payload.len()) as usize];
-        encode_record(&mut out, header, payload, crc32c::crc32c(payload));
+        encode_record(&mut out, header, payload, crc32c::crc32c(payload), &KEY);
         out
     }
 
@@ -266,7 +297,7 @@ mod tests {
         let payload = b"hello, compressed world".to_vec();
         let bytes = sample(RecordKind::Data, &payload);
         assert_eq!(bytes.len() % RECORD_ALIGN as usize, 0);
-        let (header, body) = decode_record(&bytes, Some(77)).unwrap();
+        let (header, body) = decode_record(&bytes, &KEY, Some(77)).unwrap();
         assert_eq!(header.lba, 123_456);
         assert_eq!(header.version, 9_000_000_001);
         assert_eq!(body, &payload[..]);
@@ -280,7 +311,7 @@ mod tests {
             let mut damaged = bytes.clone();
             damaged[bit / 8] ^= 1 << (bit % 8);
             assert!(
-                decode_record(&damaged, Some(77)).is_err(),
+                decode_record(&damaged, &KEY, Some(77)).is_err(),
                 "bit {bit} went unnoticed"
             );
         }
@@ -290,19 +321,22 @@ mod tests {
     fn wrong_incarnation_and_empty_space_are_told_apart() {
         let bytes = sample(RecordKind::Trim, &5u64.to_le_bytes());
         assert!(matches!(
-            decode_record(&bytes, Some(78)),
+            decode_record(&bytes, &KEY, Some(78)),
             Err(RecordError::WrongSegment {
                 expected: 78,
                 found: 77
             })
         ));
-        assert_eq!(decode_record(&[0u8; 64], None), Err(RecordError::Empty));
         assert_eq!(
-            decode_record(&[0xFFu8; 64], None),
+            decode_record(&[0u8; 64], &KEY, None),
+            Err(RecordError::Empty)
+        );
+        assert_eq!(
+            decode_record(&[0xFFu8; 64], &KEY, None),
             Err(RecordError::BadMagic)
         );
         assert_eq!(
-            decode_record(&bytes[..20], None),
+            decode_record(&bytes[..20], &KEY, None),
             Err(RecordError::Truncated)
         );
     }
@@ -312,11 +346,14 @@ mod tests {
         let mut bytes = sample(RecordKind::Data, &[1; 16]);
         bytes[24..28].copy_from_slice(&(BLOCK_SIZE as u32 + 1).to_le_bytes());
         assert_eq!(
-            decode_record(&bytes, None),
+            decode_record(&bytes, &KEY, None),
             Err(RecordError::BadLength(4097))
         );
         let mut range = sample(RecordKind::Zero, &3u64.to_le_bytes());
         range[24..28].copy_from_slice(&9u32.to_le_bytes());
-        assert_eq!(decode_record(&range, None), Err(RecordError::BadLength(9)));
+        assert_eq!(
+            decode_record(&range, &KEY, None),
+            Err(RecordError::BadLength(9))
+        );
     }
 }

@@ -39,12 +39,15 @@ pub struct SegmentInfo {
     /// The incarnation holds trim, zero or damaged records (written in this
     /// run or found by recovery's replay).
     pub holds_ranges: bool,
+    /// Bytes of range records appended in this run.
+    pub range_bytes: u64,
 }
 
 impl SegmentInfo {
     fn free() -> SegmentInfo {
         SegmentInfo {
             holds_ranges: false,
+            range_bytes: 0,
             state: SegmentState::Free,
             seq: 0,
             live_bytes: 0,
@@ -54,8 +57,16 @@ impl SegmentInfo {
     }
 }
 
+/// The release generation of a cleaned segment that must wait for a
+/// checkpoint (its trims could not all be relocated).
+pub const PARKED: u64 = u64::MAX;
+
 pub struct SegmentTable {
     infos: Vec<SegmentInfo>,
+    /// Cleaned segments waiting for a barrier, in release order.
+    reclaimable: std::collections::VecDeque<(u64, SegmentId)>,
+    /// Cleaned segments waiting for a checkpoint.
+    parked: Vec<SegmentId>,
     /// Blocks whose data records were appended to each segment's current
     /// incarnation (possibly since overwritten): the cleaner's segment
     /// summary, so it can find live records without reading the segment.
@@ -73,6 +84,8 @@ impl SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
             members: vec![Vec::new(); segment_count as usize],
+            reclaimable: Default::default(),
+            parked: Vec::new(),
             free: (0..segment_count).map(SegmentId).collect(),
             reserved: 0,
         }
@@ -87,6 +100,8 @@ impl SegmentTable {
             .map(|(index, _)| SegmentId(index as u32))
             .collect();
         SegmentTable {
+            reclaimable: Default::default(),
+            parked: Vec::new(),
             members: vec![Vec::new(); infos.len()],
             infos,
             free,
@@ -178,6 +193,7 @@ impl SegmentTable {
             fill_bytes: 0,
             max_version: 0,
             holds_ranges: false,
+            range_bytes: 0,
         };
         self.members[segment.index()].clear();
         Some(segment)
@@ -201,17 +217,75 @@ impl SegmentTable {
         self.free.push_back(segment);
     }
 
+    /// Undoes [`SegmentTable::allocate`] of a segment nothing refers to
+    /// (a failed checkpoint's dump): it is free again and still reserved,
+    /// as the root that reserved it still names it.
+    pub fn unallocate(&mut self, segment: SegmentId) {
+        let info = &mut self.infos[segment.index()];
+        assert!(
+            matches!(info.state, SegmentState::Open | SegmentState::Dump),
+            "segment {segment} was not allocated"
+        );
+        assert_eq!(
+            info.live_bytes, 0,
+            "segment {segment} unallocated with live data"
+        );
+        info.state = SegmentState::Free;
+        self.members[segment.index()].clear();
+        self.free.push_front(segment);
+        self.reserved += 1;
+    }
+
+    /// Marks a cleaned segment reclaimable once barrier `release_gen` is
+    /// durable ([`PARKED`]: once the next checkpoint is).
+    pub fn mark_reclaimable(&mut self, segment: SegmentId, release_gen: u64) {
+        let info = &mut self.infos[segment.index()];
+        assert_eq!(
+            info.live_bytes, 0,
+            "segment {segment} cleaned with live data"
+        );
+        info.state = SegmentState::Reclaimable { release_gen };
+        if release_gen == PARKED {
+            self.parked.push(segment);
+        } else {
+            debug_assert!(self
+                .reclaimable
+                .back()
+                .is_none_or(|&(g, _)| g <= release_gen));
+            self.reclaimable.push_back((release_gen, segment));
+        }
+    }
+
     /// Releases every reclaimable segment whose barrier is durable.
     pub fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
-        let ready: Vec<SegmentId> = self
-            .iter()
-            .filter(|(_, info)| matches!(info.state, SegmentState::Reclaimable { release_gen } if release_gen <= synced_gen))
-            .map(|(segment, _)| segment)
-            .collect();
-        for &segment in &ready {
+        let mut released = 0;
+        while let Some(&(release_gen, segment)) = self.reclaimable.front() {
+            if release_gen > synced_gen {
+                break;
+            }
+            self.reclaimable.pop_front();
             self.release(segment);
+            released += 1;
         }
-        ready.len() as u64
+        released
+    }
+
+    /// Cleaned segments a barrier and sync would free.
+    pub fn reclaimable_count(&self) -> u64 {
+        self.reclaimable.len() as u64
+    }
+
+    /// Cleaned segments waiting for a checkpoint.
+    pub fn parked_count(&self) -> u64 {
+        self.parked.len() as u64
+    }
+
+    /// After a durable checkpoint: parked segments wait only for a barrier.
+    pub fn unpark(&mut self, release_gen: u64) {
+        for segment in std::mem::take(&mut self.parked) {
+            self.infos[segment.index()].state = SegmentState::Reclaimable { release_gen };
+            self.reclaimable.push_back((release_gen, segment));
+        }
     }
 
     /// Notes that a data record of block `lba` was appended to `segment`.
@@ -260,7 +334,7 @@ mod tests {
         table.add_live(a, 100);
         table.get_mut(a).state = SegmentState::Sealed;
         table.sub_live(a, 100);
-        table.get_mut(a).state = SegmentState::Reclaimable { release_gen: 5 };
+        table.mark_reclaimable(a, 5);
         assert_eq!(table.release_reclaimable(4), 0);
         assert_eq!(table.release_reclaimable(5), 1);
         assert_eq!(table.free_count(), 4);

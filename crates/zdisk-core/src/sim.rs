@@ -148,6 +148,8 @@ pub struct SimConfig {
     pub logical_blocks: u64,
     pub operations: usize,
     pub crash: CrashConfig,
+    /// A larger drive, with some requests of hundreds of blocks.
+    pub big: bool,
 }
 
 impl SimConfig {
@@ -156,17 +158,27 @@ impl SimConfig {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5EED_C0F1);
         let big_pages = rng.gen_bool(0.3);
         let page = if big_pages { 16 * 1024 } else { 4096 };
+        let big = rng.gen_bool(0.2);
         SimConfig {
             page_size_bytes: page,
             segment_size_bytes: page as u64 * rng.gen_range(8..=16),
-            segment_count: rng.gen_range(24..=40),
-            logical_blocks: rng.gen_range(64..=256),
+            segment_count: if big {
+                rng.gen_range(60..=120)
+            } else {
+                rng.gen_range(24..=40)
+            },
+            logical_blocks: if big {
+                rng.gen_range(300..=1200)
+            } else {
+                rng.gen_range(64..=256)
+            },
             operations: rng.gen_range(150..=400),
             crash: CrashConfig {
                 keep_probability: rng.gen_range(0.0..=1.0),
                 tear: rng.gen_bool(0.8),
                 flip_bit: rng.gen_bool(0.3),
             },
+            big,
         }
     }
 }
@@ -179,6 +191,10 @@ pub struct SimStats {
     pub cleaned: u64,
     pub checkpoints: u64,
     pub no_space: u64,
+    /// Operations a failed request applied to only some of its blocks.
+    pub partial: u64,
+    /// Power cuts in the middle of an operation.
+    pub mid_operation_crashes: u64,
 }
 
 /// A failed run: everything needed to replay it.
@@ -256,6 +272,8 @@ struct Run {
     model: Model,
     trace: Vec<String>,
     stats: SimStats,
+    /// The blocks the current request writes, and their new values.
+    attempt: Vec<(u64, Option<Arc<Vec<u8>>>)>,
 }
 
 fn options(codec: Codec, policy: GcPolicy) -> OpenOptions {
@@ -286,13 +304,100 @@ impl Run {
 
     fn block_range(&mut self) -> (u64, u64) {
         let lba = self.rng.gen_range(0..self.config.logical_blocks);
-        let max = (self.config.logical_blocks - lba).min(12);
+        let cap = if self.config.big && self.rng.gen_bool(0.2) {
+            600
+        } else {
+            12
+        };
+        let max = (self.config.logical_blocks - lba).min(cap);
         (lba, self.rng.gen_range(1..=max))
     }
 
     fn step(&mut self, step: usize) -> Result<(), SimFailure> {
         let choice = self.rng.gen_range(0..100);
-        let result: crate::Result<()> = match choice {
+        if choice >= 98 {
+            return self.crash_during_operation(step);
+        }
+        if choice >= 96 {
+            return self.crash(step);
+        }
+        self.attempt.clear();
+        let result = self.operation(step, choice)?;
+        match result {
+            Ok(()) => Ok(()),
+            Err(crate::Error::NoSpace { .. }) => {
+                self.stats.no_space += 1;
+                self.trace.push("  -> no space".into());
+                self.settle_failed_request(step)
+            }
+            Err(error) => Err(self.fail(step, format!("operation failed: {error}"))),
+        }
+    }
+
+    /// After a request failed: each block it addressed holds its old or
+    /// its new value (a large write may fail part way); the model learns
+    /// which.
+    fn settle_failed_request(&mut self, step: usize) -> Result<(), SimFailure> {
+        let attempt = std::mem::take(&mut self.attempt);
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        let mut partial = false;
+        for (lba, new) in attempt {
+            self.volume
+                .read(lba * BLOCK_SIZE_U64, &mut buf)
+                .map_err(|e| self.fail(step, format!("read after a failed request: {e}")))?;
+            if self.model.expect_latest(lba, &buf).is_ok() {
+                continue;
+            }
+            let is_new = match &new {
+                None => is_zero(&buf),
+                Some(value) => value.as_slice() == buf.as_slice(),
+            };
+            if !is_new {
+                return Err(self.fail(
+                    step,
+                    format!("block {lba} holds neither its old nor its new value after a failed request ({})", describe(&buf)),
+                ));
+            }
+            partial = true;
+            self.model.write(lba, new, false);
+        }
+        if partial {
+            self.stats.partial += 1;
+            self.trace.push("  (applied to some blocks)".into());
+        }
+        Ok(())
+    }
+
+    /// A power cut while an operation runs: the medium fails every write
+    /// after a few, the operation sees errors, then the power goes.
+    fn crash_during_operation(&mut self, step: usize) -> Result<(), SimFailure> {
+        let allowed = self.rng.gen_range(0..12);
+        let choice = loop {
+            let choice = self.rng.gen_range(0..96);
+            if !(73..=82).contains(&choice) {
+                break choice; // not a read
+            }
+        };
+        self.trace.push(format!(
+            "power fails after {allowed} more medium operations:"
+        ));
+        self.media.set_fail_after(allowed);
+        self.attempt.clear();
+        let result = self.operation(step, choice)?;
+        if let Err(error) = result {
+            self.trace.push(format!("  -> {error}"));
+            // Whatever it did may or may not have reached the medium.
+            for (lba, new) in std::mem::take(&mut self.attempt) {
+                self.model.write(lba, new, false);
+            }
+        }
+        self.stats.mid_operation_crashes += 1;
+        self.crash(step)
+    }
+
+    /// Runs operation `choice` and updates the model if it succeeds.
+    fn operation(&mut self, step: usize, choice: u32) -> Result<crate::Result<()>, SimFailure> {
+        Ok(match choice {
             0..=44 => {
                 let (lba, count) = self.block_range();
                 let fua = self.rng.gen_bool(0.1);
@@ -308,6 +413,11 @@ impl Run {
                     .collect();
                 blocks.iter().for_each(|b| data.extend_from_slice(b));
                 self.trace.push(format!("write {lba}+{count} fua={fua}"));
+                self.attempt = blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| (lba + i as u64, Some(Arc::new(b.clone()))))
+                    .collect();
                 let result = self.volume.write(lba * BLOCK_SIZE_U64, &data, fua);
                 if result.is_ok() {
                     for (i, block) in blocks.into_iter().enumerate() {
@@ -325,15 +435,17 @@ impl Run {
                 self.trace
                     .push(format!("write {lba} sectors {sector}+{sectors}"));
                 let offset = lba * BLOCK_SIZE_U64 + sector * 512;
+                let mut block = self
+                    .model
+                    .latest(lba)
+                    .map_or(vec![0u8; BLOCK_SIZE], |v| v.to_vec());
+                block[(sector * 512) as usize..((sector + sectors) * 512) as usize]
+                    .copy_from_slice(&bytes);
+                let block = Arc::new(block);
+                self.attempt = vec![(lba, Some(block.clone()))];
                 let result = self.volume.write(offset, &bytes, false);
                 if result.is_ok() {
-                    let mut block = self
-                        .model
-                        .latest(lba)
-                        .map_or(vec![0u8; BLOCK_SIZE], |v| v.to_vec());
-                    block[(sector * 512) as usize..((sector + sectors) * 512) as usize]
-                        .copy_from_slice(&bytes);
-                    self.model.write(lba, Some(Arc::new(block)), false);
+                    self.model.write(lba, Some(block), false);
                 }
                 result
             }
@@ -341,6 +453,7 @@ impl Run {
                 let (lba, count) = self.block_range();
                 let fua = self.rng.gen_bool(0.2);
                 self.trace.push(format!("trim {lba}+{count} fua={fua}"));
+                self.attempt = (lba..lba + count).map(|b| (b, None)).collect();
                 let result = self
                     .volume
                     .trim(lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64, fua);
@@ -354,6 +467,7 @@ impl Run {
                 let punch = self.rng.gen_bool(0.5);
                 self.trace
                     .push(format!("write_zeroes {lba}+{count} punch={punch}"));
+                self.attempt = (lba..lba + count).map(|b| (b, None)).collect();
                 let result = self.volume.write_zeroes(
                     lba * BLOCK_SIZE_U64,
                     count * BLOCK_SIZE_U64,
@@ -404,17 +518,8 @@ impl Run {
                 self.trace.push("maintenance".into());
                 self.volume.maintenance_tick().map(|_| ())
             }
-            _ => return self.crash(step),
-        };
-        match result {
-            Ok(()) => Ok(()),
-            Err(crate::Error::NoSpace { .. }) => {
-                self.stats.no_space += 1;
-                self.trace.push("  -> no space".into());
-                Ok(())
-            }
-            Err(error) => Err(self.fail(step, format!("operation failed: {error}"))),
-        }
+            _ => unreachable!("choice {choice}"),
+        })
     }
 
     fn crash(&mut self, step: usize) -> Result<(), SimFailure> {
@@ -531,6 +636,7 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
         model: Model::default(),
         trace: vec![format!("{config:?} codec {codec} policy {policy}")],
         stats: SimStats::default(),
+        attempt: Vec::new(),
     };
     for step in 1..=config.operations {
         run.step(step)?;
@@ -588,6 +694,8 @@ mod tests {
                     totals.cleaned += stats.cleaned;
                     totals.checkpoints += stats.checkpoints;
                     totals.no_space += stats.no_space;
+                    totals.partial += stats.partial;
+                    totals.mid_operation_crashes += stats.mid_operation_crashes;
                 }
                 Err(failure) => panic!("{failure}"),
             }

@@ -102,6 +102,8 @@ struct State {
     pending: Vec<Pending>,
     syncs: u64,
     fail_writes: bool,
+    /// Mutating operations left before `fail_writes` switches on.
+    fail_after: Option<u64>,
 }
 
 /// A RAM medium with optional power-loss simulation.
@@ -121,6 +123,7 @@ impl MemMedia {
                 pending: Vec::new(),
                 syncs: 0,
                 fail_writes: false,
+                fail_after: None,
             }),
             discipline: PageDiscipline::new(&geometry),
             geometry,
@@ -149,6 +152,13 @@ impl MemMedia {
     /// Makes every later write fail with an I/O error (or succeed again).
     pub fn set_fail_writes(&self, fail: bool) {
         self.state.lock().expect("media lock").fail_writes = fail;
+    }
+
+    /// Lets `operations` more writes, erases, syncs and metadata writes
+    /// through, then fails every later one: a power cut in the middle of
+    /// whatever the engine is doing.
+    pub fn set_fail_after(&self, operations: u64) {
+        self.state.lock().expect("media lock").fail_after = Some(operations);
     }
 
     /// Number of operations that a crash now could lose.
@@ -265,6 +275,7 @@ impl MemMedia {
                 pending: Vec::new(),
                 syncs: 0,
                 fail_writes: false,
+                fail_after: None,
             }),
             discipline: PageDiscipline::new(&self.geometry),
             geometry: self.geometry,
@@ -281,13 +292,20 @@ impl MemMedia {
                 pending: Vec::new(),
                 syncs: 0,
                 fail_writes: false,
+                fail_after: None,
             }),
             discipline: PageDiscipline::new(&self.geometry),
             geometry: self.geometry,
         }
     }
 
-    fn check_writable(state: &State) -> Result<()> {
+    fn check_writable(state: &mut State) -> Result<()> {
+        if let Some(left) = state.fail_after {
+            match left.checked_sub(1) {
+                Some(left) => state.fail_after = Some(left),
+                None => state.fail_writes = true,
+            }
+        }
         if state.fail_writes {
             return Err(Error::io(
                 "writing to the simulated medium",
@@ -309,7 +327,7 @@ impl Media for MemMedia {
 
     fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
         let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&state)?;
+        Self::check_writable(&mut state)?;
         self.discipline.on_write(segment, first_page, data.len());
         let offset = first_page.0 as usize * self.geometry.page_size_bytes as usize;
         state.live.write(&self.geometry, segment, offset, data);
@@ -340,7 +358,7 @@ impl Media for MemMedia {
 
     fn erase_segment(&self, segment: SegmentId) -> Result<()> {
         let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&state)?;
+        Self::check_writable(&mut state)?;
         state.live.segments[segment.index()] = Vec::new();
         state.pending.push(Pending::Erase { segment });
         self.discipline.on_erase(segment);
@@ -349,7 +367,7 @@ impl Media for MemMedia {
 
     fn sync(&self) -> Result<()> {
         let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&state)?;
+        Self::check_writable(&mut state)?;
         let pending = std::mem::take(&mut state.pending);
         for op in &pending {
             state.durable.apply(&self.geometry, op);
@@ -362,7 +380,7 @@ impl Media for MemMedia {
         assert!(slot < 2, "metadata slot {slot} does not exist");
         assert!(data.len() <= self.geometry.meta_slot_size_bytes as usize);
         let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&state)?;
+        Self::check_writable(&mut state)?;
         state.live.meta[slot] = data.to_vec();
         state.pending.push(Pending::Meta {
             slot,

@@ -55,9 +55,9 @@ impl MediaGeometry {
     /// Checks that the geometry is one the engine can use.
     pub fn validate(&self) -> Result<()> {
         let page = self.page_size_bytes as u64;
-        if !page.is_power_of_two() || !(512..=1 << 20).contains(&page) {
+        if !page.is_multiple_of(16) || !(512..=1 << 20).contains(&page) {
             return Err(Error::InvalidArgument(format!(
-                "page size {page} must be a power of two between 512 B and 1 MiB"
+                "page size {page} must be a multiple of 16 between 512 B and 1 MiB"
             )));
         }
         if self.segment_size_bytes < 8 * 4096 || !self.segment_size_bytes.is_multiple_of(page) {

@@ -170,7 +170,7 @@ impl Volume {
                 };
                 report.extents_verified += 1;
                 report.bytes_verified += loc.len as u64;
-                if decode_block(lba, version, &bytes, loc, &mut block).is_err() {
+                if decode_block(&self.record_key, lba, version, &bytes, loc, &mut block).is_err() {
                     report.damaged_blocks.push(lba.0);
                 }
             }
@@ -188,11 +188,15 @@ impl Volume {
         if self.read_only || report.damaged_blocks.is_empty() {
             return Ok(report);
         }
-        {
-            let mut state = self.lock();
-            for &lba in &report.damaged_blocks {
-                append_range(&mut state, crate::record::RecordKind::Trim, Lba(lba), 1, 0)?;
-            }
+        for &lba in &report.damaged_blocks {
+            let (mut state, floor) = self.lock_with_room(super::io::RANGE_RECORD_LEN, None)?;
+            append_range(
+                &mut state,
+                crate::record::RecordKind::Trim,
+                Lba(lba),
+                1,
+                floor,
+            )?;
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);
         self.checkpoint()?;

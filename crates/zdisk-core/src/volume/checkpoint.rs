@@ -18,7 +18,8 @@ use crate::map::{Chunk, Entry, Map, RangeState, Slot, CHUNK_BLOCKS};
 use crate::media::Media;
 use crate::meta::DumpRef;
 use crate::record::{
-    decode_record, record_len_for_payload, RecordHeader, RecordKind, MAP_CHUNK_PAYLOAD_MAX,
+    decode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
+    MAP_CHUNK_PAYLOAD_MAX,
 };
 use crate::segments::SegmentState;
 use crate::units::SegmentId;
@@ -227,10 +228,11 @@ pub fn decode_chunk_payload(
                 let chunk = match input.u8()? {
                     FORM_UNIFORM => {
                         let state = tag_range(input.u8()?)?;
-                        Chunk::Uniform {
-                            state,
-                            version: get_varint(&mut input)?,
+                        let version = get_varint(&mut input)?;
+                        if version > crate::map::VERSION_MAX {
+                            return Err(format!("version {version} out of range in chunk {index}"));
                         }
+                        Chunk::Uniform { state, version }
                     }
                     FORM_MIXED => {
                         let mut entries = Box::new([Entry::default(); CHUNK_BLOCKS as usize]);
@@ -286,6 +288,12 @@ pub fn decode_chunk_payload(
                     fill_bytes: input.u64()?,
                     max_version: input.u64()?,
                 };
+                if dumped.max_version > crate::map::VERSION_MAX {
+                    return Err(format!(
+                        "segment {segment}: version {} out of range",
+                        dumped.max_version
+                    ));
+                }
                 let slot = segments
                     .get_mut(segment)
                     .ok_or_else(|| format!("segment {segment} lies beyond the medium"))?;
@@ -321,6 +329,7 @@ pub fn build_segment(
     seq: u64,
     generation: u64,
     page_size: u64,
+    key: &RecordKey,
 ) -> Vec<u8> {
     let mut image = Vec::new();
     for &index in indices {
@@ -341,6 +350,7 @@ pub fn build_segment(
             header,
             payload,
             crc32c::crc32c(payload),
+            key,
         );
     }
     let padded = (image.len() as u64).div_ceil(page_size) * page_size;
@@ -352,6 +362,7 @@ pub fn build_segment(
 /// one copy is taken from the other; damage in both is an error.
 pub fn load_dump(
     media: &dyn Media,
+    key: &RecordKey,
     dump: &DumpRef,
     generation: u64,
     logical_blocks: u64,
@@ -384,7 +395,7 @@ pub fn load_dump(
         while expected < dump.record_count && offset < copies[0].len() {
             let mut decoded = None;
             for (copy, bytes) in copies.iter().enumerate() {
-                match decode_record(&bytes[offset..], None) {
+                match decode_record(&bytes[offset..], key, None) {
                     Ok((header, payload))
                         if header.kind == RecordKind::MapChunk
                             && header.version == generation
@@ -430,11 +441,7 @@ impl super::Volume {
     /// 4. Write the root into the other metadata slot and sync: the commit point.
     /// 5. Free the previous dump's segments.
     pub(crate) fn checkpoint_locked(&self, clean: bool) -> Result<()> {
-        use crate::meta::{CheckpointRoot, Root};
-        use crate::units::PageIndex;
-
         let segment_size = self.geometry.segment_size_bytes;
-        let page_size = self.geometry.page_size_bytes as u64;
         let target = chunk_target_bytes(segment_size);
         let (payloads, gen, boundary, open) = {
             let mut state = self.lock();
@@ -446,7 +453,7 @@ impl super::Volume {
 
         let placement = layout(&payloads, segment_size);
         let wanted = 2 * placement.len() as u64;
-        let (reserved, ahead) = {
+        let (short, ahead) = {
             let mut state = self.lock();
             // The root this checkpoint's root will overwrite stops being a
             // fallback as soon as that write starts, so its dump can make
@@ -466,11 +473,17 @@ impl super::Volume {
                     }
                 }
             }
-            (state.segments.reserved_count(), state.segment_reserve_ahead)
+            (
+                state.segments.reserved_count() < wanted || !state.numbering_room(wanted, 0),
+                state.segment_reserve_ahead,
+            )
         };
-        if reserved < wanted {
-            self.write_root(false, wanted + ahead / 2)?;
+        if short {
+            self.write_root(false, wanted + ahead / 2, 0)?;
         }
+        // The generation is taken here but counted only once the root is
+        // durable: a failed attempt must not skip a generation, or the next
+        // root would overwrite the newest durable one in the same slot.
         let (copies, generation) = {
             let mut state = self.lock();
             let mut taken: Vec<(SegmentId, u64)> = Vec::with_capacity(2 * placement.len());
@@ -482,21 +495,75 @@ impl super::Volume {
                         taken.push((segment, info.seq));
                     }
                     Err(error) => {
-                        for (segment, _) in taken {
-                            state.segments.release(segment);
+                        for (segment, _) in taken.into_iter().rev() {
+                            state.segments.unallocate(segment);
                         }
                         return Err(error);
                     }
                 }
             }
             let second = taken.split_off(placement.len());
-            state.generation += 1;
-            ([taken, second], state.generation)
+            ([taken, second], state.generation + 1)
         };
+        let result = self.write_dump_and_root(
+            &payloads, &placement, &copies, generation, clean, boundary, &open,
+        );
+        let mut state = self.lock();
+        let (dump, reservation) = match result {
+            Ok(done) => done,
+            Err(error) => {
+                // Nothing refers to the new dump: its segments go back.
+                for copy in copies.iter().rev() {
+                    for &(segment, _) in copy.iter().rev() {
+                        state.segments.unallocate(segment);
+                    }
+                }
+                return Err(error);
+            }
+        };
+        state.generation = generation;
+        state.commit_reservation(&reservation);
+        state.install_root(super::state::RetainedRoot {
+            generation,
+            boundary,
+            open,
+            dump: Some(dump),
+        });
+        state.log_bytes_since_checkpoint = 0;
+        state.range_bytes_since_checkpoint = 0;
+        // Segments cleaned while damage forced a checkpoint can go now.
+        let release_gen = state.barrier_gen + 1;
+        state.segments.unpark(release_gen);
+        Ok(())
+    }
+
+    /// Steps 3 and 4 of a checkpoint: both dump copies, a sync, the root.
+    #[allow(clippy::too_many_arguments)]
+    fn write_dump_and_root(
+        &self,
+        payloads: &[Vec<u8>],
+        placement: &[Vec<usize>],
+        copies: &[Vec<(SegmentId, u64)>; 2],
+        generation: u64,
+        clean: bool,
+        boundary: u64,
+        open: &[crate::meta::OpenSegmentPos],
+    ) -> Result<(DumpRef, super::state::Reservation)> {
+        use crate::meta::{CheckpointRoot, Root};
+        use crate::units::PageIndex;
+
+        let page_size = self.geometry.page_size_bytes as u64;
         let mut written = 0u64;
-        for copy in &copies {
+        for copy in copies {
             for (&(segment, seq), indices) in copy.iter().zip(placement.iter()) {
-                let image = build_segment(&payloads, indices, seq, generation, page_size);
+                let image = build_segment(
+                    payloads,
+                    indices,
+                    seq,
+                    generation,
+                    page_size,
+                    &self.record_key,
+                );
                 self.media.write_pages(segment, PageIndex(0), &image)?;
                 written += image.len() as u64;
                 let mut state = self.lock();
@@ -504,7 +571,15 @@ impl super::Volume {
                 info.fill_bytes = image.len() as u64;
             }
         }
-        self.media.sync()?;
+        if let Err(error) = self.media.sync() {
+            // A failed sync may also have dropped data written since the
+            // last one: stop writing, as a failed flush does.
+            let mut state = self.lock();
+            if state.failed.is_none() {
+                state.failed = Some(error.to_string());
+            }
+            return Err(error);
+        }
 
         let dump = DumpRef {
             copies: [
@@ -516,7 +591,7 @@ impl super::Volume {
         };
         let (root, reservation) = {
             let mut state = self.lock();
-            let reservation = state.reservations_for_root(0);
+            let reservation = state.reservations_for_root(0, 0);
             state.counters.meta_write_bytes += written;
             state.counters.media_write_bytes += written;
             state.counters.checkpoints += 1;
@@ -532,7 +607,7 @@ impl super::Volume {
                     seq_reserved: reservation.seq,
                     version_reserved: reservation.version,
                     reserved_segments: reservation.segments.clone(),
-                    open_segments: open.clone(),
+                    open_segments: open.to_vec(),
                     dump: Some(dump.clone()),
                     counters: state.counters,
                 },
@@ -540,29 +615,7 @@ impl super::Volume {
             (root, reservation)
         };
         self.commit_root(&root)?;
-
-        let mut state = self.lock();
-        state.commit_reservation(&reservation);
-        state.install_root(super::state::RetainedRoot {
-            generation,
-            boundary,
-            open,
-            dump: Some(dump),
-        });
-        state.log_bytes_since_checkpoint = 0;
-        // Segments cleaned while damage forced a checkpoint can go now.
-        let release_gen = state.barrier_gen + 1;
-        for index in 0..state.segments.len() as u32 {
-            let info = state.segments.get_mut(SegmentId(index));
-            if info.state
-                == (SegmentState::Reclaimable {
-                    release_gen: u64::MAX,
-                })
-            {
-                info.state = SegmentState::Reclaimable { release_gen };
-            }
-        }
-        Ok(())
+        Ok((dump, reservation))
     }
 }
 

@@ -35,7 +35,7 @@ const MERGE_GAP_BYTES: u64 = 16 * 1024;
 
 /// A release generation that no barrier reaches: set while a checkpoint
 /// must come first.
-const AFTER_CHECKPOINT: u64 = u64::MAX;
+const AFTER_CHECKPOINT: u64 = crate::segments::PARKED;
 
 /// The best victim under `policy` with at least `min_garbage_bytes` reclaimable.
 pub(crate) fn pick_victim(
@@ -50,12 +50,20 @@ pub(crate) fn pick_victim(
         if info.state != SegmentState::Sealed {
             continue;
         }
-        let garbage = segment_size - info.live_bytes;
+        // Trims recovery may still need move with the segment: they are
+        // not garbage to reclaim.
+        let kept = info.live_bytes
+            + if info.range_bytes > 0 && state.needed_by_recovery(segment) {
+                info.range_bytes
+            } else {
+                0
+            };
+        let garbage = segment_size.saturating_sub(kept);
         if garbage < min_garbage_bytes.max(1) {
             continue;
         }
         let age = now.saturating_sub(info.max_version);
-        let Some(score) = policy.score(info.live_bytes, segment_size, age) else {
+        let Some(score) = policy.score(kept, segment_size, age) else {
             continue;
         };
         if best.is_none_or(|(_, s)| score > s) {
@@ -63,6 +71,22 @@ pub(crate) fn pick_victim(
         }
     }
     best.map(|(segment, _)| segment)
+}
+
+/// Segments the GC stream needs to take `victim`'s live data and
+/// `extra_bytes` of range records (plus slack for damage markers).
+fn relocation_segments(state: &State, victim: SegmentId, extra_bytes: u64) -> u64 {
+    let bytes = state.segments.get(victim).live_bytes + extra_bytes;
+    if bytes == 0 {
+        return 0;
+    }
+    state.segments_needed(StreamKind::Gc, bytes + RELOCATION_SLACK_BYTES)
+}
+
+/// Versions cleaning `victim` may take: one per damage marker, at most one
+/// per record appended to it.
+fn relocation_versions(state: &State, victim: SegmentId) -> u64 {
+    state.segments.members(victim).len() as u64 + 1
 }
 
 /// Moves a live data record from `from` to the GC stream, unchanged.
@@ -149,16 +173,32 @@ impl Volume {
     }
 
     fn has_relocation_room(&self, state: &State, victim: SegmentId, extra_bytes: u64) -> bool {
-        let needed = state.segments_needed(
-            StreamKind::Gc,
-            state.segments.get(victim).live_bytes + extra_bytes + RELOCATION_SLACK_BYTES,
-        );
-        state.segments.free_count() >= needed + state.gc_floor_segments()
+        let needed = relocation_segments(state, victim, extra_bytes);
+        let versions = relocation_versions(state, victim);
+        // A victim with nothing to move needs no room at all.
+        (needed == 0 || state.segments.free_count() >= needed + state.gc_floor_segments())
+            && state.segments.reserved_count() >= needed
+            && state.numbering_room(needed, versions)
     }
 
-    /// Not enough room to relocate: release cleaned segments if a barrier
-    /// can, else report no progress.
-    fn short_of_room(&self, state: std::sync::MutexGuard<'_, State>) -> Result<bool> {
+    /// Not enough room to relocate: renew the reservations if that is what
+    /// is missing, or release cleaned segments if a barrier can, else report
+    /// no progress. The caller holds the maintenance lock.
+    fn short_of_room(
+        &self,
+        state: std::sync::MutexGuard<'_, State>,
+        victim: SegmentId,
+        extra_bytes: u64,
+    ) -> Result<bool> {
+        let needed = relocation_segments(&state, victim, extra_bytes);
+        let versions = relocation_versions(&state, victim);
+        let free_enough = state.segments.free_count() >= needed + state.gc_floor_segments();
+        if free_enough && state.reservation_short(needed, versions) {
+            let wanted = needed + state.segment_reserve_ahead / 2;
+            drop(state);
+            self.write_root(false, wanted, versions)?;
+            return Ok(true);
+        }
         let reclaimable = state.reclaimable_count();
         drop(state);
         if reclaimable > 0 {
@@ -196,12 +236,7 @@ impl Volume {
                 return Ok(false);
             };
             // Room for its live records plus a few small records (damage markers).
-            let room_for = |state: &State, victim: SegmentId| {
-                state.segments_needed(
-                    StreamKind::Gc,
-                    state.segments.get(victim).live_bytes + RELOCATION_SLACK_BYTES,
-                )
-            };
+            let room_for = |state: &State, victim: SegmentId| relocation_segments(state, victim, 0);
             let spare = state
                 .segments
                 .free_count()
@@ -215,13 +250,15 @@ impl Volume {
             }
             let info = *state.segments.get(victim);
             let needed = room_for(&state, victim);
-            if state.segments.reserved_count() < needed
+            let versions = relocation_versions(&state, victim);
+            if state.reservation_short(needed, versions)
                 && state.segments.free_count() >= needed + state.gc_floor_segments()
             {
-                // Free segments exist but no root has reserved them yet.
+                // Free segments exist but no root has reserved them (or
+                // the numbers for them) yet.
                 let wanted = needed + state.segment_reserve_ahead / 2;
                 drop(state);
-                self.write_root(false, wanted)?;
+                self.write_root(false, wanted, versions)?;
                 return Ok(true);
             }
             if state.segments.free_count() < needed + state.gc_floor_segments() {
@@ -252,7 +289,7 @@ impl Volume {
         let mut state = if full_scan {
             let mut bytes = vec![0u8; fill_bytes as usize];
             self.media.read(victim, 0, &mut bytes)?;
-            let scan = scan_segment(&bytes, 0, seq as u32, page_size);
+            let scan = scan_segment(&bytes, 0, seq as u32, page_size, &self.record_key);
             let mut state = self.lock();
             // Trim and zero records come on top of the live data: make sure
             // everything fits before changing anything.
@@ -263,7 +300,7 @@ impl Volume {
                 .map(|r| r.header.record_len())
                 .sum();
             if !self.has_relocation_room(&state, victim, range_bytes) {
-                return self.short_of_room(state);
+                return self.short_of_room(state, victim, range_bytes);
             }
             gc_written_before = state.counters.gc_write_bytes;
             state.counters.gc_read_bytes += fill_bytes;
@@ -320,7 +357,7 @@ impl Volume {
             }
             let mut state = self.lock();
             if !self.has_relocation_room(&state, victim, 0) {
-                return self.short_of_room(state);
+                return self.short_of_room(state, victim, 0);
             }
             gc_written_before = state.counters.gc_write_bytes;
             state.counters.gc_read_bytes += read;
@@ -332,9 +369,9 @@ impl Volume {
                 let index = buffers.partition_point(|(start, _)| *start <= loc.offset as u64) - 1;
                 let (start, buffer) = &buffers[index];
                 let at = (loc.offset as u64 - start) as usize;
-                let record = buffer
-                    .get(at..at + loc.len as usize)
-                    .and_then(|slice| decode_record(slice, Some(seq as u32)).ok());
+                let record = buffer.get(at..at + loc.len as usize).and_then(|slice| {
+                    decode_record(slice, &self.record_key, Some(seq as u32)).ok()
+                });
                 match record {
                     Some((header, payload))
                         if header.kind == RecordKind::Data
@@ -363,7 +400,7 @@ impl Volume {
                     .media
                     .read(victim, loc.offset as u64, &mut bytes)
                     .ok()
-                    .and_then(|_| decode_record(&bytes, Some(seq as u32)).ok());
+                    .and_then(|_| decode_record(&bytes, &self.record_key, Some(seq as u32)).ok());
                 match record {
                     Some((header, payload))
                         if header.kind == RecordKind::Data
@@ -387,7 +424,7 @@ impl Volume {
         } else {
             state.barrier_gen + 1
         };
-        state.segments.get_mut(victim).state = SegmentState::Reclaimable { release_gen };
+        state.segments.mark_reclaimable(victim, release_gen);
         state.counters.segments_cleaned += 1;
         let relocated = state.counters.gc_write_bytes - gc_written_before;
         drop(state);

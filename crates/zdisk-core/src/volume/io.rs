@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::map::{Location, RangeState, Slot};
 use crate::media::HostDirection;
 use crate::record::{
-    decode_record, record_len_for_payload, RecordHeader, RecordKind, RANGE_PAYLOAD_LEN,
+    decode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
 };
 use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -88,7 +88,7 @@ pub(crate) fn is_zero(block: &[u8]) -> bool {
         && chunks.remainder().iter().all(|&b| b == 0)
 }
 
-const RANGE_RECORD_LEN: u64 =
+pub(crate) const RANGE_RECORD_LEN: u64 =
     (crate::record::HEADER_SIZE as u64 + RANGE_PAYLOAD_LEN as u64).div_ceil(16) * 16;
 
 impl Volume {
@@ -160,6 +160,7 @@ impl Volume {
             let lba = Lba(first.0 + index as u64);
             let block = &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
             if let Err(error) = decode_block(
+                &self.record_key,
                 lba,
                 version,
                 &bytes,
@@ -205,6 +206,7 @@ impl Volume {
                     Ok(()) => {
                         let at = (loc.offset - first_loc.offset) as usize;
                         decode_block(
+                            &self.record_key,
                             lba,
                             version,
                             &scratch[at..at + loc.len as usize],
@@ -282,7 +284,7 @@ impl Volume {
                         bytes
                     }
                 };
-                decode_block(lba, entry.version(), &bytes, loc, out)
+                decode_block(&self.record_key, lba, entry.version(), &bytes, loc, out)
             }
         }
     }
@@ -354,10 +356,7 @@ impl Volume {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
         let count = data.len() / BLOCK_SIZE;
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .min(8);
+        let threads = self.compress_threads;
         let batches: Vec<Batch> = if count >= PARALLEL_MIN_BLOCKS && threads > 1 {
             let per = count.div_ceil(threads) * BLOCK_SIZE;
             std::thread::scope(|scope| {
@@ -450,22 +449,39 @@ impl Volume {
         reserve_for_blocks: Option<u64>,
     ) -> Result<(std::sync::MutexGuard<'_, State>, u64)> {
         let mut attempts = 0u64;
+        let mut checkpointed = false;
         let limit = 4 * self.geometry.segment_count as u64 + 16;
         loop {
             let mut state = self.lock();
             state.check_writable()?;
+            if state.closing {
+                return Err(Error::ShutDown);
+            }
             let floor = match reserve_for_blocks {
                 Some(blocks) => state.reserved_segments_for(blocks),
                 None => state.dump_reserve_segments(),
             };
             let needed = state.segments_needed(StreamKind::Host, bytes);
-            if state.reservation_low() || state.segments.reserved_count() < needed {
+            // A write numbers each block (data or zero run); a range, itself.
+            let versions = reserve_for_blocks.unwrap_or(1);
+            if state.reservation_short(needed, versions) {
                 drop(state);
-                self.renew_reservations(needed)?;
+                self.renew_reservations(needed, versions)?;
                 state = self.lock();
             }
             if state.host_has_room(bytes, floor) {
-                return Ok((state, floor));
+                if state.numbering_room(needed, versions) {
+                    return Ok((state, floor));
+                }
+                // Other writers used the renewed numbers first: renew again.
+                attempts += 1;
+                if attempts > limit {
+                    return Err(Error::NoSpace {
+                        free_segments: state.segments.free_count(),
+                        reserved_segments: floor,
+                    });
+                }
+                continue;
             }
             let reclaimable = state.reclaimable_count();
             let free = state.segments.free_count();
@@ -484,12 +500,23 @@ impl Volume {
             let available = (free + reclaimable).saturating_sub(reserved) * segment_size
                 + state.stream_room(StreamKind::Host)
                 + garbage;
+            // Only a checkpoint frees trims kept for recovery and parked segments.
+            let checkpoint_would_help = !checkpointed
+                && (state.range_bytes_since_checkpoint > 0 || state.segments.parked_count() > 0);
             drop(state);
             if available < bytes + crate::record::RAW_RECORD_LEN {
-                return Err(Error::NoSpace {
-                    free_segments: free,
-                    reserved_segments: reserved,
-                });
+                if !checkpoint_would_help {
+                    return Err(Error::NoSpace {
+                        free_segments: free,
+                        reserved_segments: reserved,
+                    });
+                }
+                checkpointed = true;
+                match self.checkpoint() {
+                    Ok(()) | Err(Error::NoSpace { .. }) => {}
+                    Err(other) => return Err(other),
+                }
+                continue;
             }
             self.poke();
             attempts += 1;
@@ -504,10 +531,20 @@ impl Volume {
                 continue;
             }
             if !self.clean_one(self.foreground_min_garbage())? {
-                return Err(Error::NoSpace {
-                    free_segments: free,
-                    reserved_segments: reserved,
-                });
+                // Trims kept for recovery, or segments parked until a
+                // checkpoint, may be what holds the space: a checkpoint
+                // releases them. Try that once before giving up.
+                if checkpointed || !checkpoint_would_help {
+                    return Err(Error::NoSpace {
+                        free_segments: free,
+                        reserved_segments: reserved,
+                    });
+                }
+                checkpointed = true;
+                match self.checkpoint() {
+                    Ok(()) | Err(Error::NoSpace { .. }) => {}
+                    Err(other) => return Err(other),
+                }
             }
         }
     }
@@ -609,6 +646,7 @@ pub(crate) fn append_range(
 
 /// Verifies the record in `bytes` is block `lba` at `version` and decompresses it.
 pub(crate) fn decode_block(
+    key: &RecordKey,
     lba: Lba,
     version: u64,
     bytes: &[u8],
@@ -621,7 +659,7 @@ pub(crate) fn decode_block(
         offset: loc.offset,
         reason,
     };
-    let (header, payload) = match decode_record(bytes, None) {
+    let (header, payload) = match decode_record(bytes, key, None) {
         Ok(decoded) => decoded,
         Err(crate::record::RecordError::Checksum { expected, actual }) => {
             return Err(Error::ChecksumMismatch {

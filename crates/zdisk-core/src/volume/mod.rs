@@ -114,6 +114,7 @@ impl Default for OpenOptions {
 
 pub struct Volume {
     media: Arc<dyn Media>,
+    record_key: crate::record::RecordKey,
     geometry: MediaGeometry,
     superblock: Superblock,
     settings: Settings,
@@ -133,6 +134,9 @@ pub struct Volume {
     gc_active: AtomicBool,
     gc_low_free_segments: u64,
     gc_high_free_segments: u64,
+    /// Threads a large write compresses on (the CPUs, up to 8; asked once,
+    /// as the query reads cgroup files on Linux).
+    compress_threads: usize,
 }
 
 impl Volume {
@@ -262,9 +266,11 @@ impl Volume {
             .gc_high_free_segments
             .unwrap_or_else(|| gc_low + (segment_count / 50).clamp(2, 64))
             .max(gc_low + 1);
+        let record_key = crate::record::RecordKey(root.superblock.uuid);
         let state = State {
             media: media.clone(),
             geometry,
+            key: record_key,
             write_batch_bytes: options
                 .write_batch_bytes
                 .max(geometry.page_size_bytes as usize),
@@ -285,12 +291,15 @@ impl Volume {
             generation: root.generation,
             roots: recovered.roots,
             log_bytes_since_checkpoint: 0,
+            range_bytes_since_checkpoint: 0,
             failed: None,
+            closing: false,
         };
         let read_only = options.read_only;
         let mut report = recovered.report;
         let volume = Arc::new(Volume {
             media,
+            record_key,
             geometry,
             superblock: root.superblock.clone(),
             settings: root.settings,
@@ -308,12 +317,16 @@ impl Volume {
             gc_active: AtomicBool::new(false),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
+            compress_threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(8),
             options,
         });
         if !read_only {
             // First mark the volume dirty and reserve numbers for this run,
             // before anything is written.
-            volume.write_root(false, 0)?;
+            volume.write_root(false, 0, 0)?;
             if report.replayed_records > 0 || !report.clean {
                 // Fold the replayed log into a checkpoint, so the next start
                 // does not replay it again and its trims are safe to clean.
@@ -403,20 +416,21 @@ impl Volume {
 
     /// Writes a root that points at the newest checkpoint dump: to mark
     /// the volume dirty when it opens, and to renew reservations (with at
-    /// least `min_segments` segments). The caller holds the maintenance lock
-    /// or has the volume to itself.
-    fn write_root(&self, clean: bool, min_segments: u64) -> Result<()> {
+    /// least `min_segments` segments and `min_versions` versions). The
+    /// caller holds the maintenance lock or has the volume to itself.
+    fn write_root(&self, clean: bool, min_segments: u64, min_versions: u64) -> Result<()> {
         let (root, retained, reservation) = {
-            let mut state = self.lock();
-            state.generation += 1;
-            let reservation = state.reservations_for_root(min_segments);
+            let state = self.lock();
+            // Counted only once durable (see `checkpoint_locked`).
+            let generation = state.generation + 1;
+            let reservation = state.reservations_for_root(min_segments, min_versions);
             let newest = state.newest_root().clone();
             let retained = state::RetainedRoot {
-                generation: state.generation,
+                generation,
                 ..newest
             };
             let root = Root {
-                generation: state.generation,
+                generation,
                 superblock: self.superblock.clone(),
                 settings: self.settings,
                 checkpoint: CheckpointRoot {
@@ -436,6 +450,7 @@ impl Volume {
         };
         self.commit_root(&root)?;
         let mut state = self.lock();
+        state.generation = root.generation;
         state.commit_reservation(&reservation);
         state.install_root(retained);
         Ok(())
@@ -494,6 +509,9 @@ impl Volume {
         if self.read_only || self.closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
+        // Refuse new writes first: one acknowledged after the clean
+        // checkpoint's snapshot would be lost, as recovery skips the log.
+        self.lock().closing = true;
         self.checkpoint_making_room(true)?;
         let mut state = self.lock();
         state.failed = Some("the volume is closed".into());
@@ -529,15 +547,22 @@ impl Volume {
     }
 
     /// Writes a root to renew the reservations of sequence numbers,
-    /// versions and segments, with at least `min_segments` segments.
-    pub(crate) fn renew_reservations(&self, min_segments: u64) -> Result<()> {
+    /// versions and segments, if they are low or short of `min_segments`
+    /// segments and `min_versions` versions.
+    pub(crate) fn renew_reservations(&self, min_segments: u64, min_versions: u64) -> Result<()> {
         let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        let needed = {
-            let state = self.lock();
-            state.reservation_low() || state.segments.reserved_count() < min_segments
-        };
+        let needed = self.lock().reservation_short(min_segments, min_versions);
         if needed {
-            self.write_root(false, min_segments)?;
+            let exhausted = {
+                let state = self.lock();
+                state.next_version + min_versions > crate::map::VERSION_MAX + 1
+            };
+            if exhausted {
+                return Err(Error::InvalidArgument(
+                    "the volume has used up its 2^48 versions; copy its data to a new image".into(),
+                ));
+            }
+            self.write_root(false, min_segments, min_versions)?;
         }
         Ok(())
     }
@@ -548,15 +573,21 @@ impl Volume {
             return Ok(false);
         }
         if self.lock().reservation_low() {
-            self.renew_reservations(0)?;
+            self.renew_reservations(0, 0)?;
             return Ok(true);
         }
         let (free, reclaimable, checkpoint_due) = {
             let state = self.lock();
+            // Trims kept for recovery, and segments parked until a
+            // checkpoint, hold space that only a checkpoint gives back.
+            let range_limit = (self.geometry.log_capacity_bytes() / 64)
+                .min(self.options.checkpoint_interval_bytes);
             (
                 state.segments.free_count(),
                 state.reclaimable_count(),
-                state.log_bytes_since_checkpoint >= self.options.checkpoint_interval_bytes,
+                state.log_bytes_since_checkpoint >= self.options.checkpoint_interval_bytes
+                    || state.range_bytes_since_checkpoint >= range_limit
+                    || state.segments.parked_count() > 0,
             )
         };
         if checkpoint_due {

@@ -23,7 +23,7 @@ use crate::error::Result;
 use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::Media;
 use crate::meta::Root;
-use crate::record::{decode_record, range_count, RecordKind, HEADER_SIZE};
+use crate::record::{decode_record, range_count, RecordKey, RecordKind, HEADER_SIZE};
 use crate::segments::{SegmentInfo, SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
@@ -55,10 +55,10 @@ pub struct OpenReport {
 }
 
 /// The incarnation of the first valid record anywhere in a segment.
-fn first_record_seq(bytes: &[u8]) -> Option<u32> {
+fn first_record_seq(bytes: &[u8], key: &RecordKey) -> Option<u32> {
     (0..bytes.len().saturating_sub(HEADER_SIZE))
         .step_by(crate::record::RECORD_ALIGN as usize)
-        .find_map(|at| decode_record(&bytes[at..], None).ok())
+        .find_map(|at| decode_record(&bytes[at..], key, None).ok())
         .map(|(header, _)| header.seg_seq)
 }
 
@@ -101,6 +101,7 @@ pub(crate) fn recover(
     let segment_size = geometry.segment_size_bytes;
     let page_size = geometry.page_size_bytes as u64;
     let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
+    let key = RecordKey(root.superblock.uuid);
     let checkpoint = &root.checkpoint;
     let clean = checkpoint.clean && trust_clean;
     let mut report = OpenReport {
@@ -110,7 +111,7 @@ pub(crate) fn recover(
     };
     let mut map = Map::new(true);
     let dumped = match &checkpoint.dump {
-        Some(dump) => load_dump(media, dump, dump.generation, logical_blocks, &mut map)?,
+        Some(dump) => load_dump(media, &key, dump, dump.generation, logical_blocks, &mut map)?,
         None => vec![None; geometry.segment_count as usize],
     };
     let mut roots: [Option<RetainedRoot>; 2] = [None, None];
@@ -136,6 +137,7 @@ pub(crate) fn recover(
             fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
             max_version: dumped.map_or(0, |d| d.max_version),
             holds_ranges: false,
+            range_bytes: 0,
         })
         .collect();
     let mut counters = checkpoint.counters;
@@ -156,7 +158,7 @@ pub(crate) fn recover(
                 continue;
             }
             media.read(segment, 0, &mut head)?;
-            let seg_seq = match decode_record(&head, None) {
+            let seg_seq = match decode_record(&head, &key, None) {
                 Ok((header, _)) => header.seg_seq,
                 // Never written, or erased.
                 Err(_) if crate::meta::is_blank(&head) => continue,
@@ -164,7 +166,7 @@ pub(crate) fn recover(
                 Err(_) => {
                     let mut bytes = vec![0u8; segment_size as usize];
                     media.read(segment, 0, &mut bytes)?;
-                    match first_record_seq(&bytes) {
+                    match first_record_seq(&bytes, &key) {
                         Some(seq) => seq,
                         None => continue,
                     }
@@ -185,7 +187,7 @@ pub(crate) fn recover(
         let mut bytes = vec![0u8; segment_size as usize];
         for (seq, segment, start) in plan {
             media.read(segment, 0, &mut bytes)?;
-            let scan = scan_segment(&bytes, start, seq as u32, page_size);
+            let scan = scan_segment(&bytes, start, seq as u32, page_size, &key);
             for (offset, error) in &scan.damaged {
                 report.replay_damage.push(format!(
                     "segment {segment} (seq {seq}) at offset {offset}: {error}"
@@ -200,6 +202,15 @@ pub(crate) fn recover(
             for record in &scan.records {
                 let header = record.header;
                 let payload = &bytes[record.payload.clone()];
+                if header.version > crate::map::VERSION_MAX {
+                    // Only damage or a forgery gets past the checksum
+                    // with this; the map cannot hold it.
+                    report.replay_damage.push(format!(
+                        "segment {segment} (seq {seq}) at offset {}: version {} out of range",
+                        record.offset, header.version
+                    ));
+                    continue;
+                }
                 next_version = next_version.max(header.version + 1);
                 let info = &mut infos[segment.index()];
                 info.max_version = info.max_version.max(header.version);
@@ -329,6 +340,7 @@ pub(crate) fn recover(
                     fill_bytes: 0,
                     max_version: 0,
                     holds_ranges: false,
+                    range_bytes: 0,
                 };
                 erased += 1;
             }

@@ -12,8 +12,7 @@
 
 use std::ops::Range;
 
-use crate::record::{decode_record, RecordError, RecordHeader, HEADER_SIZE};
-use crate::units::align_up;
+use crate::record::{decode_record, RecordError, RecordHeader, RecordKey, HEADER_SIZE};
 
 #[derive(Debug, Clone)]
 pub struct Scanned {
@@ -36,7 +35,13 @@ pub struct ScanResult {
 
 /// Parses the records of one segment incarnation (`seq32`) in `bytes`,
 /// starting at `start`.
-pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> ScanResult {
+pub fn scan_segment(
+    bytes: &[u8],
+    start: u64,
+    seq32: u32,
+    page_size: u64,
+    key: &RecordKey,
+) -> ScanResult {
     let mut records = Vec::new();
     let mut pos = start as usize;
     let mut end = start;
@@ -51,13 +56,14 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
             // which runs to the end of the page (it may be shorter than a
             // header); zeros or ones to the page end are unwritten or erased
             // space.
-            let page_end = (align_up(pos as u64 + 1, page_size) as usize).min(bytes.len());
+            let page_end =
+                ((pos as u64 / page_size + 1) * page_size).min(bytes.len() as u64) as usize;
             if bytes[pos..page_end].iter().all(|&b| b == blank) {
                 pos = page_end;
                 continue;
             }
         }
-        match decode_record(&bytes[pos..], Some(seq32)) {
+        match decode_record(&bytes[pos..], key, Some(seq32)) {
             Ok((header, _)) => {
                 if let Some(run) = skipping.take() {
                     damaged.push(run);
@@ -84,7 +90,7 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
     }
     ScanResult {
         records,
-        end_offset: align_up(end, page_size),
+        end_offset: end.div_ceil(page_size) * page_size,
         first_error,
         damaged,
     }
@@ -94,6 +100,8 @@ pub fn scan_segment(bytes: &[u8], start: u64, seq32: u32, page_size: u64) -> Sca
 mod tests {
     use super::*;
     use crate::record::{encode_record, record_len_for_payload, RecordKind};
+
+    const KEY: RecordKey = RecordKey([4; 16]);
 
     fn put(bytes: &mut [u8], at: usize, seq: u32, lba: u64, payload: &[u8]) -> usize {
         let header = RecordHeader {
@@ -111,6 +119,7 @@ mod tests {
             header,
             payload,
             crc32c::crc32c(payload),
+            &KEY,
         );
         at + len
     }
@@ -122,7 +131,7 @@ mod tests {
         put(&mut bytes, next, 5, 2, &[2; 100]);
         // A flush padded the first page; the next record starts on page 1.
         let next = put(&mut bytes, 4096, 5, 3, &[3; 4000]);
-        let result = scan_segment(&bytes, 0, 5, 4096);
+        let result = scan_segment(&bytes, 0, 5, 4096, &KEY);
         assert_eq!(
             result
                 .records
@@ -139,13 +148,13 @@ mod tests {
         let gap_start = put(&mut short_gap, 0, 5, 1, &[1; 4048]);
         assert_eq!(gap_start, 4096 - 16);
         put(&mut short_gap, 4096, 5, 2, &[2; 10]);
-        let result = scan_segment(&short_gap, 0, 5, 4096);
+        let result = scan_segment(&short_gap, 0, 5, 4096, &KEY);
         assert_eq!(result.records.len(), 2);
         assert!(result.first_error.is_none());
 
         // A record of an older incarnation after the last one is the tail, not damage.
         put(&mut bytes, next, 4, 9, &[9; 10]);
-        let result = scan_segment(&bytes, 0, 5, 4096);
+        let result = scan_segment(&bytes, 0, 5, 4096, &KEY);
         assert_eq!(result.records.len(), 3);
         assert!(matches!(
             result.first_error,
@@ -155,7 +164,7 @@ mod tests {
 
         // Damage in the first record: the scan resynchronises on the next ones.
         bytes[40] ^= 1;
-        let result = scan_segment(&bytes, 0, 5, 4096);
+        let result = scan_segment(&bytes, 0, 5, 4096, &KEY);
         let lbas: Vec<u64> = result.records.iter().map(|r| r.header.lba).collect();
         assert_eq!(lbas, vec![2, 3]);
         assert!(matches!(

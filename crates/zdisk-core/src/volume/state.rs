@@ -17,7 +17,7 @@ use crate::map::{Location, Map};
 use crate::media::{Media, MediaGeometry};
 use crate::meta::{DumpRef, OpenSegmentPos};
 
-use crate::record::{encode_record, RecordHeader, RAW_RECORD_LEN};
+use crate::record::{encode_record, RecordHeader, RecordKey, RAW_RECORD_LEN};
 use crate::segments::{SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{PageIndex, SegmentId};
@@ -76,6 +76,8 @@ impl Stream {
 pub struct State {
     pub media: Arc<dyn Media>,
     pub geometry: MediaGeometry,
+    /// Mixed into every record checksum (see `RecordKey`).
+    pub key: RecordKey,
     pub write_batch_bytes: usize,
     pub map: Map,
     pub segments: SegmentTable,
@@ -101,8 +103,14 @@ pub struct State {
     pub roots: [Option<RetainedRoot>; 2],
     /// Log bytes appended since the last checkpoint.
     pub log_bytes_since_checkpoint: u64,
+    /// Of those, bytes of trim, zero and damaged records, which the
+    /// cleaner must keep until a checkpoint.
+    pub range_bytes_since_checkpoint: u64,
     /// Set after a failed medium write: the log may have a hole, so no more writes.
     pub failed: Option<String>,
+    /// Set when `close` starts: no new host writes, so that none can land
+    /// after the clean checkpoint's snapshot.
+    pub closing: bool,
 }
 
 impl State {
@@ -223,12 +231,20 @@ impl State {
         header.seg_seq = stream.seq as u32;
         let start = stream.buf.len();
         stream.buf.resize(start + len as usize, 0);
-        encode_record(&mut stream.buf[start..], header, payload, payload_crc);
+        encode_record(
+            &mut stream.buf[start..],
+            header,
+            payload,
+            payload_crc,
+            &self.key,
+        );
         let info = self.segments.get_mut(segment);
         info.max_version = info.max_version.max(header.version);
         info.fill_bytes = offset + len;
         if header.kind.is_range() {
             info.holds_ranges = true;
+            info.range_bytes += len;
+            self.range_bytes_since_checkpoint += len;
         }
         if header.kind == crate::record::RecordKind::Data {
             self.segments.add_member(segment, header.lba);
@@ -478,12 +494,22 @@ impl State {
 
     pub fn take_version(&mut self) -> u64 {
         let version = self.next_version;
+        // Admission (`numbering_room`) checked this before the caller
+        // started; running out here is a bug, not an operating error.
         assert!(
-            version <= crate::map::VERSION_MAX,
-            "version space exhausted"
+            version < self.version_limit,
+            "version reservation {} exhausted",
+            self.version_limit
         );
         self.next_version += 1;
         version
+    }
+
+    /// True if `segments` more segments and `versions` more versions can
+    /// be numbered under the current reservation.
+    pub fn numbering_room(&self, segments: u64, versions: u64) -> bool {
+        self.next_seq + segments <= self.seq_limit
+            && self.next_version + versions <= self.version_limit
     }
 
     /// True when a root should be written to renew the reservations.
@@ -495,13 +521,28 @@ impl State {
             || self.next_version + self.version_reserve_ahead / 4 > self.version_limit
     }
 
+    /// True when a root must be written before `segments` segments and
+    /// `versions` versions can be used (or the reservations are low).
+    pub fn reservation_short(&self, segments: u64, versions: u64) -> bool {
+        self.reservation_low()
+            || self.segments.reserved_count() < segments
+            || !self.numbering_room(segments, versions)
+    }
+
     /// The reservations a root written now should carry, with at least
     /// `min_segments` segments.
-    pub fn reservations_for_root(&self, min_segments: u64) -> Reservation {
+    /// `min_segments` segments (and twice that many sequence numbers) and
+    /// twice `min_versions` versions.
+    pub fn reservations_for_root(&self, min_segments: u64, min_versions: u64) -> Reservation {
         let segments = self.segment_reserve_ahead.max(min_segments) as usize;
+        let seq_ahead = self.seq_reserve_ahead.max(2 * min_segments);
+        let version_ahead = self.version_reserve_ahead.max(2 * min_versions);
+        let version_end = crate::map::VERSION_MAX + 1;
         Reservation {
-            seq: (self.next_seq + self.seq_reserve_ahead).max(self.seq_limit),
-            version: (self.next_version + self.version_reserve_ahead).max(self.version_limit),
+            seq: (self.next_seq + seq_ahead).max(self.seq_limit),
+            version: (self.next_version + version_ahead)
+                .min(version_end)
+                .max(self.version_limit),
             segments: self.segments.propose_reservation(segments),
         }
     }
@@ -523,7 +564,6 @@ impl State {
 
     /// Segments waiting only for a barrier to become free.
     pub fn reclaimable_count(&self) -> u64 {
-        self.segments
-            .count_in(|state| matches!(state, SegmentState::Reclaimable { .. }))
+        self.segments.reclaimable_count()
     }
 }
