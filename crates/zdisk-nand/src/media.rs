@@ -161,6 +161,7 @@ impl NandMedia {
         assert!(!inner.time.in_op, "begin_op while an operation is running");
         inner.time.in_op = true;
         inner.time.cursor_ns = issue_ns;
+        inner.model.set_horizon(issue_ns);
     }
 
     /// Ends the running operation and returns its completion time.
@@ -177,7 +178,9 @@ impl NandMedia {
     /// operations. Such calls occupy resources but wait for nothing.
     pub fn set_time(&self, now_ns: u64) {
         self.assert_virtual("set_time");
-        self.lock().time.idle_ns = now_ns;
+        let mut inner = self.lock();
+        inner.time.idle_ns = now_ns;
+        inner.model.set_horizon(now_ns);
     }
 
     /// The current time: the running operation's cursor or the idle time
@@ -206,6 +209,7 @@ impl NandMedia {
 
     fn start_ns(&self, inner: &Inner) -> u64 {
         match self.clock {
+            // Real time only moves forward: it is the horizon too .
             Clock::Real => self.real_now_ns(),
             Clock::Virtual if inner.time.in_op => inner.time.cursor_ns,
             Clock::Virtual => inner.time.idle_ns,
@@ -286,6 +290,9 @@ impl Media for NandMedia {
     fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
+        if self.clock == Clock::Real {
+            inner.model.set_horizon(start);
+        }
         let programmed = inner
             .model
             .program(start, segment.0, first_page.0, data.len());
@@ -303,6 +310,9 @@ impl Media for NandMedia {
         self.check_read_range(segment, offset_bytes, buf.len())?;
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
+        if self.clock == Clock::Real {
+            inner.model.set_horizon(start);
+        }
         let done = inner
             .model
             .read(start, segment.0, offset_bytes, buf.len() as u64);

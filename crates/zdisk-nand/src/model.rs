@@ -96,10 +96,14 @@ pub(crate) struct Model {
     units: u32,
     pages_per_segment: u32,
     plane_free_ns: Vec<u64>,
-    channel_free_ns: Vec<u64>,
-    controller_free_ns: u64,
-    link_free_ns: u64,
-    compress_free_ns: u64,
+    /// Reserved transfer intervals per channel bus.
+    channels_busy: Vec<Calendar>,
+    /// No operation still to come starts before this time, so channel
+    /// reservations ending earlier can be forgotten.
+    horizon_ns: u64,
+    controller_busy: Calendar,
+    link_busy: Calendar,
+    compress_busy: Calendar,
     recycle_free_ns: u64,
     /// Completion times of the programs whose pages occupy the write buffer.
     in_flight: BinaryHeap<Reverse<(u64, u32, u32)>>,
@@ -141,10 +145,11 @@ impl Model {
             units,
             pages_per_segment: profile.geometry().pages_per_segment(),
             plane_free_ns: vec![0; units as usize],
-            channel_free_ns: vec![0; profile.channels as usize],
-            controller_free_ns: 0,
-            link_free_ns: 0,
-            compress_free_ns: 0,
+            channels_busy: vec![Calendar::default(); profile.channels as usize],
+            horizon_ns: 0,
+            controller_busy: Calendar::default(),
+            link_busy: Calendar::default(),
+            compress_busy: Calendar::default(),
             recycle_free_ns: 0,
             in_flight: BinaryHeap::new(),
             buffered: HashMap::new(),
@@ -177,7 +182,7 @@ impl Model {
     }
 
     fn page_size(&self) -> u64 {
-        self.params.profile.page_size_bytes as u64
+        self.params.profile.page_bytes() as u64
     }
 
     pub fn erase_counts_of(&self, segment: u32) -> &[u32] {
@@ -316,9 +321,8 @@ impl Model {
                 self.forget_buffered(s, p, done);
                 t.max(done)
             };
-            let transfer_start = admitted.max(self.channel_free_ns[channel]);
-            let transfer_end = transfer_start + page_transfer_ns;
-            self.channel_free_ns[channel] = transfer_end;
+            let (_, transfer_end) =
+                self.channels_busy[channel].book(admitted, page_transfer_ns, self.horizon_ns);
             let program_start = transfer_end.max(self.plane_free_ns[unit as usize]);
             let done = program_start + program_ns;
             self.plane_free_ns[unit as usize] = done;
@@ -389,9 +393,8 @@ impl Model {
             let read_end = read_start + read_ns;
             self.plane_free_ns[unit] = read_end;
             let transfer = transfer_ns(end - start, channel_rate);
-            let transfer_start = read_end.max(self.channel_free_ns[channel]);
-            let transfer_end = transfer_start + transfer;
-            self.channel_free_ns[channel] = transfer_end;
+            let (_, transfer_end) =
+                self.channels_busy[channel].book(read_end, transfer, self.horizon_ns);
             done = done.max(transfer_end);
             self.stats.pages_read += 1;
             self.stats.plane_busy_ns += read_ns;
@@ -468,11 +471,11 @@ impl Model {
         let profile = &self.params.profile;
         let overhead = profile.command_overhead_ns;
         let link_ns = transfer_ns(bytes, profile.link_bytes_per_sec);
-        let controller_end = t.max(self.controller_free_ns) + overhead;
-        self.controller_free_ns = controller_end;
-        let link_start = controller_end.max(self.link_free_ns);
-        let link_end = link_start + link_ns;
-        self.link_free_ns = link_end;
+        // Booked in gaps, like the channels: a command that is ready does
+        // not wait behind one booked later (out-of-order completion).
+        let horizon = self.horizon_ns;
+        let (_, controller_end) = self.controller_busy.book(t, overhead, horizon);
+        let (link_start, link_end) = self.link_busy.book(controller_end, link_ns, horizon);
         let mut done = link_end;
         let compress = match direction {
             HostDirection::Write if bytes > 0 => profile.compress_bytes_per_sec,
@@ -480,9 +483,8 @@ impl Model {
         };
         if compress.is_some() {
             let compress_ns = transfer_ns(bytes, compress);
-            let start = link_start.max(self.compress_free_ns);
-            done = link_end.max(start + compress_ns);
-            self.compress_free_ns = done;
+            let (_, compress_end) = self.compress_busy.book(link_start, compress_ns, horizon);
+            done = link_end.max(compress_end);
             self.stats.compress_busy_ns += compress_ns;
         }
         self.stats.host_commands += 1;
@@ -534,6 +536,12 @@ impl Model {
         done
     }
 
+    /// Declares that no later call starts before `t` (an operation's issue
+    /// time, or the real clock).
+    pub fn set_horizon(&mut self, t: u64) {
+        self.horizon_ns = self.horizon_ns.max(t);
+    }
+
     pub fn recycling_ready(&self, t: u64) -> bool {
         self.params.config.recycle_cap_bytes_per_sec.is_none() || self.recycle_free_ns <= t
     }
@@ -542,12 +550,12 @@ impl Model {
     pub fn idle_at_ns(&self) -> u64 {
         self.plane_free_ns
             .iter()
-            .chain(&self.channel_free_ns)
             .copied()
+            .chain(self.channels_busy.iter().map(Calendar::last_end_ns))
             .chain([
-                self.controller_free_ns,
-                self.link_free_ns,
-                self.compress_free_ns,
+                self.controller_busy.last_end_ns(),
+                self.link_busy.last_end_ns(),
+                self.compress_busy.last_end_ns(),
                 self.recycle_free_ns,
                 self.durable_ns,
             ])
@@ -564,5 +572,68 @@ impl Model {
             stats.erase_count_mean = total as f64 / self.erase_counts.len() as f64;
         }
         stats
+    }
+}
+
+/// Reservations of a channel bus. A transfer takes the earliest gap long
+/// enough at or after the moment its data is ready, so a die whose data is
+/// ready does not wait behind a transfer booked for later (a controller
+/// serves whichever die is ready); a single busy-until time would make
+/// every channel a FIFO in call order.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Calendar {
+    /// Sorted, non-overlapping `[start, end)` intervals.
+    busy: Vec<(u64, u64)>,
+}
+
+impl Calendar {
+    /// Books `duration` at the earliest time at or after `earliest`;
+    /// intervals ending before `horizon` are forgotten first.
+    pub(crate) fn book(&mut self, earliest: u64, duration: u64, horizon: u64) -> (u64, u64) {
+        let stale = self.busy.partition_point(|&(_, end)| end <= horizon);
+        self.busy.drain(..stale);
+        if duration == 0 {
+            return (earliest, earliest);
+        }
+        let mut start = earliest;
+        for &(busy_start, busy_end) in &self.busy {
+            if busy_end <= start {
+                continue;
+            }
+            if busy_start >= start + duration {
+                break;
+            }
+            start = busy_end;
+        }
+        let at = self.busy.partition_point(|&(s, _)| s < start);
+        self.busy.insert(at, (start, start + duration));
+        (start, start + duration)
+    }
+
+    pub(crate) fn last_end_ns(&self) -> u64 {
+        self.busy.last().map_or(0, |&(_, end)| end)
+    }
+}
+
+#[cfg(test)]
+mod calendar_tests {
+    use super::Calendar;
+
+    #[test]
+    fn transfers_fill_gaps_before_later_bookings() {
+        let mut calendar = Calendar::default();
+        assert_eq!(calendar.book(100, 10, 0), (100, 110));
+        assert_eq!(calendar.book(50, 10, 0), (50, 60), "an earlier gap is used");
+        assert_eq!(calendar.book(55, 10, 0), (60, 70));
+        assert_eq!(
+            calendar.book(95, 10, 0),
+            (110, 120),
+            "a gap too short is skipped"
+        );
+        assert_eq!(calendar.book(0, 0, 0), (0, 0), "no bus time, no booking");
+        assert_eq!(calendar.last_end_ns(), 120);
+        // Past bookings are forgotten.
+        assert_eq!(calendar.book(200, 5, 150), (200, 205));
+        assert_eq!(calendar.busy.len(), 1);
     }
 }

@@ -122,14 +122,26 @@ pub struct Bandwidth {
     pub commands_per_sec: Option<f64>,
 }
 
+/// Spare-area bytes per 4 KiB of page data that zdisk uses (its record header).
+pub const ZDISK_SPARE_BYTES_PER_4K: u32 = 32;
+
 impl Profile {
     /// Parallel units: planes across every die of every channel.
     pub fn units(&self) -> u32 {
         self.channels * self.dies_per_channel * self.planes_per_die
     }
 
+    /// Bytes zdisk may use in a page: the data area plus 32 bytes of the
+    /// page's spare (out-of-band) area per 4 KiB, where a conventional FTL
+    /// keeps the block's logical address. zdisk keeps its record headers
+    /// there, so raw 4 KiB blocks fill pages exactly, as on a plain SSD.
+    /// The rest of a real spare area (ECC) is not modelled.
+    pub fn page_bytes(&self) -> u32 {
+        self.page_size_bytes + self.page_size_bytes / BLOCK_SIZE as u32 * ZDISK_SPARE_BYTES_PER_4K
+    }
+
     pub fn block_size_bytes(&self) -> u64 {
-        self.pages_per_block as u64 * self.page_size_bytes as u64
+        self.pages_per_block as u64 * self.page_bytes() as u64
     }
 
     /// A segment is one block on every plane (a superblock).
@@ -141,9 +153,15 @@ impl Profile {
         self.blocks_per_plane
     }
 
-    /// Bytes of the NAND array.
+    /// Data bytes of the NAND array (spare areas not counted), the
+    /// capacity a datasheet gives.
     pub fn physical_bytes(&self) -> u64 {
-        self.segment_size_bytes() * self.segment_count() as u64
+        self.data_segment_bytes() * self.segment_count() as u64
+    }
+
+    /// Data bytes of one segment (spare areas not counted).
+    fn data_segment_bytes(&self) -> u64 {
+        self.pages_per_block as u64 * self.page_size_bytes as u64 * self.units() as u64
     }
 
     /// The logical size a volume on this drive offers, a whole number of
@@ -156,7 +174,7 @@ impl Profile {
     /// The same drive with about `bytes` of NAND: blocks per plane are
     /// scaled (at least [`MIN_BLOCKS_PER_PLANE`]); everything else stays.
     pub fn with_physical_bytes(mut self, bytes: u64) -> Profile {
-        let blocks = (bytes / self.segment_size_bytes().max(1)).min(u32::MAX as u64) as u32;
+        let blocks = (bytes / self.data_segment_bytes().max(1)).min(u32::MAX as u64) as u32;
         self.blocks_per_plane = blocks.max(MIN_BLOCKS_PER_PLANE);
         self
     }
@@ -164,7 +182,7 @@ impl Profile {
     /// The shape the engine sees.
     pub fn geometry(&self) -> MediaGeometry {
         MediaGeometry {
-            page_size_bytes: self.page_size_bytes,
+            page_size_bytes: self.page_bytes(),
             segment_size_bytes: self.segment_size_bytes(),
             segment_count: self.segment_count(),
             meta_slot_size_bytes: META_SLOT_SIZE_BYTES,
@@ -173,7 +191,7 @@ impl Profile {
 
     pub fn bandwidth(&self) -> Bandwidth {
         let units = self.units() as f64;
-        let page = self.page_size_bytes as f64;
+        let page = self.page_bytes() as f64;
         let bus = self
             .channel_bytes_per_sec
             .map(|rate| rate as f64 * self.channels as f64)

@@ -68,12 +68,8 @@ impl Layout {
         let erase_counts_offset = meta_offset + 2 * META_SLOT_SIZE_BYTES as u64;
         let erase_counts_bytes = align_up(segments * profile.units() as u64 * 4, 4096);
         let staging_offset = erase_counts_offset + erase_counts_bytes;
-        let staging_slot_bytes =
-            align_up(STAGE_HEADER_BYTES + profile.page_size_bytes as u64, 4096);
-        let data_offset = align_up(
-            staging_offset + segments * staging_slot_bytes,
-            (profile.page_size_bytes as u64).max(64 * 1024),
-        );
+        let staging_slot_bytes = align_up(STAGE_HEADER_BYTES + profile.page_bytes() as u64, 4096);
+        let data_offset = align_up(staging_offset + segments * staging_slot_bytes, 64 * 1024);
         Layout {
             meta_offset,
             erase_counts_offset,
@@ -260,7 +256,7 @@ impl Store {
             path: path.to_path_buf(),
             layout,
             segment_size_bytes: params.profile.segment_size_bytes(),
-            page_size_bytes: params.profile.page_size_bytes as u64,
+            page_size_bytes: params.profile.page_bytes() as u64,
         }))
     }
 
@@ -297,7 +293,7 @@ impl Store {
             .map(|chunk| u32::from_le_bytes(chunk.try_into().expect("4 bytes")))
             .collect();
         let mut staged = Vec::new();
-        let page_size = profile.page_size_bytes as u64;
+        let page_size = profile.page_bytes() as u64;
         let mut slot = vec![0u8; (STAGE_HEADER_BYTES + page_size) as usize];
         for segment in 0..profile.segment_count() {
             let offset = layout.staging_offset + segment as u64 * layout.staging_slot_bytes;

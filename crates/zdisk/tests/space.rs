@@ -147,7 +147,7 @@ fn cleaner_under_overwrites() -> TestResult {
     fio(&[
         "--rw=randwrite",
         "--verify=crc32c",
-            "--verify_state_save=0",
+        "--verify_state_save=0",
         "--do_verify=1",
         "--verify_fatal=1",
     ])?;

@@ -13,7 +13,9 @@ use zdisk_nand::{Clock, NandMedia, NandParams};
 
 pub const US: u64 = 1_000;
 pub const MS: u64 = 1_000_000;
-pub const PAGE: usize = 4096;
+/// The page the engine writes: 4 KiB of data plus the 32 spare-area bytes
+/// zdisk uses.
+pub const PAGE: usize = 4096 + 32;
 
 /// The `tiny` profile with its timing restated: 4 planes (unit u is
 /// channel u % 2, plane u / 2), 8 pages per block so 32 pages per
@@ -27,8 +29,9 @@ pub fn tiny() -> NandParams {
     p.dies_per_channel = 1;
     p.planes_per_die = 2;
     p.pages_per_block = 8;
-    p.page_size_bytes = PAGE as u32;
-    p.channel_bytes_per_sec = Some(409_600_000);
+    p.page_size_bytes = 4096;
+    // A 4128-byte page crosses the channel in exactly 10 us.
+    p.channel_bytes_per_sec = Some(412_800_000);
     p.latency_program_ns = 100 * US;
     p.latency_read_ns = 20 * US;
     p.latency_erase_ns = 500 * US;
