@@ -76,7 +76,7 @@ impl Layout {
             staging_offset,
             staging_slot_bytes,
             data_offset,
-            file_bytes: data_offset + profile.physical_bytes(),
+            file_bytes: data_offset + segments * profile.segment_size_bytes(),
         }
     }
 }

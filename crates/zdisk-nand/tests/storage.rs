@@ -46,6 +46,15 @@ fn check_round_trip(drive: &NandMedia) {
     // An erase returns the segment to 0xFF.
     drive.erase_segment(SegmentId(0)).unwrap();
     assert_eq!(read(drive, 0, 0, 5 * PAGE), vec![0xFF; 5 * PAGE]);
+    // The last segment, whole: every page of the medium is addressable.
+    let last = drive.geometry().segment_count - 1;
+    assert_eq!(read(drive, last, 0, segment_size), vec![0xFF; segment_size]);
+    drive.erase_segment(SegmentId(last)).unwrap();
+    let full = pattern(3, segment_size);
+    drive
+        .write_pages(SegmentId(last), PageIndex(0), &full)
+        .unwrap();
+    assert_eq!(read(drive, last, 0, segment_size), full);
     // Reads outside the medium are errors, not panics.
     let mut buf = [0u8; 16];
     assert!(drive

@@ -17,7 +17,7 @@ use libtest_mimic::{Arguments, Trial};
 
 use support::*;
 
-type TestFn = fn() -> TestResult;
+type TestFn = fn(Medium) -> TestResult;
 
 fn main() {
     let args = Arguments::from_args();
@@ -45,16 +45,49 @@ fn main() {
         ("tcp_listener_and_metrics_endpoint", tcp_and_metrics),
         ("empty_1tib_volume_stays_small_in_ram", empty_volume_rss),
     ];
-    let trials = tests
-        .into_iter()
-        .map(|(name, test)| Trial::ignorable_test(name, test))
-        .collect();
+    // The MVP's client tests again, on an emulated NAND drive.
+    let on_nand = [
+        "qemu_io_patterns_zeroes_discard_and_unaligned_io",
+        "nbdcopy_round_trips_real_files",
+        "nbdinfo_map_shows_data_zeroes_and_holes",
+        "fio_nbd_engine_random_writes_verify",
+        "kill_9_keeps_every_flushed_block",
+        "flush_on_one_connection_covers_another",
+        "ext4_on_nbdfuse_and_loop_survives_fsck",
+        "bad_requests_get_errors_and_connections_survive",
+        "sigterm_flushes_and_checkpoints",
+    ];
+    let mut trials = Vec::new();
+    for (name, test) in &tests {
+        let test = *test;
+        trials.push(Trial::ignorable_test(*name, move || test(Medium::File)));
+    }
+    for (name, test) in &tests {
+        if on_nand.contains(name) {
+            let test = *test;
+            trials.push(Trial::ignorable_test(
+                format!("nand_tiny::{name}"),
+                move || test(Medium::Nand),
+            ));
+        }
+    }
     libtest_mimic::run(&args, trials).exit();
 }
 
-fn create(image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
+/// Where a test's image lives: a plain file, or an emulated NAND drive
+/// (the small `tiny` profile) run in virtual time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Medium {
+    File,
+    Nand,
+}
+
+fn create(m: Medium, image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
     let mut all = vec!["create", image.to_str().unwrap()];
     all.extend_from_slice(args);
+    if m == Medium::Nand {
+        all.extend_from_slice(&["--nand", "tiny"]);
+    }
     let output = zdisk(&all);
     ensure!(
         output.status.success(),
@@ -62,6 +95,20 @@ fn create(image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
         String::from_utf8_lossy(&output.stderr)
     );
     Ok(())
+}
+
+/// Starts a server on `image`; an emulated drive runs in virtual time.
+fn serve(
+    m: Medium,
+    image: &std::path::Path,
+    socket: &std::path::Path,
+    extra: &[&str],
+) -> Result<Server, Failed> {
+    let mut args = extra.to_vec();
+    if m == Medium::Nand {
+        args.push("--virtual-time");
+    }
+    Server::start(image, socket, &args)
 }
 
 fn qemu_io(uri: &str, commands: &[&str]) -> Result<String, Failed> {
@@ -84,14 +131,14 @@ fn qemu_io(uri: &str, commands: &[&str]) -> Result<String, Failed> {
     Ok(text)
 }
 
-fn qemu_io_patterns() -> TestResult {
+fn qemu_io_patterns(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["qemu-io"])) {
         return skip;
     }
     let dir = Scratch::new("qemu-io");
     let image = dir.join("qemu.zdisk");
-    create(&image, &["--logical", "256M", "--physical", "128M"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "256M", "--physical", "128M"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     let uri = server.uri();
     qemu_io(
         &uri,
@@ -123,7 +170,7 @@ fn qemu_io_patterns() -> TestResult {
     )?;
     // Everything survives a clean restart.
     server.stop()?;
-    let server = Server::start(&image, &dir.join("sock"), &[])?;
+    let server = serve(m, &image, &dir.join("sock"), &[])?;
     qemu_io(
         &server.uri(),
         &[
@@ -151,7 +198,7 @@ fn usr_tar(path: &std::path::Path, limit_bytes: u64) -> Result<u64, Failed> {
     Ok(len)
 }
 
-fn nbdcopy_round_trip() -> TestResult {
+fn nbdcopy_round_trip(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "tar", "cmp", "curl"])) {
         return skip;
     }
@@ -159,10 +206,10 @@ fn nbdcopy_round_trip() -> TestResult {
     let tar = dir.join("usr.tar");
     let len = usr_tar(&tar, 300 << 20)?;
     let image = dir.join("copy.zdisk");
-    create(&image, &["--logical", "512M", "--physical", "512M"])?;
+    create(m, &image, &["--logical", "512M", "--physical", "512M"])?;
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
-    let mut server = Server::start(&image, &dir.join("sock"), &["--metrics", &metrics])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &["--metrics", &metrics])?;
     let started = Instant::now();
     run("nbdcopy", &[tar.to_str().unwrap(), &server.uri()])?;
     let seconds = started.elapsed().as_secs_f64();
@@ -203,14 +250,14 @@ fn nbdcopy_round_trip() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn nbdinfo_map() -> TestResult {
+fn nbdinfo_map(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["nbdinfo", "qemu-io"])) {
         return skip;
     }
     let dir = Scratch::new("map");
     let image = dir.join("map.zdisk");
-    create(&image, &["--logical", "64M", "--physical", "64M"])?;
-    let server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
+    let server = serve(m, &image, &dir.join("sock"), &[])?;
     qemu_io(
         &server.uri(),
         &[
@@ -251,14 +298,14 @@ fn nbdinfo_map() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn fio_verify() -> TestResult {
+fn fio_verify(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["fio"])) {
         return skip;
     }
     let dir = Scratch::new("fio");
     let image = dir.join("fio.zdisk");
-    create(&image, &["--logical", "256M", "--physical", "256M"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "256M", "--physical", "256M"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     let uri = server.uri();
     let output = run(
         "fio",
@@ -306,7 +353,7 @@ fn script(name: &str) -> String {
     format!("{}/tests/scripts/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
-fn kill9_recovery() -> TestResult {
+fn kill9_recovery(m: Medium) -> TestResult {
     if let Some(skip) =
         skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
     {
@@ -314,12 +361,12 @@ fn kill9_recovery() -> TestResult {
     }
     let dir = Scratch::new("kill9");
     let image = dir.join("crash.zdisk");
-    create(&image, &["--logical", "64M", "--physical", "64M"])?;
+    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
     let blocks = "4096";
     // What each block held after the previous round's recovery (gen per line).
     let baseline = dir.join("baseline");
     for round in 0..3u64 {
-        let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+        let mut server = serve(m, &image, &dir.join("sock"), &[])?;
         let log_path = dir.join(&format!("writes-{round}.log"));
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let mut writer = Command::new("/usr/bin/python3")
@@ -349,7 +396,7 @@ fn kill9_recovery() -> TestResult {
             flushes >= 2,
             "the writer completed only {flushes} flushes before the kill"
         );
-        let server = Server::start(&image, &dir.join("sock"), &[])?;
+        let server = serve(m, &image, &dir.join("sock"), &[])?;
         ensure!(
             server.log().contains("recovered after an unclean stop"),
             "restart did not report a recovery:\n{}",
@@ -394,7 +441,7 @@ fn python_file(name: &str, args: &[&str]) -> Result<std::process::Output, Failed
     run("/usr/bin/python3", &all)
 }
 
-fn multi_conn_flush() -> TestResult {
+fn multi_conn_flush(m: Medium) -> TestResult {
     if let Some(skip) =
         skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
     {
@@ -402,8 +449,8 @@ fn multi_conn_flush() -> TestResult {
     }
     let dir = Scratch::new("multiconn");
     let image = dir.join("mc.zdisk");
-    create(&image, &["--logical", "16M", "--physical", "16M"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "16M", "--physical", "16M"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     let mut client = Command::new("/usr/bin/python3")
         .arg(script("crashwriter.py"))
         .args(["multiconn", &server.uri(), "512"])
@@ -424,7 +471,7 @@ fn multi_conn_flush() -> TestResult {
     server.stop_with("KILL")?;
     drop(client.stdin.take());
     let _ = client.wait();
-    let server = Server::start(&image, &dir.join("sock"), &[])?;
+    let server = serve(m, &image, &dir.join("sock"), &[])?;
     let check = python_file("crashwriter.py", &["check-gen", &server.uri(), "512", "7"])?;
     println!("{}", stdout(&check).trim());
     Ok(Completion::Completed)
@@ -474,7 +521,7 @@ impl Drop for FuseLoop {
     }
 }
 
-fn ext4_on_nbdfuse() -> TestResult {
+fn ext4_on_nbdfuse(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(
         require_tools(&[
             "nbdfuse",
@@ -493,10 +540,12 @@ fn ext4_on_nbdfuse() -> TestResult {
     let dir = Scratch::new("ext4");
     let image = dir.join("fs.zdisk");
     create(
+        m,
         &image,
         &["--logical", "1G", "--physical", "512M", "--codec", "zstd:1"],
     )?;
-    let mut server = Server::start(
+    let mut server = serve(
+        m,
         &image,
         &dir.join("sock"),
         &["--metrics", &format!("127.0.0.1:{}", free_port())],
@@ -572,7 +621,7 @@ fn ext4_on_nbdfuse() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn bad_requests() -> TestResult {
+fn bad_requests(m: Medium) -> TestResult {
     if let Some(skip) =
         skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
     {
@@ -580,8 +629,8 @@ fn bad_requests() -> TestResult {
     }
     let dir = Scratch::new("bad");
     let image = dir.join("bad.zdisk");
-    create(&image, &["--logical", "64M", "--physical", "64M"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     let output = python_file("bad_requests.py", &[server.socket.to_str().unwrap()])?;
     println!("{}", stdout(&output));
     // The server is still up and serving after all of that.
@@ -604,7 +653,7 @@ fn one_line_error(args: &[&str], expect: &str) -> Result<(), Failed> {
     Ok(())
 }
 
-fn cli_errors() -> TestResult {
+fn cli_errors(m: Medium) -> TestResult {
     let dir = Scratch::new("cli");
     let image = dir.join("cli.zdisk");
     let image_str = image.to_str().unwrap();
@@ -634,7 +683,7 @@ fn cli_errors() -> TestResult {
         &["stats", dir.join("junk.zdisk").to_str().unwrap()],
         "not a zdisk image",
     )?;
-    create(&image, &["--logical", "1G", "--physical", "64M"])?;
+    create(m, &image, &["--logical", "1G", "--physical", "64M"])?;
     one_line_error(&["create", image_str, "--logical", "1G"], "already exists")?;
     one_line_error(
         &["serve", image_str, "--listen", "not-an-address"],
@@ -675,11 +724,11 @@ fn cli_errors() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn second_server_refused() -> TestResult {
+fn second_server_refused(m: Medium) -> TestResult {
     let dir = Scratch::new("lock");
     let image = dir.join("lock.zdisk");
-    create(&image, &["--logical", "64M", "--physical", "64M"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     one_line_error(
         &[
             "serve",
@@ -700,15 +749,15 @@ fn second_server_refused() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn sigterm_clean_shutdown() -> TestResult {
+fn sigterm_clean_shutdown(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["qemu-io"])) {
         return skip;
     }
     let dir = Scratch::new("sigterm");
     let image = dir.join("term.zdisk");
-    create(&image, &["--logical", "64M", "--physical", "64M"])?;
+    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
     for signal in ["TERM", "INT"] {
-        let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+        let mut server = serve(m, &image, &dir.join("sock"), &[])?;
         qemu_io(&server.uri(), &["write -P 0x5c 0 2M"])?;
         let status = server.stop_with(signal)?;
         ensure!(
@@ -721,7 +770,7 @@ fn sigterm_clean_shutdown() -> TestResult {
             "no clean close after SIG{signal}:\n{}",
             server.log()
         );
-        let server = Server::start(&image, &dir.join("sock"), &[])?;
+        let server = serve(m, &image, &dir.join("sock"), &[])?;
         ensure!(
             !server.log().contains("recovered"),
             "a clean shutdown must not need recovery:\n{}",
@@ -732,13 +781,14 @@ fn sigterm_clean_shutdown() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn tcp_and_metrics() -> TestResult {
+fn tcp_and_metrics(m: Medium) -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["qemu-io", "curl", "nbdinfo"])) {
         return skip;
     }
     let dir = Scratch::new("tcp");
     let image = dir.join("tcp.zdisk");
     create(
+        m,
         &image,
         &[
             "--logical",
@@ -805,11 +855,11 @@ fn tcp_and_metrics() -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn empty_volume_rss() -> TestResult {
+fn empty_volume_rss(m: Medium) -> TestResult {
     let dir = Scratch::new("rss");
     let image = dir.join("big.zdisk");
-    create(&image, &["--logical", "1T", "--physical", "2G"])?;
-    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    create(m, &image, &["--logical", "1T", "--physical", "2G"])?;
+    let mut server = serve(m, &image, &dir.join("sock"), &[])?;
     std::thread::sleep(Duration::from_millis(300));
     let status = std::fs::read_to_string(format!("/proc/{}/status", server.pid()))
         .map_err(|e| e.to_string())?;
