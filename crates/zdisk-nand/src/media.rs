@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use zdisk_core::media::{HostDirection, Media, MediaGeometry};
+use zdisk_core::media::{HostDirection, Media, MediaGeometry, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_core::{Error, Result};
 
@@ -307,33 +307,68 @@ impl Media for NandMedia {
     }
 
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
-        self.check_read_range(segment, offset_bytes, buf.len())?;
+        let mut one = [ReadRange {
+            segment,
+            offset_bytes,
+            buf,
+        }];
+        self.read_batch(&mut one)
+            .pop()
+            .expect("one result per range")
+    }
+
+    /// All ranges are issued at once, as a controller dispatches the page
+    /// reads of a command to every die at the same time; the batch
+    /// completes with its slowest page.
+    fn read_batch(&self, reads: &mut [ReadRange<'_>]) -> Vec<Result<()>> {
+        let checks: Vec<Result<()>> = reads
+            .iter()
+            .map(|r| self.check_read_range(r.segment, r.offset_bytes, r.buf.len()))
+            .collect();
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
         if self.clock == Clock::Real {
             inner.model.set_horizon(start);
         }
-        let done = inner
-            .model
-            .read(start, segment.0, offset_bytes, buf.len() as u64);
         let page_size = self.geometry.page_size_bytes as u64;
-        let staged = inner.model.staged(segment.0).and_then(|(page, data)| {
-            let begin = page as u64 * page_size;
-            let end = begin + data.len() as u64;
-            (begin < offset_bytes + buf.len() as u64 && end > offset_bytes)
-                .then(|| (begin, data.to_vec()))
-        });
-        let deadline = self.settle(inner, done);
-        self.store.read(segment.0, offset_bytes, buf)?;
-        if let Some((begin, data)) = staged {
-            // The staged bytes overlay the (unprogrammed, 0xFF) page.
-            let from = begin.max(offset_bytes);
-            let to = (begin + data.len() as u64).min(offset_bytes + buf.len() as u64);
-            buf[(from - offset_bytes) as usize..(to - offset_bytes) as usize]
-                .copy_from_slice(&data[(from - begin) as usize..(to - begin) as usize]);
+        let mut done = start;
+        let mut overlays = Vec::with_capacity(reads.len());
+        for (r, check) in reads.iter().zip(&checks) {
+            if check.is_err() {
+                overlays.push(None);
+                continue;
+            }
+            let len = r.buf.len() as u64;
+            done = done.max(inner.model.read(start, r.segment.0, r.offset_bytes, len));
+            let staged = inner.model.staged(r.segment.0).and_then(|(page, data)| {
+                let begin = page as u64 * page_size;
+                let end = begin + data.len() as u64;
+                (begin < r.offset_bytes + len && end > r.offset_bytes)
+                    .then(|| (begin, data.to_vec()))
+            });
+            overlays.push(staged);
         }
+        let deadline = self.settle(inner, done);
+        let results = reads
+            .iter_mut()
+            .zip(checks)
+            .zip(overlays)
+            .map(|((r, check), staged)| {
+                check?;
+                self.store.read(r.segment.0, r.offset_bytes, r.buf)?;
+                if let Some((begin, data)) = staged {
+                    // The staged bytes overlay the (unprogrammed, 0xFF) page.
+                    let offset = r.offset_bytes;
+                    let from = begin.max(offset);
+                    let to = (begin + data.len() as u64).min(offset + r.buf.len() as u64);
+                    r.buf[(from - offset) as usize..(to - offset) as usize]
+                        .copy_from_slice(&data[(from - begin) as usize..(to - begin) as usize]);
+                }
+                Ok(())
+            })
+            .collect();
         self.wait(deadline);
-        Ok(())
+        results
     }
 
     fn erase_segment(&self, segment: SegmentId) -> Result<()> {

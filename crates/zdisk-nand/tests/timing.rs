@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use zdisk_core::media::{HostDirection, Media};
+use zdisk_core::media::{HostDirection, Media, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 const T: u64 = 10 * MS;
@@ -149,6 +149,66 @@ fn a_read_waits_behind_a_program_on_its_plane() {
     });
     assert_eq!(done, T + MS + 22_481);
     assert_eq!(drive.stats().pages_read, 3);
+}
+
+#[test]
+fn a_batch_of_reads_is_dispatched_to_every_die_at_once() {
+    let drive = erased_drive(tiny(), 3);
+    for segment in [1, 2] {
+        op(&drive, MS, |d| {
+            d.write_pages(
+                SegmentId(segment),
+                PageIndex(0),
+                &vec![segment as u8; 4 * PAGE],
+            )
+            .unwrap()
+        });
+    }
+    let (mut a, mut b) = (vec![0u8; PAGE], vec![0u8; PAGE]);
+    // Segment 1 pages 0 and 1 sit on units 0 and 1 (channels 0 and 1):
+    // both read [T, T+20] and transfer [T+20, T+30].
+    let done = op(&drive, T, |d| {
+        let mut batch = [
+            ReadRange {
+                segment: SegmentId(1),
+                offset_bytes: 0,
+                buf: &mut a,
+            },
+            ReadRange {
+                segment: SegmentId(1),
+                offset_bytes: PAGE as u64,
+                buf: &mut b,
+            },
+        ];
+        assert!(d.read_batch(&mut batch).iter().all(|r| r.is_ok()));
+    });
+    assert_eq!(done, T + 30 * US);
+    assert_eq!((a[0], b[0]), (1, 1));
+    // Page 0 of segments 1 and 2 share unit 0: the second read waits for
+    // the plane, [T+20, T+40], and transfers [T+40, T+50].
+    let done = op(&drive, 2 * T, |d| {
+        let mut batch = [
+            ReadRange {
+                segment: SegmentId(1),
+                offset_bytes: 0,
+                buf: &mut a,
+            },
+            ReadRange {
+                segment: SegmentId(2),
+                offset_bytes: 0,
+                buf: &mut b,
+            },
+        ];
+        assert!(d.read_batch(&mut batch).iter().all(|r| r.is_ok()));
+    });
+    assert_eq!(done, 2 * T + 50 * US);
+    assert_eq!((a[0], b[0]), (1, 2));
+    // One after another, the same two reads take twice as long.
+    let done = op(&drive, 3 * T, |d| {
+        d.read(SegmentId(1), 0, &mut a).unwrap();
+        d.read(SegmentId(1), PAGE as u64, &mut b).unwrap();
+    });
+    assert_eq!(done, 3 * T + 60 * US);
 }
 
 #[test]

@@ -100,6 +100,16 @@ pub trait Media: Send + Sync {
     /// Reads `buf.len()` bytes at `offset_bytes` within `segment`.
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()>;
 
+    /// Reads several ranges, as one batch: a medium with internal
+    /// parallelism (an SSD's dies) serves them concurrently. Returns one
+    /// result per range. The default reads them one after another.
+    fn read_batch(&self, reads: &mut [ReadRange<'_>]) -> Vec<Result<()>> {
+        reads
+            .iter_mut()
+            .map(|r| self.read(r.segment, r.offset_bytes, r.buf))
+            .collect()
+    }
+
     /// Erases a segment so that it can be written again from page 0.
     fn erase_segment(&self, segment: SegmentId) -> Result<()>;
 
@@ -153,6 +163,14 @@ pub trait Media: Send + Sync {
     fn recycling_ready(&self) -> bool {
         true
     }
+}
+
+/// One range of a [`Media::read_batch`].
+#[derive(Debug)]
+pub struct ReadRange<'a> {
+    pub segment: SegmentId,
+    pub offset_bytes: u64,
+    pub buf: &'a mut [u8],
 }
 
 /// Direction of a host transfer, for [`Media::host_transfer`].

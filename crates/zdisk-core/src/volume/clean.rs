@@ -347,13 +347,23 @@ impl Volume {
                     _ => runs.push((start, end)),
                 }
             }
-            let mut buffers = Vec::with_capacity(runs.len());
-            let mut read = 0;
-            for &(start, end) in &runs {
-                let mut buffer = vec![0u8; (end - start) as usize];
-                self.media.read(victim, start, &mut buffer)?;
-                read += end - start;
-                buffers.push((start, buffer));
+            let mut buffers: Vec<(u64, Vec<u8>)> = runs
+                .iter()
+                .map(|&(start, end)| (start, vec![0u8; (end - start) as usize]))
+                .collect();
+            let read: u64 = runs.iter().map(|&(start, end)| end - start).sum();
+            {
+                let mut ranges: Vec<crate::media::ReadRange<'_>> = buffers
+                    .iter_mut()
+                    .map(|(start, buf)| crate::media::ReadRange {
+                        segment: victim,
+                        offset_bytes: *start,
+                        buf,
+                    })
+                    .collect();
+                for result in self.media.read_batch(&mut ranges) {
+                    result?;
+                }
             }
             let mut state = self.lock();
             if !self.has_relocation_room(&state, victim, 0) {

@@ -175,9 +175,10 @@ impl Volume {
             }
         }
         wanted.sort_by_key(|(_, loc, _)| (loc.segment, loc.offset));
-        let mut media_read = 0u64;
+        // Group adjacent records into runs, then read every run in one
+        // batch, so a drive with many dies serves them in parallel.
+        let mut runs: Vec<(std::ops::Range<usize>, Location, u64)> = Vec::new();
         let mut run_start = 0;
-        let mut scratch = Vec::new();
         while run_start < wanted.len() {
             let mut run_end = run_start + 1;
             let first_loc = wanted[run_start].1;
@@ -193,18 +194,37 @@ impl Volume {
                 end_offset += loc.len as u64;
                 run_end += 1;
             }
-            let span = (end_offset - first_loc.offset as u64) as usize;
-            scratch.resize(span, 0);
-            let read = self
-                .media
-                .read(first_loc.segment, first_loc.offset as u64, &mut scratch);
-            media_read += span as u64;
-            for &(index, loc, version) in &wanted[run_start..run_end] {
+            runs.push((
+                run_start..run_end,
+                first_loc,
+                end_offset - first_loc.offset as u64,
+            ));
+            run_start = run_end;
+        }
+        let media_read: u64 = runs.iter().map(|(_, _, span)| span).sum();
+        let mut scratch = vec![0u8; media_read as usize];
+        let results = {
+            let mut ranges = Vec::with_capacity(runs.len());
+            let mut rest = scratch.as_mut_slice();
+            for (_, loc, span) in &runs {
+                let (buf, tail) = std::mem::take(&mut rest).split_at_mut(*span as usize);
+                rest = tail;
+                ranges.push(crate::media::ReadRange {
+                    segment: loc.segment,
+                    offset_bytes: loc.offset as u64,
+                    buf,
+                });
+            }
+            self.media.read_batch(&mut ranges)
+        };
+        let mut base = 0usize;
+        for ((members, first_loc, span), read) in runs.iter().zip(results) {
+            for &(index, loc, version) in &wanted[members.clone()] {
                 let lba = Lba(first.0 + index as u64);
                 let block = &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
                 let result = match &read {
                     Ok(()) => {
-                        let at = (loc.offset - first_loc.offset) as usize;
+                        let at = base + (loc.offset - first_loc.offset) as usize;
                         decode_block(
                             &self.record_key,
                             lba,
@@ -223,7 +243,7 @@ impl Volume {
                     failed.push((index, error));
                 }
             }
-            run_start = run_end;
+            base += *span as usize;
         }
         self.lock().counters.media_read_bytes += media_read;
         for (index, error) in failed {
