@@ -35,6 +35,13 @@ pub trait Drive: Send + Sync {
     /// A fresh, empty drive.
     fn create(&self, options: &DriveOptions) -> Result<Target, String>;
 
+    /// 4 KiB random read IOPS the drive's timing parameters imply at queue
+    /// depth `qd`, for emulated drives.
+    fn random_read_iops_model(&self, qd: usize) -> Option<f64> {
+        let _ = qd;
+        None
+    }
+
     /// Reopens the drive last created (with its data), if the drive can.
     fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {
         None
@@ -174,6 +181,10 @@ impl NandDrive {
 }
 
 impl Drive for NandDrive {
+    fn random_read_iops_model(&self, qd: usize) -> Option<f64> {
+        Some(self.params.profile.random_read_iops_model(qd as u32))
+    }
+
     fn describe(&self) -> String {
         let config = &self.params.config;
         let mut text = format!(

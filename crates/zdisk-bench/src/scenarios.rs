@@ -141,6 +141,21 @@ pub fn sweep(
     })
 }
 
+/// Bytes of incompressible data a drive's log can hold and still be
+/// rewritten: the log less the segments zdisk keeps back, less room for
+/// the cleaner to work in (2 segments, or 1/32 of them), less the record
+/// headers.
+fn incompressible_capacity(drive: &dyn Drive, log_capacity: u64) -> u64 {
+    let (segment, _) = drive.segment_and_page();
+    let segments = log_capacity.div_ceil(segment);
+    let block = BLOCK_SIZE as u64;
+    let blocks = log_capacity / block;
+    let overhead = zdisk_core::Volume::overhead_segments_for(blocks, segments, segment);
+    let working_room = (segments / 32).max(2);
+    let usable = segments.saturating_sub(overhead + working_room) * segment;
+    usable / zdisk_core::record::RAW_RECORD_LEN * block
+}
+
 /// Clean, dirty (every logical block and the spare area filled with
 /// incompressible data), and after TRIM of the whole volume: sequential
 /// incompressible write throughput in each state, as in the SF-1200 review.
@@ -150,8 +165,15 @@ pub fn dirty(
     progress: &Progress,
 ) -> Result<Outcome, String> {
     let mut target = drive.create(&DriveOptions::default())?;
-    let logical = round_down(logical_of(&target), MIB);
     let (log_capacity, _) = drive.default_sizes();
+    // "Every logical block": as many as incompressible data can occupy. A
+    // small drive with little over-provisioning exposes more logical space
+    // than the log can hold raw once zdisk's reserves are set aside (it is
+    // thin by construction); the fill then covers what fits.
+    let logical = round_down(
+        logical_of(&target).min(incompressible_capacity(drive, log_capacity)),
+        MIB,
+    );
     let size = round_down(settings.size_bytes.min(logical / 2), MIB).max(MIB);
     let random = Pattern::Random;
     let seq = |label: &str, seed: u64| {
@@ -243,6 +265,7 @@ pub fn dirty(
             "clean_write_amplification": clean.write_amplification,
             "after_trim_write_amplification": after_trim.write_amplification,
             "fill": if settings.dirty_fill_random { "random" } else { "sequential" },
+            "filled_logical_bytes": logical,
             "measured_bytes": size,
             "free_segments_after_fill": free_after_fill,
             "segments_cleaned": stats.segments_cleaned,
@@ -349,13 +372,13 @@ pub fn queue_depths(
         .label("qd: preconditioning")
         .seed(settings.seed);
     driver::run(&mut target, &fill, progress)?;
-    let mut table = vec![vec![
-        "QD".into(),
-        "read IOPS".into(),
-        "read µs".into(),
-        "write IOPS".into(),
-        "write µs".into(),
-    ]];
+    let modelled = drive.random_read_iops_model(1).is_some();
+    let mut header = vec!["QD".to_string(), "read IOPS".into()];
+    if modelled {
+        header.extend(["model IOPS".into(), "Δ".into()]);
+    }
+    header.extend(["read µs".into(), "write IOPS".into(), "write µs".into()]);
+    let mut table = vec![header];
     let mut results = Vec::new();
     let ops_bytes = (region / 8).clamp(4 * MIB, 256 * MIB);
     for qd in [1usize, 2, 4, 8, 16, 32] {
@@ -373,16 +396,22 @@ pub fn queue_depths(
             .label(format!("qd {qd} random write"))
             .seed(settings.seed + 100 + qd as u64);
         let write = driver::run(&mut target, &write, progress)?;
-        table.push(vec![
-            qd.to_string(),
-            format!("{:.0}", read.iops),
+        let model = drive.random_read_iops_model(qd);
+        let mut row = vec![qd.to_string(), format!("{:.0}", read.iops)];
+        if let Some(model) = model {
+            row.push(format!("{model:.0}"));
+            row.push(format!("{:+.1}%", (read.iops / model - 1.0) * 100.0));
+        }
+        row.extend([
             format!("{:.1}", read.latency_us),
             format!("{:.0}", write.iops),
             format!("{:.1}", write.latency_us),
         ]);
+        table.push(row);
         results.push(json!({
             "queue_depth": qd,
             "read_iops": read.iops,
+            "read_iops_model": model,
             "read_latency_us": read.latency_us,
             "write_iops": write.iops,
             "write_latency_us": write.latency_us,

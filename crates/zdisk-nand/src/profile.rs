@@ -213,6 +213,38 @@ impl Profile {
         }
     }
 
+    /// What the timing parameters imply for 4 KiB random reads of raw
+    /// (one-page) blocks at queue depth `qd`, in IOPS.
+    ///
+    /// At QD1 a read is serial: command overhead, array read, channel
+    /// transfer, host link. At depth n, n reads at independent, uniformly
+    /// random planes keep U·(1 − (1 − 1/U)^n) of the U planes busy on
+    /// average (balls into bins), each busy t_read per read, so the array
+    /// serves that many reads per t_read; a drive also cannot beat n reads
+    /// per QD1 latency, nor its controller, link or channel rates. (The
+    /// occupancy figure slightly flatters a closed queue, where a read
+    /// waiting for a busy plane keeps that plane; see docs/emulation.md.)
+    pub fn random_read_iops_model(&self, qd: u32) -> f64 {
+        let transfer_ns = |bytes: u64, rate: Option<u64>| {
+            rate.map_or(0.0, |rate| bytes as f64 * 1e9 / rate as f64)
+        };
+        let page = BLOCK_SIZE as u64 + ZDISK_SPARE_BYTES_PER_4K as u64;
+        let channel_ns = transfer_ns(page, self.channel_bytes_per_sec);
+        let link_ns = transfer_ns(BLOCK_SIZE as u64, self.link_bytes_per_sec);
+        let overhead_ns = self.command_overhead_ns as f64;
+        let read_ns = self.latency_read_ns as f64;
+        let serial_ns = overhead_ns + read_ns + channel_ns + link_ns;
+        let units = self.units() as f64;
+        let busy = units * (1.0 - (1.0 - 1.0 / units).powi(qd as i32));
+        let mut iops = (qd as f64 * 1e9 / serial_ns).min(busy * 1e9 / read_ns.max(1.0));
+        for per_op_ns in [overhead_ns, link_ns, channel_ns / self.channels as f64] {
+            if per_op_ns > 0.0 {
+                iops = iops.min(1e9 / per_op_ns);
+            }
+        }
+        iops
+    }
+
     /// Checks that the profile describes a drive the engine can use.
     pub fn validate(&self) -> Result<()> {
         let invalid = |what: String| {

@@ -644,15 +644,16 @@ impl Volume {
         )
     }
 
-    /// Segments the engine keeps back (cleaner and checkpoint reserves) and
-    /// keeps open (two streams) for a volume with `mapped_blocks` blocks on
-    /// `segment_count` segments of `segment_size` bytes: what is left is the
-    /// space data and its garbage can use.
+    /// Segments the engine keeps from data for a volume with
+    /// `mapped_blocks` blocks on `segment_count` segments of
+    /// `segment_size` bytes: the two open streams, the free segments host
+    /// writes leave to the cleaner and the next checkpoint, and the dumps
+    /// of the two retained checkpoints (each dump is two copies). What is
+    /// left is the space data and its garbage can use.
     pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
         let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
-        state::GC_RESERVE_SEGMENTS
-            + checkpoint::dump_segments_for(chunks, segment_count, segment_size)
-            + 2
+        let dump = checkpoint::dump_segments_for(chunks, segment_count, segment_size);
+        2 + state::GC_RESERVE_SEGMENTS + dump + 2 * dump
     }
 
     /// A snapshot of the volume's statistics.
