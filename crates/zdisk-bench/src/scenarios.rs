@@ -481,8 +481,10 @@ pub fn write_amplification(
         "policy".into(),
         "spare ρ".into(),
         "effective ρ".into(),
+        "held ρ".into(),
         "measured WA".into(),
-        "greedy theory".into(),
+        "greedy theory at ρ".into(),
+        "at held ρ".into(),
     ]];
     let mut results = Vec::new();
     let loads = [
@@ -498,15 +500,17 @@ pub fn write_amplification(
     for (load_name, access) in loads {
         for policy in [GcPolicy::Greedy, GcPolicy::CostBenefit] {
             for &spare in &settings.spares {
-                // Segments for (1 + ρ) × live data, plus what the engine keeps
-                // back (cleaner and checkpoint reserves, two open segments).
+                // Segments for (1 + ρ) × live data, where data and garbage
+                // live (the two open segments among them), plus what the
+                // engine keeps from data (cleaner and checkpoint reserves,
+                // retained checkpoint dumps).
                 let data_segments =
                     ((1.0 + spare) * live_stored as f64 / per_segment as f64).ceil() as u64;
                 let overhead = zdisk_core::Volume::overhead_segments_for(
                     live_blocks,
                     data_segments + 64,
                     segment,
-                );
+                ) - 2;
                 let log = (data_segments + overhead) * segment;
                 let mut target = drive.create(&DriveOptions {
                     logical_bytes: Some(live_blocks * BLOCK_SIZE as u64),
@@ -528,47 +532,82 @@ pub fn write_amplification(
                     .label(format!("{label}: fill"))
                     .seed(settings.seed);
                 driver::run(&mut target, &fill, progress)?;
+                // Greedy cleaning settles after a few drive writes.
                 let warm = Workload::new(OpKind::Write, access, 4 * KIB, &random)
                     .region(0, logical)
-                    .total(2 * logical)
+                    .total(4 * logical)
                     .queue_depth(32)
                     .label(format!("{label} {load_name}: warm-up"))
                     .seed(settings.seed + 1);
                 driver::run(&mut target, &warm, progress)?;
-                let steady = Workload::new(OpKind::Write, access, 4 * KIB, &random)
-                    .region(0, logical)
-                    .total(2 * logical)
-                    .queue_depth(32)
-                    .label(format!("{label} {load_name}: measure"))
-                    .seed(settings.seed + 2);
-                let measured = driver::run(&mut target, &steady, progress)?;
-                let theory = greedy_theory(spare);
-                let theory_text = if access == Access::Random {
-                    format!("{theory:.2}")
+                // Measured in slices, sampling between them the space that
+                // data and garbage actually hold (sealed and open segments):
+                // the engine's reserves come and go, so the spare the
+                // cleaner works with is an average, not a constant.
+                const SLICES: u64 = 8;
+                let mut held_spare = 0.0;
+                let (mut host, mut media, mut gc, mut padding, mut seconds) = (0, 0, 0, 0, 0.0);
+                for slice in 0..SLICES {
+                    let steady = Workload::new(OpKind::Write, access, 4 * KIB, &random)
+                        .region(0, logical)
+                        .total(2 * logical / SLICES)
+                        .queue_depth(32)
+                        .label(format!(
+                            "{label} {load_name}: measure {}/{SLICES}",
+                            slice + 1
+                        ))
+                        .seed(settings.seed + 2 + slice);
+                    let part = driver::run(&mut target, &steady, progress)?;
+                    host += part.host_write_bytes;
+                    media += part.media_write_bytes;
+                    gc += part.gc_write_bytes;
+                    padding += part.padding_bytes;
+                    seconds += part.seconds;
+                    let held = target.volume.stats().segments_by_state;
+                    held_spare +=
+                        ((held.sealed + held.open) * per_segment) as f64 / live_stored as f64 - 1.0;
+                }
+                held_spare /= SLICES as f64;
+                let write_amplification = (host > 0).then(|| media as f64 / host as f64);
+                let mb_s = if seconds > 0.0 {
+                    host as f64 / seconds / 1e6
                 } else {
-                    "-".into()
+                    0.0
+                };
+                let theory = greedy_theory(spare);
+                let (theory_text, held_text) = if access == Access::Random {
+                    (
+                        format!("{theory:.2}"),
+                        format!("{:.2}", greedy_theory(held_spare)),
+                    )
+                } else {
+                    ("-".into(), "-".into())
                 };
                 table.push(vec![
                     load_name.into(),
                     policy.to_string(),
                     format!("{spare:.2}"),
                     format!("{effective:.3}"),
-                    ratio(measured.write_amplification),
+                    format!("{held_spare:.3}"),
+                    ratio(write_amplification),
                     theory_text,
+                    held_text,
                 ]);
                 results.push(json!({
                     "workload": load_name,
                     "gc_policy": policy.to_string(),
                     "spare": spare,
                     "effective_spare": effective,
-                    "write_amplification": measured.write_amplification,
+                    "write_amplification": write_amplification,
                     "greedy_theory": theory,
                     "greedy_theory_at_effective_spare": greedy_theory(effective),
+                    "held_spare": held_spare,
+                    "greedy_theory_at_held_spare": greedy_theory(held_spare),
                     "live_bytes": live_stored,
                     "segment_bytes": segment,
-                    "mb_s": measured.mb_s,
-                    "padding_bytes": measured.padding_bytes,
-                    "gc_write_bytes": measured.gc_write_bytes,
+                    "mb_s": mb_s,
+                    "padding_bytes": padding,
+                    "gc_write_bytes": gc,
                 }));
             }
         }
