@@ -41,6 +41,11 @@ pub struct SegmentInfo {
     pub holds_ranges: bool,
     /// Bytes of range records appended in this run.
     pub range_bytes: u64,
+    /// The barrier generation whose sync makes durable every write that
+    /// made a record of this incarnation dead in this run (0: none did).
+    /// Once it is synced, a cleaned victim that relocated nothing can be
+    /// reused at once.
+    pub killed_gen: u64,
 }
 
 impl SegmentInfo {
@@ -48,6 +53,7 @@ impl SegmentInfo {
         SegmentInfo {
             holds_ranges: false,
             range_bytes: 0,
+            killed_gen: 0,
             state: SegmentState::Free,
             seq: 0,
             live_bytes: 0,
@@ -194,6 +200,7 @@ impl SegmentTable {
             max_version: 0,
             holds_ranges: false,
             range_bytes: 0,
+            killed_gen: 0,
         };
         self.members[segment.index()].clear();
         Some(segment)

@@ -64,6 +64,7 @@ counters! {
     14 => recoveries: "Starts that replayed the log after an unclean stop.",
     15 => damaged_blocks_found: "Blocks found damaged by reads, the cleaner or check.",
     16 => host_write_requests: "WRITE requests served.",
+    17 => segment_tail_bytes: "Bytes of padding completing a segment's last page when the next record did not fit.",
 }
 
 /// Number of segments in each state.
@@ -94,6 +95,9 @@ pub struct Stats {
     pub host_write_bytes: u64,
     pub media_write_bytes: u64,
     pub padding_bytes: u64,
+    /// Zeros completing a segment's last page when the next record did
+    /// not fit (not caused by flushes; counted in `media_write_bytes`).
+    pub segment_tail_bytes: u64,
     /// `media_write_bytes / host_write_bytes`; null before the first write.
     pub write_amplification: Option<f64>,
     pub gc_write_bytes: u64,
@@ -211,6 +215,11 @@ impl Stats {
             "padding_bytes_total",
             "Padding bytes written at flushes.",
             c.padding_bytes,
+        );
+        counter(
+            "segment_tail_bytes_total",
+            "Padding bytes completing the last page of a segment.",
+            c.segment_tail_bytes,
         );
         counter(
             "gc_write_bytes_total",

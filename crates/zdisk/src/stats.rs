@@ -48,6 +48,7 @@ pub fn human(stats: &Stats) -> String {
         ("host_write_bytes", size(stats.host_write_bytes)),
         ("media_write_bytes", size(stats.media_write_bytes)),
         ("padding_bytes", size(stats.padding_bytes)),
+        ("segment_tail_bytes", size(stats.segment_tail_bytes)),
         ("write_amplification", ratio(stats.write_amplification)),
         ("gc_write_bytes", size(stats.gc_write_bytes)),
         ("gc_read_bytes", size(stats.gc_read_bytes)),

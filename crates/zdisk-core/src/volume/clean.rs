@@ -9,7 +9,9 @@
 //!
 //! The victim becomes `Reclaimable`, not free: it is erased and reused only
 //! after a barrier and a sync have made the relocated copies, and every
-//! write that made its other records dead, durable.
+//! write that made its other records dead, durable. A victim nothing was
+//! copied out of, whose killing writes are all durable already
+//! (`SegmentInfo::killed_gen` synced), is free at once.
 //!
 //! Damage found while cleaning is never laundered into a fresh checksum:
 //! a live record that fails verification becomes a `Damaged` map entry
@@ -429,14 +431,20 @@ impl Volume {
             0,
             "victim {victim} still has live bytes"
         );
-        let release_gen = if checkpoint_first {
-            AFTER_CHECKPOINT
-        } else {
-            state.barrier_gen + 1
-        };
-        state.segments.mark_reclaimable(victim, release_gen);
-        state.counters.segments_cleaned += 1;
         let relocated = state.counters.gc_write_bytes - gc_written_before;
+        let killed_gen = state.segments.get(victim).killed_gen;
+        let next_barrier = state.barrier_gen + 1;
+        if checkpoint_first {
+            state.segments.mark_reclaimable(victim, AFTER_CHECKPOINT);
+        } else if relocated == 0 && killed_gen <= state.synced_gen {
+            // Nothing was copied out, and every write that made its records
+            // dead is already durable (typically a flushed TRIM or
+            // overwrite): no barrier needs to wait for it.
+            state.segments.release(victim);
+        } else {
+            state.segments.mark_reclaimable(victim, next_barrier);
+        }
+        state.counters.segments_cleaned += 1;
         drop(state);
         self.media
             .segment_recycled(self.geometry.segment_size_bytes, relocated);

@@ -703,6 +703,7 @@ impl Volume {
             host_write_bytes: counters.host_write_bytes,
             media_write_bytes: counters.media_write_bytes,
             padding_bytes: counters.padding_bytes,
+            segment_tail_bytes: counters.segment_tail_bytes,
             write_amplification: ratio(counters.media_write_bytes, counters.host_write_bytes),
             gc_write_bytes: counters.gc_write_bytes,
             gc_read_bytes: counters.gc_read_bytes,

@@ -138,6 +138,7 @@ pub(crate) fn recover(
             max_version: dumped.map_or(0, |d| d.max_version),
             holds_ranges: false,
             range_bytes: 0,
+            killed_gen: 0,
         })
         .collect();
     let mut counters = checkpoint.counters;
@@ -341,6 +342,7 @@ pub(crate) fn recover(
                     max_version: 0,
                     holds_ranges: false,
                     range_bytes: 0,
+                    killed_gen: 0,
                 };
                 erased += 1;
             }

@@ -282,8 +282,15 @@ impl State {
         Ok(())
     }
 
-    /// Writes everything buffered in a stream, padding the last page.
+    /// Writes everything buffered in a stream, padding the last page (a
+    /// flush's padding).
     pub fn pad_and_write(&mut self, kind: StreamKind) -> Result<()> {
+        self.pad_and_write_as(kind, false)
+    }
+
+    /// `segment_end`: the padding completes a segment's last page because
+    /// the next record does not fit; it is counted apart from flush padding.
+    fn pad_and_write_as(&mut self, kind: StreamKind, segment_end: bool) -> Result<()> {
         let page = self.page_size() as usize;
         let stream = &mut self.streams[kind as usize];
         if stream.buf.is_empty() {
@@ -292,7 +299,11 @@ impl State {
         let padded = stream.buf.len().div_ceil(page) * page;
         let padding = (padded - stream.buf.len()) as u64;
         stream.buf.resize(padded, 0);
-        self.counters.padding_bytes += padding;
+        if segment_end {
+            self.counters.segment_tail_bytes += padding;
+        } else {
+            self.counters.padding_bytes += padding;
+        }
         self.write_whole_pages(kind)?;
         let stream = &self.streams[kind as usize];
         let segment = stream.segment.expect("stream has an open segment");
@@ -309,7 +320,7 @@ impl State {
             return Ok(());
         }
         if !self.streams[kind as usize].buf.is_empty() {
-            self.pad_and_write(kind)?;
+            self.pad_and_write_as(kind, true)?;
             if self.streams[kind as usize].segment.is_none() {
                 return Ok(()); // pad_and_write sealed a full segment
             }
@@ -490,6 +501,10 @@ impl State {
     /// Records that a map entry moved away from `loc` (overwritten, trimmed or relocated).
     pub fn release_location(&mut self, loc: Location) {
         self.segments.sub_live(loc.segment, loc.len as u64);
+        // The record that replaced this one is in a stream buffer; the next
+        // barrier writes it out.
+        let info = self.segments.get_mut(loc.segment);
+        info.killed_gen = info.killed_gen.max(self.barrier_gen + 1);
     }
 
     pub fn take_version(&mut self) -> u64 {
