@@ -14,8 +14,9 @@ use crate::driver::{Clock, Target};
 /// Variations a scenario asks of a drive.
 #[derive(Debug, Clone, Default)]
 pub struct DriveOptions {
-    /// Power-loss protection (emulated drives only).
-    pub plp: bool,
+    /// Power-loss protection (emulated drives only); `None` for the
+    /// drive's own setting (the profile's default, or `--plp`).
+    pub plp: Option<bool>,
     /// Logical size; `None` for the drive's default.
     pub logical_bytes: Option<u64>,
     /// Physical size; `None` for the drive's default.
@@ -104,7 +105,7 @@ impl Drive for ImageDrive {
     }
 
     fn create(&self, options: &DriveOptions) -> Result<Target, String> {
-        if options.plp {
+        if options.plp == Some(true) {
             return Err("a file medium has no power-loss protection".into());
         }
         self.remove_old()?;
@@ -175,7 +176,9 @@ impl NandDrive {
         if let Some(bytes) = options.physical_bytes {
             params.profile = params.profile.clone().with_physical_bytes(bytes);
         }
-        params.config.power_loss_protection = options.plp;
+        if let Some(plp) = options.plp {
+            params.config.power_loss_protection = plp;
+        }
         params
     }
 }
@@ -192,6 +195,9 @@ impl Drive for NandDrive {
             self.params.profile.name,
             zdisk_core::units::format_size(self.params.profile.physical_bytes())
         );
+        if config.power_loss_protection {
+            text.push_str(", power-loss protection");
+        }
         if let Some(cap) = config.recycle_cap_bytes_per_sec {
             text.push_str(&format!(
                 ", recycling capped at {:.0} MB/s",

@@ -34,7 +34,19 @@ pub struct Settings {
 }
 
 fn mb(value: f64) -> String {
-    format!("{value:.1}")
+    if value.is_finite() {
+        format!("{value:.1}")
+    } else {
+        "no time".into()
+    }
+}
+
+fn count(value: f64) -> String {
+    if value.is_finite() {
+        format!("{value:.0}")
+    } else {
+        "no time".into()
+    }
 }
 
 fn ratio(value: Option<f64>) -> String {
@@ -113,7 +125,7 @@ pub fn sweep(
                 pattern.to_string(),
                 direction.into(),
                 mb(measured.mb_s),
-                format!("{:.0}", measured.iops),
+                count(measured.iops),
                 format!("{:.0}", measured.latency_us),
                 ratio(measured.write_amplification),
             ]);
@@ -296,7 +308,7 @@ pub fn flush(
     let (_, page) = drive.segment_and_page();
     for plp in variants {
         let mut target = drive.create(&DriveOptions {
-            plp,
+            plp: Some(plp),
             ..DriveOptions::default()
         })?;
         let logical = logical_of(&target);
@@ -323,7 +335,7 @@ pub fn flush(
             if plp { "on" } else { "off" }.into(),
             ratio(measured.write_amplification),
             format!("{:.1}", measured.padding_bytes as f64 / MIB as f64),
-            format!("{:.0}", measured.iops),
+            count(measured.iops),
             format!("{:.0}", measured.latency_us),
         ]);
         results.push(json!({
@@ -397,14 +409,14 @@ pub fn queue_depths(
             .seed(settings.seed + 100 + qd as u64);
         let write = driver::run(&mut target, &write, progress)?;
         let model = drive.random_read_iops_model(qd);
-        let mut row = vec![qd.to_string(), format!("{:.0}", read.iops)];
+        let mut row = vec![qd.to_string(), count(read.iops)];
         if let Some(model) = model {
             row.push(format!("{model:.0}"));
             row.push(format!("{:+.1}%", (read.iops / model - 1.0) * 100.0));
         }
         row.extend([
             format!("{:.1}", read.latency_us),
-            format!("{:.0}", write.iops),
+            count(write.iops),
             format!("{:.1}", write.latency_us),
         ]);
         table.push(row);

@@ -22,7 +22,7 @@ pub struct BenchArgs {
     /// recreated for every scenario: its contents are lost.
     #[arg(long)]
     pub image: Option<PathBuf>,
-    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa.
+    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart.
     #[arg(long, value_delimiter = ',', required = true)]
     pub scenario: Vec<String>,
     /// Write one JSON object per scenario (JSON lines) to FILE.

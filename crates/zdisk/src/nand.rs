@@ -30,7 +30,7 @@ pub fn params(
 }
 
 pub fn bench_drive(profile: &str, args: &BenchArgs) -> Result<Box<dyn Drive>, String> {
-    let params = params(profile, args.physical, false, args.recycle_cap_mb_s)?;
+    let params = params(profile, args.physical, args.plp, args.recycle_cap_mb_s)?;
     Ok(Box::new(NandDrive {
         params,
         codec: args.codec,

@@ -1,0 +1,297 @@
+//! End-to-end tests of `zdisk bench` through the real binary: every
+//! scenario on a small emulated drive in virtual time, with its JSON keys
+//! and charts; scenarios on a real image in real time; and bad arguments.
+//!
+//! Figures are asserted only where they are outputs of the drive model
+//! (virtual time), never where they would time the host. A missing
+//! prerequisite (the chart font) is reported as ignored, with the reason.
+
+mod support;
+
+use std::path::Path;
+
+use libtest_mimic::{Arguments, Trial};
+use serde_json::Value;
+
+use support::*;
+
+type TestFn = fn() -> TestResult;
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, TestFn)> = vec![
+        (
+            "emulated_drive_runs_every_scenario_with_its_json_keys",
+            emulated_scenarios,
+        ),
+        ("charts_are_drawn_as_svg_and_png", charts),
+        ("an_image_is_benchmarked_in_real_time", image_scenarios),
+        (
+            "bad_arguments_are_one_line_errors_and_touch_nothing",
+            bad_arguments,
+        ),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| Trial::ignorable_test(name, test))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// Runs `zdisk bench` and returns its JSON lines, one object per scenario.
+fn bench(args: &[&str], json: &Path) -> Result<Vec<Value>, Failed> {
+    let mut all = vec!["bench", "--quiet", "--json", json.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let output = zdisk(&all);
+    ensure!(
+        output.status.success(),
+        "zdisk {all:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = std::fs::read_to_string(json)?;
+    let objects = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<Vec<Value>, _>>()?;
+    Ok(objects)
+}
+
+fn scenario<'a>(objects: &'a [Value], name: &str) -> Result<&'a Value, Failed> {
+    objects
+        .iter()
+        .find(|o| o["scenario"] == name)
+        .ok_or_else(|| format!("no {name} object in {objects:?}").into())
+}
+
+fn number(value: &Value, key: &str) -> Result<f64, Failed> {
+    value[key]
+        .as_f64()
+        .ok_or_else(|| format!("{key} is not a number in {value}").into())
+}
+
+fn emulated_scenarios() -> TestResult {
+    let scratch = Scratch::new("bench-emulated");
+    let json = scratch.join("out.json");
+    let objects = bench(
+        &[
+            "--profile",
+            "tiny",
+            "--scenario",
+            "sweep,dirty,flush,qd",
+            "--size",
+            "1M",
+            "--pattern",
+            "zeros",
+            "--pattern",
+            "random",
+            "--pattern",
+            "compressible:50",
+        ],
+        &json,
+    )?;
+    ensure!(objects.len() == 4, "one object per scenario: {objects:?}");
+
+    // Sweep: one entry per pattern and direction, each with mb_s and iops.
+    let sweep = scenario(&objects, "sweep")?;
+    let results = sweep["results"].as_array().ok_or("sweep results")?;
+    let entry = |pattern: &str, direction: &str| -> Result<&Value, Failed> {
+        results
+            .iter()
+            .find(|r| r["pattern"] == pattern && r["direction"] == direction)
+            .ok_or_else(|| format!("no sweep entry {pattern} {direction}").into())
+    };
+    for pattern in ["zeros", "random", "compressible:50"] {
+        for direction in ["seq_write", "rand_write_4k", "seq_read", "rand_read_4k"] {
+            let r = entry(pattern, direction)?;
+            ensure!(
+                number(r, "mb_s")? > 0.0 && number(r, "iops")? > 0.0,
+                "{pattern} {direction}: {r}"
+            );
+        }
+    }
+    // Zeros take no NAND programs, so they outrun incompressible data, and
+    // half-compressible data lies between (the tiny drive's compressor and
+    // link are faster than its NAND).
+    let seq = |pattern| -> Result<f64, Failed> { number(entry(pattern, "seq_write")?, "mb_s") };
+    let (zeros, half, random) = (seq("zeros")?, seq("compressible:50")?, seq("random")?);
+    ensure!(
+        zeros > half && half > random,
+        "sequential writes: zeros {zeros}, compressible:50 {half}, random {random}"
+    );
+    let random_wa = number(entry("random", "seq_write")?, "write_amplification")?;
+    ensure!(
+        (1.0..1.1).contains(&random_wa),
+        "random data is stored raw: WA {random_wa}"
+    );
+
+    // Dirty: the keys scripts rely on.
+    let dirty = scenario(&objects, "dirty")?;
+    for key in [
+        "clean_mb_s",
+        "dirty_mb_s",
+        "after_trim_mb_s",
+        "write_amplification",
+    ] {
+        ensure!(number(dirty, key)? > 0.0, "dirty {key}: {dirty}");
+    }
+
+    // Flush: without PLP every flush pads a page; with PLP nothing is padded.
+    let flush = scenario(&objects, "flush")?;
+    let runs = flush["results"].as_array().ok_or("flush results")?;
+    let with = |plp: bool| -> Result<&Value, Failed> {
+        runs.iter()
+            .find(|r| r["plp"] == plp)
+            .ok_or_else(|| format!("no flush run with plp={plp}").into())
+    };
+    ensure!(
+        number(with(false)?, "padding_bytes")? > 0.0,
+        "flush without PLP pads: {flush}"
+    );
+    ensure!(
+        number(with(true)?, "padding_bytes")? == 0.0,
+        "flush with PLP pads nothing: {flush}"
+    );
+
+    // Queue depths 1 to 32, each with a modelled read figure beside it.
+    let qd = scenario(&objects, "qd")?;
+    let depths: Vec<u64> = qd["results"]
+        .as_array()
+        .ok_or("qd results")?
+        .iter()
+        .filter_map(|r| r["queue_depth"].as_u64())
+        .collect();
+    ensure!(depths == [1, 2, 4, 8, 16, 32], "queue depths {depths:?}");
+    for r in qd["results"].as_array().unwrap() {
+        ensure!(
+            number(r, "read_iops")? > 0.0 && number(r, "read_iops_model")? > 0.0,
+            "qd entry {r}"
+        );
+    }
+    Ok(Completion::Completed)
+}
+
+const FONTS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+];
+
+fn charts() -> TestResult {
+    if let Some(skip) = skip_unless(if FONTS.iter().any(|f| Path::new(f).exists()) {
+        Ok(())
+    } else {
+        Err("no DejaVu Sans font for chart text (fonts-dejavu-core; .ci/run installs it)".into())
+    }) {
+        return skip;
+    }
+    let scratch = Scratch::new("bench-charts");
+    for (file, magic) in [("chart.svg", &b"<svg"[..]), ("chart.png", &b"\x89PNG"[..])] {
+        let path = scratch.join(file);
+        bench(
+            &[
+                "--profile",
+                "tiny",
+                "--scenario",
+                "sweep,flush",
+                "--size",
+                "1M",
+                "--plot",
+                path.to_str().unwrap(),
+            ],
+            &scratch.join("out.json"),
+        )?;
+        let bytes = std::fs::read(&path)?;
+        ensure!(
+            bytes.windows(magic.len()).take(256).any(|w| w == magic),
+            "{file} does not look like a chart ({} bytes)",
+            bytes.len()
+        );
+        ensure!(bytes.len() > 1000, "{file} is nearly empty");
+    }
+    Ok(Completion::Completed)
+}
+
+fn image_scenarios() -> TestResult {
+    let scratch = Scratch::new("bench-image");
+    let image = scratch.join("bench.zdisk");
+    let objects = bench(
+        &[
+            "--image",
+            image.to_str().unwrap(),
+            "--scenario",
+            "sweep,flush",
+            "--size",
+            "2M",
+            "--logical",
+            "64M",
+            "--pattern",
+            "random",
+        ],
+        &scratch.join("out.json"),
+    )?;
+    let sweep = scenario(&objects, "sweep")?;
+    for r in sweep["results"].as_array().ok_or("sweep results")? {
+        if r.get("mb_s").is_some() {
+            ensure!(number(r, "mb_s")? > 0.0, "real-time entry {r}");
+        }
+    }
+    // A 4 KiB file image pads nothing: its page is the block.
+    let flush = scenario(&objects, "flush")?;
+    ensure!(
+        flush["results"].as_array().is_some_and(|r| !r.is_empty()),
+        "flush results: {flush}"
+    );
+    Ok(Completion::Completed)
+}
+
+fn bad_arguments() -> TestResult {
+    let scratch = Scratch::new("bench-bad");
+    let precious = scratch.join("precious.txt");
+    std::fs::write(&precious, b"not a zdisk image")?;
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--scenario", "sweep"], "--profile"),
+        (
+            vec!["--profile", "no-such-drive", "--scenario", "sweep"],
+            "no-such-drive",
+        ),
+        (
+            vec!["--profile", "tiny", "--scenario", "nonsense"],
+            "nonsense",
+        ),
+        (
+            vec![
+                "--profile",
+                "tiny",
+                "--scenario",
+                "sweep",
+                "--pattern",
+                "compressible:150",
+            ],
+            "compressible",
+        ),
+        (
+            vec!["--image", precious.to_str().unwrap(), "--scenario", "sweep"],
+            "not a zdisk image",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut all = vec!["bench", "--quiet"];
+        all.extend_from_slice(&args);
+        let output = zdisk(&all);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(!output.status.success(), "zdisk {all:?} succeeded");
+        ensure!(
+            stderr.contains(expected),
+            "zdisk {all:?}: expected {expected:?} in {stderr:?}"
+        );
+        ensure!(
+            !stderr.contains("panicked"),
+            "zdisk {all:?} panicked: {stderr}"
+        );
+    }
+    ensure!(
+        std::fs::read(&precious)? == b"not a zdisk image",
+        "a file that is not an image was touched"
+    );
+    Ok(Completion::Completed)
+}
