@@ -8,7 +8,8 @@
 //! [`NandMedia`] implements [`zdisk_core::media::Media`]. A [`Profile`]
 //! describes the drive (named ones: [`profile_names`]); [`NandParams`]
 //! adds the per-image configuration and has a byte encoding for the
-//! superblock's `media_params`. PROFILES.md gives every figure's source.
+//! superblock's `media_params`. docs/emulation.md gives every figure's
+//! source and compares the emulated drives with published measurements.
 //!
 //! # Mapping
 //!
@@ -37,11 +38,15 @@
 //!
 //! # Timing model
 //!
-//! Every resource is a busy-until time: each plane, each channel bus, the
-//! controller's command processor, the host link, the compression engine
-//! and the recycling engine. Work is scheduled greedily in call order — it
-//! starts when both the caller and the resource are free — and never
-//! backfilled into an earlier idle gap.
+//! Each plane keeps a busy-until time: its reads, programs and erases run
+//! in the order they are issued. The shared transfer resources — each
+//! channel bus, the controller's command processor, the host link and the
+//! compression engine — keep a calendar of booked intervals instead: a
+//! transfer takes the earliest idle gap long enough, at or after the
+//! moment its data is ready, so a die whose page is ready does not queue
+//! behind a transfer booked for later (a controller serves whichever die
+//! is ready). Bookings that end before the oldest operation still in
+//! progress are forgotten.
 //!
 //! - **Program** (`write_pages`), per page, once admitted to the write
 //!   buffer at time `a`: the channel carries the page from
@@ -54,7 +59,10 @@
 //!   `write_pages` returns once its last page is admitted; the programs
 //!   themselves proceed in the background. With a buffer of 0 pages
 //!   (FEMU's model) `write_pages` returns when its programs complete.
-//! - **Read**, per page touched: a page still in the write buffer (its
+//! - **Read**, per page touched (`read_batch` issues every range of a
+//!   batch at the same time, as a controller dispatches a command's page
+//!   reads to all dies at once; the batch completes with its slowest
+//!   page): a page still in the write buffer (its
 //!   program not finished) or staged under PLP is served from controller
 //!   RAM at no cost, and so is a page the controller's block table knows
 //!   is erased (not programmed since its block's erase, or on a drive
@@ -123,9 +131,9 @@
 //! reads served from buffers or known-erased pages, blocks erased,
 //! staged pages and bytes, erase-count minimum, maximum and mean, and the
 //! busy time of every resource and the time callers waited on each.
-//! `cargo run --release -p zdisk-nand --example calibrate` prints what
-//! the real engine achieves on each profile in virtual time; PROFILES.md
-//! compares those figures with the published ones.
+//! `zdisk bench --profile NAME` measures what the real engine achieves on
+//! a profile in virtual time; docs/emulation.md compares those figures
+//! with the published ones.
 //!
 //! # Storage
 //!

@@ -6,10 +6,10 @@
 //! from the real or the virtual clock and waits (or advances its cursor)
 //! until the returned time.
 //!
-//! Each shared resource is a "free at" time (a busy-until), and work is
-//! scheduled greedily in call order: it starts when both the caller and
-//! the resource are ready. Nothing is backfilled into idle gaps before a
-//! resource's free-at time.
+//! Each plane is a "free at" time (a busy-until): its work runs in call
+//! order, starting when both the caller and the plane are ready. Channels,
+//! the controller, the link and the compressor are [`Calendar`]s: a
+//! transfer takes the earliest idle gap at or after its data is ready.
 //!
 //! Invariants: `next_page[b]` is the next programmable page of block `b`
 //! (`FACTORY_ERASED` on a new drive and `UNERASED` on a reopened one,

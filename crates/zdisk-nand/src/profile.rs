@@ -5,7 +5,7 @@
 //! A profile is plain data. [`NandParams`] (profile plus configuration)
 //! has a versioned byte encoding, stored both in a NAND image's header and
 //! in the zdisk superblock's `media_params`, so an image always says which
-//! drive it emulates. Where each figure comes from is in PROFILES.md.
+//! drive it emulates. Where each figure comes from is in docs/emulation.md.
 
 use zdisk_core::bytes::{ByteReader, ByteWriter};
 use zdisk_core::media::MediaGeometry;
@@ -512,7 +512,7 @@ pub fn profile_names() -> &'static [&'static str] {
     ]
 }
 
-/// A built-in profile by name. PROFILES.md gives the source of every figure.
+/// A built-in profile by name. docs/emulation.md gives the source of every figure.
 pub fn profile(name: &str) -> Option<Profile> {
     let profile = match name {
         "plain-tlc" => Profile {
