@@ -205,14 +205,7 @@ fn bars<DB: DrawingBackend>(
         .disable_x_mesh()
         .y_desc(unit)
         .x_labels(values.len().max(1) * 2 + 1)
-        .x_label_formatter(&|x| {
-            let index = x.floor() as usize;
-            if (x - index as f64 - 0.5).abs() < 0.01 {
-                labels.get(index).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| centred_label(&labels, *x))
         .draw()
         .map_err(err)?;
     for (index, (_, value)) in values.iter().enumerate() {
@@ -301,14 +294,7 @@ pub fn grouped_bars<DB: DrawingBackend>(
         .disable_x_mesh()
         .y_desc(unit)
         .x_labels(groups.len().max(1) * 2 + 1)
-        .x_label_formatter(&|x| {
-            let index = x.floor() as usize;
-            if (x - index as f64 - 0.5).abs() < 0.01 {
-                labels.get(index).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| centred_label(&labels, *x))
         .draw()
         .map_err(err)?;
     let width = 0.8 / series.len().max(1) as f64;
@@ -389,4 +375,14 @@ fn queue_depth<DB: DrawingBackend>(
         .draw()
         .map_err(err)?;
     Ok(())
+}
+
+/// The label of bar `i` at x = i + 0.5 (the bar's centre); other ticks are blank.
+fn centred_label(labels: &[String], x: f64) -> String {
+    let index = x.floor() as usize;
+    if (x - index as f64 - 0.5).abs() < 0.01 {
+        labels.get(index).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
 }
