@@ -47,6 +47,18 @@ pub trait Drive: Send + Sync {
     fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {
         None
     }
+
+    /// Another drive of the same kind on the same medium, told apart by
+    /// `name`, for a baseline measured in the same run; `None` if the
+    /// medium holds only one (a block device, an emulated drive, which
+    /// needs no baseline as its time is virtual).
+    fn sibling(&self, name: &str) -> Option<Box<dyn Drive>> {
+        let _ = name;
+        None
+    }
+
+    /// Removes what `create` left on the medium, if it can be removed.
+    fn discard(&self) {}
 }
 
 /// A real image file or block device, driven in real time.
@@ -134,6 +146,31 @@ impl Drive for ImageDrive {
             now_ns: 0,
             details: None,
         })
+    }
+
+    fn sibling(&self, name: &str) -> Option<Box<dyn Drive>> {
+        use std::os::unix::fs::FileTypeExt;
+        let is_device = std::fs::metadata(&self.path)
+            .is_ok_and(|m| m.file_type().is_block_device() || m.file_type().is_char_device());
+        if is_device {
+            return None;
+        }
+        // dirty.zdisk -> dirty.clean.zdisk, in the same directory.
+        let stem = self.path.file_stem()?.to_string_lossy().into_owned();
+        let file = match self.path.extension() {
+            Some(ext) => format!("{stem}.{name}.{}", ext.to_string_lossy()),
+            None => format!("{stem}.{name}"),
+        };
+        Some(Box::new(ImageDrive {
+            path: self.path.with_file_name(file),
+            ..*self
+        }))
+    }
+
+    fn discard(&self) {
+        if self.path.is_file() {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 
     fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {

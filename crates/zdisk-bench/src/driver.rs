@@ -87,6 +87,11 @@ pub struct Workload {
     pub pattern: Pattern,
     /// Flush after every write (the flush belongs to the same operation).
     pub flush_each_write: bool,
+    /// Real time: after the closing flush, run the volume's pending
+    /// background work (cleaning up to its high watermark, a due
+    /// checkpoint) to the end, timed, so that work a phase caused is
+    /// charged to that phase and not to whatever runs next.
+    pub settle: bool,
     pub seed: u64,
     /// Shown in progress lines.
     pub label: String,
@@ -106,6 +111,7 @@ impl Workload {
             queue_depth: 1,
             pattern: pattern.clone(),
             flush_each_write: false,
+            settle: false,
             seed: 0,
             label: String::new(),
         }
@@ -142,6 +148,11 @@ impl Workload {
         self.flush_each_write = true;
         self
     }
+
+    pub fn settle(mut self) -> Workload {
+        self.settle = true;
+        self
+    }
 }
 
 /// What a run measured.
@@ -163,7 +174,34 @@ pub struct Measured {
 }
 
 impl Measured {
+    /// Several runs taken together: amounts and times add up, rates and
+    /// the write amplification are those of the whole.
+    pub fn sum(parts: &[Measured]) -> Measured {
+        let mut total = Measured::default();
+        let mut latency_total_ns = 0.0;
+        for part in parts {
+            total.ops += part.ops;
+            total.bytes += part.bytes;
+            total.seconds += part.seconds;
+            latency_total_ns += part.latency_us * 1e3 * part.ops as f64;
+            total.host_write_bytes += part.host_write_bytes;
+            total.media_write_bytes += part.media_write_bytes;
+            total.padding_bytes += part.padding_bytes;
+            total.gc_write_bytes += part.gc_write_bytes;
+        }
+        total.rates(latency_total_ns)
+    }
+
     fn finish(mut self, before: &Stats, after: &Stats, latency_total_ns: f64) -> Measured {
+        self.host_write_bytes = after.host_write_bytes - before.host_write_bytes;
+        self.media_write_bytes = after.media_write_bytes - before.media_write_bytes;
+        self.padding_bytes = after.padding_bytes - before.padding_bytes;
+        self.gc_write_bytes = after.gc_write_bytes - before.gc_write_bytes;
+        self.rates(latency_total_ns)
+    }
+
+    /// Fills in the rates from the amounts and the time.
+    fn rates(mut self, latency_total_ns: f64) -> Measured {
         // An emulated drive may do work in no modelled time at all (FEMU's
         // profile has no link and no command cost, and zeros need no
         // programs): that rate is unbounded, not zero. JSON shows it as null.
@@ -183,10 +221,6 @@ impl Measured {
         } else {
             0.0
         };
-        self.host_write_bytes = after.host_write_bytes - before.host_write_bytes;
-        self.media_write_bytes = after.media_write_bytes - before.media_write_bytes;
-        self.padding_bytes = after.padding_bytes - before.padding_bytes;
-        self.gc_write_bytes = after.gc_write_bytes - before.gc_write_bytes;
         self.write_amplification = (self.host_write_bytes > 0)
             .then(|| self.media_write_bytes as f64 / self.host_write_bytes as f64);
         self
@@ -211,7 +245,7 @@ impl Progress {
         }
     }
 
-    fn update(&self, label: &str, done: u64, total: u64, run_started: Instant) {
+    pub fn update(&self, label: &str, done: u64, total: u64, run_started: Instant) {
         if !self.enabled {
             return;
         }
@@ -241,7 +275,7 @@ impl Progress {
         }
     }
 
-    fn done(&self, run_started: Instant) {
+    pub fn done(&self, run_started: Instant) {
         if self.enabled && self.tty && run_started.elapsed() >= Duration::from_secs(1) {
             let _ = write!(std::io::stderr(), "\r{:70}\r", "");
         }
@@ -414,9 +448,33 @@ fn run_real(
     if writes {
         BlockDevice::flush(volume.as_ref()).map_err(|e| format!("flush: {e}"))?;
     }
+    if workload.settle {
+        settle(volume)?;
+    }
     Ok((
         started.elapsed().as_secs_f64(),
         latency_ns.into_inner() as f64,
+    ))
+}
+
+/// Runs the volume's pending background work to the end in this thread
+/// (the background thread may take some of it meanwhile).
+pub fn settle(volume: &Volume) -> Result<(), String> {
+    // Each round cleans one segment or writes one checkpoint; far more
+    // rounds than segments means the work never ends, which is a bug to
+    // report rather than a benchmark to hang.
+    let limit = 4 * volume.geometry().segment_count + 16;
+    for _ in 0..limit {
+        if !volume
+            .maintenance_tick()
+            .map_err(|e| format!("background work: {e}"))?
+        {
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "background work did not settle after {limit} rounds (free segments: {})",
+        volume.stats().free_segments
     ))
 }
 

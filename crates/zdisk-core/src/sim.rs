@@ -150,6 +150,9 @@ pub struct SimConfig {
     pub crash: CrashConfig,
     /// A larger drive, with some requests of hundreds of blocks.
     pub big: bool,
+    /// Segment reuse overwrites in place (a file, a block device) instead
+    /// of erasing (flash): stale records of older incarnations stay.
+    pub reuse_in_place: bool,
 }
 
 impl SimConfig {
@@ -179,6 +182,7 @@ impl SimConfig {
                 flip_bit: rng.gen_bool(0.3),
             },
             big,
+            reuse_in_place: rng.gen_bool(0.5),
         }
     }
 }
@@ -601,6 +605,13 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
             config.segment_size_bytes,
             config.segment_count,
         )
+        .map(|media| {
+            if config.reuse_in_place {
+                media.reusing_in_place()
+            } else {
+                media
+            }
+        })
         .expect("valid simulated geometry"),
     );
     let codec = codec_for(&mut rng);
@@ -686,7 +697,9 @@ mod tests {
             .and_then(|s| s.parse().ok())
             .unwrap_or(1);
         let mut totals = SimStats::default();
+        let mut in_place = 0;
         for seed in first..first + count {
+            in_place += SimConfig::for_seed(seed).reuse_in_place as u64;
             match run_seed(seed) {
                 Ok(stats) => {
                     totals.operations += stats.operations;
@@ -700,7 +713,16 @@ mod tests {
                 Err(failure) => panic!("{failure}"),
             }
         }
-        println!("crash simulation: {count} seeds passed: {totals:?}");
+        println!(
+            "crash simulation: {count} seeds passed ({in_place} reusing segments in place, \
+             the rest erasing): {totals:?}"
+        );
+        if count >= 20 {
+            assert!(
+                in_place > 0 && in_place < count,
+                "seeds must cover both erasing and in-place reuse"
+            );
+        }
         assert!(
             totals.crashes >= count,
             "every seed ends with at least one power cut"

@@ -134,6 +134,8 @@ fn emulated_scenarios() -> TestResult {
     ] {
         ensure!(number(dirty, key)? > 0.0, "dirty {key}: {dirty}");
     }
+    // Virtual time needs no baseline: one drive, the states in sequence.
+    ensure!(dirty["method"] == "sequential", "dirty method: {dirty}");
 
     // Flush: without PLP every flush pads a page; with PLP nothing is padded.
     let flush = scenario(&objects, "flush")?;
@@ -219,11 +221,13 @@ fn image_scenarios() -> TestResult {
             "--image",
             image.to_str().unwrap(),
             "--scenario",
-            "sweep,flush",
+            "sweep,flush,dirty",
             "--size",
             "2M",
             "--logical",
             "64M",
+            "--physical",
+            "80M",
             "--pattern",
             "random",
         ],
@@ -241,6 +245,39 @@ fn image_scenarios() -> TestResult {
         flush["results"].as_array().is_some_and(|r| !r.is_empty()),
         "flush results: {flush}"
     );
+    // Dirty, in real time: three images measured in interleaved rounds
+    // (2 MiB: two rounds of 1 MiB), the two baselines removed afterwards.
+    let dirty = scenario(&objects, "dirty")?;
+    ensure!(dirty["method"] == "interleaved", "dirty method: {dirty}");
+    ensure!(dirty["rounds"] == 2, "dirty rounds: {dirty}");
+    for state in ["clean", "dirty", "after_trim"] {
+        let seconds = dirty["round_seconds"][state]
+            .as_array()
+            .ok_or_else(|| format!("round_seconds.{state}: {dirty}"))?;
+        ensure!(
+            seconds.len() == 2 && seconds.iter().all(|s| s.as_f64() > Some(0.0)),
+            "round_seconds.{state}: {dirty}"
+        );
+    }
+    for key in ["dirty_percent_of_clean", "after_trim_percent_of_clean"] {
+        ensure!(number(dirty, key)? > 0.0, "dirty {key}: {dirty}");
+        let per_round = &dirty[format!("{key}_per_round")];
+        ensure!(
+            number(per_round, "min")? <= number(per_round, "median")?
+                && number(per_round, "median")? <= number(per_round, "max")?,
+            "{key}_per_round: {dirty}"
+        );
+    }
+    ensure!(
+        image.exists(),
+        "the named image is left, dirty, for inspection"
+    );
+    for sibling in ["bench.clean.zdisk", "bench.trimmed.zdisk"] {
+        ensure!(
+            !scratch.join(sibling).exists(),
+            "baseline image {sibling} was left behind"
+        );
+    }
     Ok(Completion::Completed)
 }
 

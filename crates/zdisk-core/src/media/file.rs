@@ -1,10 +1,15 @@
 //! A medium on a regular file (created sparse) or an existing block device.
 //!
 //! Layout: two metadata slots of [`FILE_META_SLOT_SIZE`] bytes at the start,
-//! then segments back to back from [`FILE_DATA_OFFSET`]. Erasing a segment
-//! punches a hole in a regular file so the host filesystem gets the space
-//! back; on a block device erase is a no-op, since the engine never relies
-//! on erased contents (every record names its segment incarnation).
+//! then segments back to back from [`FILE_DATA_OFFSET`].
+//!
+//! A segment is reused by overwriting it in place: the engine never relies
+//! on erased contents (every record names its segment incarnation). An
+//! explicit erase (recovery's, of leftovers a crashed run may have written)
+//! punches a hole in a regular file and is a no-op on a block device.
+//! Reuse does not punch: the hole would be filled again at once, and on a
+//! dirty volume, where every segment is reused, freeing and reallocating
+//! its pages costs the host filesystem more than the write itself.
 //!
 //! The file is locked with `flock` for as long as the medium is open:
 //! exclusively for read-write use, shared for read-only use. A second
@@ -272,6 +277,15 @@ impl Media for FileMedia {
                 }
             }
         }
+        self.discipline.on_erase(segment);
+        Ok(())
+    }
+
+    fn prepare_segment(&self, segment: SegmentId) -> Result<()> {
+        assert!(
+            segment.0 < self.geometry.segment_count,
+            "reuse of segment {segment} beyond the medium"
+        );
         self.discipline.on_erase(segment);
         Ok(())
     }

@@ -111,6 +111,10 @@ pub struct MemMedia {
     geometry: MediaGeometry,
     state: Mutex<State>,
     discipline: PageDiscipline,
+    /// Reuse overwrites in place, leaving the old incarnation's bytes past
+    /// the new one's, as a file or block device does; otherwise reuse
+    /// erases, as flash does.
+    reuse_in_place: bool,
 }
 
 impl MemMedia {
@@ -127,7 +131,15 @@ impl MemMedia {
             }),
             discipline: PageDiscipline::new(&geometry),
             geometry,
+            reuse_in_place: false,
         })
+    }
+
+    /// Makes segment reuse overwrite in place instead of erasing, as on a
+    /// file: stale records of older incarnations stay behind.
+    pub fn reusing_in_place(mut self) -> MemMedia {
+        self.reuse_in_place = true;
+        self
     }
 
     /// A small geometry for tests: `segment_count` segments of `segment_size_bytes`.
@@ -279,6 +291,7 @@ impl MemMedia {
             }),
             discipline: PageDiscipline::new(&self.geometry),
             geometry: self.geometry,
+            reuse_in_place: self.reuse_in_place,
         }
     }
 
@@ -296,6 +309,7 @@ impl MemMedia {
             }),
             discipline: PageDiscipline::new(&self.geometry),
             geometry: self.geometry,
+            reuse_in_place: self.reuse_in_place,
         }
     }
 
@@ -361,6 +375,15 @@ impl Media for MemMedia {
         Self::check_writable(&mut state)?;
         state.live.segments[segment.index()] = Vec::new();
         state.pending.push(Pending::Erase { segment });
+        self.discipline.on_erase(segment);
+        Ok(())
+    }
+
+    fn prepare_segment(&self, segment: SegmentId) -> Result<()> {
+        if !self.reuse_in_place {
+            return self.erase_segment(segment);
+        }
+        Self::check_writable(&mut self.state.lock().expect("media lock"))?;
         self.discipline.on_erase(segment);
         Ok(())
     }

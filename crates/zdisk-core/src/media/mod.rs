@@ -110,8 +110,18 @@ pub trait Media: Send + Sync {
             .collect()
     }
 
-    /// Erases a segment so that it can be written again from page 0.
+    /// Erases a segment so that it can be written again from page 0, and
+    /// its old contents are gone (durably after `sync`).
     fn erase_segment(&self, segment: SegmentId) -> Result<()>;
+
+    /// Readies a free segment for a new incarnation, written from page 0.
+    /// The default erases it, as flash must be. A medium that overwrites in
+    /// place need not: every record names its segment incarnation, so the
+    /// old incarnation's bytes beyond the new one's are never taken for
+    /// its records.
+    fn prepare_segment(&self, segment: SegmentId) -> Result<()> {
+        self.erase_segment(segment)
+    }
 
     /// Makes every earlier write and erase durable.
     fn sync(&self) -> Result<()>;

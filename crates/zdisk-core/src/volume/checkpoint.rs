@@ -488,7 +488,7 @@ impl super::Volume {
             let mut state = self.lock();
             let mut taken: Vec<(SegmentId, u64)> = Vec::with_capacity(2 * placement.len());
             while taken.len() < 2 * placement.len() {
-                match state.allocate_erased() {
+                match state.allocate_segment() {
                     Ok(segment) => {
                         let info = state.segments.get_mut(segment);
                         info.state = SegmentState::Dump;

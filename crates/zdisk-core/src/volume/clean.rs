@@ -178,7 +178,7 @@ impl Volume {
         let needed = relocation_segments(state, victim, extra_bytes);
         let versions = relocation_versions(state, victim);
         // A victim with nothing to move needs no room at all.
-        (needed == 0 || state.segments.free_count() >= needed + state.gc_floor_segments())
+        state.gc_has_room(needed)
             && state.segments.reserved_count() >= needed
             && state.numbering_room(needed, versions)
     }
@@ -194,7 +194,7 @@ impl Volume {
     ) -> Result<bool> {
         let needed = relocation_segments(&state, victim, extra_bytes);
         let versions = relocation_versions(&state, victim);
-        let free_enough = state.segments.free_count() >= needed + state.gc_floor_segments();
+        let free_enough = state.gc_has_room(needed);
         if free_enough && state.reservation_short(needed, versions) {
             let wanted = needed + state.segment_reserve_ahead / 2;
             drop(state);
@@ -239,11 +239,7 @@ impl Volume {
             };
             // Room for its live records plus a few small records (damage markers).
             let room_for = |state: &State, victim: SegmentId| relocation_segments(state, victim, 0);
-            let spare = state
-                .segments
-                .free_count()
-                .saturating_sub(state.gc_floor_segments());
-            if room_for(&state, victim) > spare {
+            if !state.gc_has_room(room_for(&state, victim)) {
                 // Short of free segments: take the emptiest victim instead,
                 // which needs the least room to relocate.
                 if let Some(emptiest) = pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes) {
@@ -253,9 +249,7 @@ impl Volume {
             let info = *state.segments.get(victim);
             let needed = room_for(&state, victim);
             let versions = relocation_versions(&state, victim);
-            if state.reservation_short(needed, versions)
-                && state.segments.free_count() >= needed + state.gc_floor_segments()
-            {
+            if state.reservation_short(needed, versions) && state.gc_has_room(needed) {
                 // Free segments exist but no root has reserved them (or
                 // the numbers for them) yet.
                 let wanted = needed + state.segment_reserve_ahead / 2;
@@ -263,7 +257,7 @@ impl Volume {
                 self.write_root(false, wanted, versions)?;
                 return Ok(true);
             }
-            if state.segments.free_count() < needed + state.gc_floor_segments() {
+            if !state.gc_has_room(needed) {
                 let reclaimable = state.reclaimable_count();
                 drop(state);
                 if reclaimable > 0 {

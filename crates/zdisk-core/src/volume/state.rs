@@ -158,10 +158,23 @@ impl State {
     }
 
     /// Free segments the cleaner keeps: the checkpoint's reserve less one.
-    /// Cleaning borrows at most that one, and returns more once its victim
-    /// is released, so a checkpoint is delayed at worst, never prevented.
+    /// Cleaning borrows at most that one (see [`State::gc_has_room`]), and
+    /// returns it once its victim is released, so a checkpoint is delayed
+    /// at worst, never prevented.
     pub fn gc_floor_segments(&self) -> u64 {
         self.dump_reserve_segments().saturating_sub(1)
+    }
+
+    /// True if the cleaner may take `needed` free segments to relocate a
+    /// victim. It keeps its floor for the next checkpoint, but it may
+    /// always take one segment, since releasing the victim gives one back:
+    /// a cleaning that takes no more than it returns can run at any fill.
+    /// Without that, a checkpoint that leaves fewer free segments than the
+    /// floor (the first one, with no older dump to release) would wedge a
+    /// full volume for good.
+    pub fn gc_has_room(&self, needed: u64) -> bool {
+        let free = self.segments.free_count();
+        needed == 0 || free >= needed + self.gc_floor_segments() || (needed == 1 && free >= 1)
     }
 
     /// Segments that host writes may not take: the cleaner's reserve plus
@@ -344,7 +357,7 @@ impl State {
                 reserved_segments: floor,
             });
         }
-        let segment = self.allocate_erased()?;
+        let segment = self.allocate_segment()?;
         let stream = &mut self.streams[kind as usize];
         stream.segment = Some(segment);
         stream.seq = self.segments.get(segment).seq;
@@ -353,8 +366,9 @@ impl State {
         Ok(())
     }
 
-    /// Takes a free segment, erases it and gives it a new incarnation.
-    pub fn allocate_erased(&mut self) -> Result<SegmentId> {
+    /// Takes a free segment, gives it a new incarnation and has the medium
+    /// ready it for writing from page 0 (flash erases it; a file does not).
+    pub fn allocate_segment(&mut self) -> Result<SegmentId> {
         let seq = self.next_seq;
         assert!(
             seq < self.seq_limit,
@@ -366,7 +380,7 @@ impl State {
             reserved_segments: 0,
         })?;
         self.next_seq += 1;
-        if let Err(error) = self.media.erase_segment(segment) {
+        if let Err(error) = self.media.prepare_segment(segment) {
             return self.fail(error);
         }
         Ok(segment)

@@ -88,6 +88,68 @@ fn thin_volume_fills_then_trim_gives_space_back() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+/// A volume filled to what incompressible data can occupy, overwritten
+/// until its spare area is gone, then checkpointed for the first time
+/// (so no older dump is released to make up for the new one): random 4 KiB
+/// overwrites must still never fail. The cleaner takes no more segments
+/// than it gives back, so it may always run, below its floor included.
+#[test]
+fn a_full_volume_keeps_cleaning_after_its_first_checkpoint() {
+    const SEGMENT: u64 = 64 * 1024;
+    const SEGMENTS: u32 = 1000;
+    let block = BLOCK_SIZE as u64;
+    let blocks_that_fit = {
+        let raw_blocks = SEGMENTS as u64 * SEGMENT / crate::record::RAW_RECORD_LEN;
+        let overhead = Volume::overhead_segments_for(raw_blocks, SEGMENTS as u64, SEGMENT);
+        let usable = SEGMENTS as u64 - overhead - SEGMENTS as u64 / 8;
+        // Records do not straddle segments.
+        usable * (SEGMENT / crate::record::RAW_RECORD_LEN)
+    };
+    let logical = blocks_that_fit * block;
+    let (_media, volume) = volume(SEGMENT, SEGMENTS, logical);
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut expected = vec![Vec::new(); blocks_that_fit as usize];
+    let mut write = |volume: &Volume, lba: u64, rng: &mut SmallRng| {
+        let data = random(rng, BLOCK_SIZE);
+        if let Err(error) = volume.write(lba * block, &data, false) {
+            let stats = volume.stats();
+            panic!(
+                "overwrite of block {lba} failed: {error}; {:?}",
+                stats.segments_by_state
+            );
+        }
+        expected[lba as usize] = data;
+    };
+    // Every block, then random overwrites: the map loses its runs, so the
+    // first checkpoint's dump takes several segments.
+    for lba in 0..blocks_that_fit {
+        write(&volume, lba, &mut rng);
+    }
+    for _ in 0..blocks_that_fit {
+        let lba = rng.gen_range(0..blocks_that_fit);
+        write(&volume, lba, &mut rng);
+    }
+    let before = volume.stats().segments_by_state;
+    volume.checkpoint().unwrap();
+    let after = volume.stats().segments_by_state;
+    assert_eq!(before.checkpoint, 0, "no checkpoint before this one");
+    assert!(
+        after.checkpoint >= 4 && after.free < before.free,
+        "the dump should take several free segments: {before:?} then {after:?}"
+    );
+    for _ in 0..blocks_that_fit {
+        let lba = rng.gen_range(0..blocks_that_fit);
+        write(&volume, lba, &mut rng);
+    }
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    for (lba, data) in expected.iter().enumerate() {
+        volume.read(lba as u64 * block, &mut buf).unwrap();
+        assert_eq!(&buf, data, "block {lba}");
+    }
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
 /// One operation of a random sequence checked against the model.
 #[derive(Debug, Clone)]
 enum Op {
