@@ -182,9 +182,9 @@ struct DirtyPlan {
 }
 
 impl DirtyPlan {
-    /// Sequential incompressible 128 KiB writes at QD8 over
-    /// `start..start + bytes`.
-    fn measure(&self, label: &str, start: u64, bytes: u64, seed: u64) -> Workload {
+    /// `total` bytes of sequential incompressible 128 KiB writes at QD8
+    /// over `start..start + bytes`.
+    fn sequential(&self, label: &str, start: u64, bytes: u64, total: u64, seed: u64) -> Workload {
         Workload::new(
             OpKind::Write,
             Access::Sequential,
@@ -192,39 +192,36 @@ impl DirtyPlan {
             &Pattern::Random,
         )
         .region(start, bytes)
-        .total(bytes)
+        .total(total)
         .queue_depth(8)
         .label(format!("dirty: {label}"))
         .seed(seed)
-        .settle()
+    }
+
+    /// A measured pass over `start..start + bytes`, charged the background
+    /// work it causes.
+    fn measure(&self, label: &str, start: u64, bytes: u64, seed: u64) -> Workload {
+        self.sequential(label, start, bytes, bytes, seed).settle()
     }
 
     /// Fills every logical block, then keeps writing until the spare area
     /// is used up too (the log's free space has run down to the cleaner's
     /// reserve). Returns the free segments left.
     fn fill(&self, target: &mut Target, progress: &Progress) -> Result<u64, String> {
-        let random = Pattern::Random;
+        let (logical, spare) = (self.logical, self.spare);
         let fill = if self.random_fill {
-            let sequential = Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
-                .region(0, self.logical)
-                .total(self.logical)
-                .queue_depth(8)
-                .label("dirty: filling every block")
-                .seed(self.seed + 1);
-            driver::run(target, &sequential, progress)?;
-            Workload::new(OpKind::Write, Access::Random, 4 * KIB, &random)
-                .region(0, self.logical)
-                .total(self.spare + self.logical / 4)
+            let every_block =
+                self.sequential("filling every block", 0, logical, logical, self.seed + 1);
+            driver::run(target, &every_block, progress)?;
+            Workload::new(OpKind::Write, Access::Random, 4 * KIB, &Pattern::Random)
+                .region(0, logical)
+                .total(spare + logical / 4)
                 .queue_depth(32)
                 .label("dirty: random fill of the spare area")
                 .seed(self.seed + 2)
         } else {
-            Workload::new(OpKind::Write, Access::Sequential, 128 * KIB, &random)
-                .region(0, self.logical)
-                .total(self.logical + self.spare)
-                .queue_depth(8)
-                .label("dirty: filling every block and the spare area")
-                .seed(self.seed + 2)
+            let label = "filling every block and the spare area";
+            self.sequential(label, 0, logical, logical + spare, self.seed + 2)
         };
         driver::run(target, &fill, progress)?;
         Ok(target.volume.stats().free_segments)
