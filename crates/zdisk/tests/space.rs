@@ -125,22 +125,22 @@ fn cleaner_under_overwrites() -> TestResult {
     )?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut server = Server::start(&image, &dir.join("sock"), &["--metrics", &metrics])?;
-    let uri = server.uri();
-    let fio = |extra: &[&str]| -> Result<(), Failed> {
-        let mut args = vec![
-            "--name=overwrite".to_string(),
-            "--ioengine=nbd".to_string(),
-            format!("--uri={uri}"),
-            "--bs=4k".to_string(),
-            "--iodepth=16".to_string(),
-            "--size=48M".to_string(),
-            "--refill_buffers".to_string(),
+    // The same job on whichever server `uri` names.
+    let fio_on = |uri: &str, extra: &[&str]| -> Result<std::process::Output, Failed> {
+        let uri = format!("--uri={uri}");
+        let common = [
+            "--name=overwrite",
+            "--ioengine=nbd",
+            &uri,
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=48M",
+            "--refill_buffers",
         ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-        run("fio", &args)?;
-        Ok(())
+        run("fio", &[&common[..], extra].concat())
     };
+    let uri = server.uri();
+    let fio = |extra: &[&str]| fio_on(&uri, extra).map(|_| ());
     // Fill, overwrite four times at random, then a verified pass that
     // ends with a flush.
     fio(&["--rw=write"])?;
@@ -165,24 +165,9 @@ fn cleaner_under_overwrites() -> TestResult {
     // after kill -9 and a restart, the flushed pass reads back intact.
     server.stop_with("KILL")?;
     let mut server = Server::start(&image, &dir.join("sock"), &[])?;
-    let uri = server.uri();
-    let output = run(
-        "fio",
-        &[
-            &[
-                "--name=overwrite",
-                "--ioengine=nbd",
-                &format!("--uri={uri}"),
-                "--bs=4k",
-                "--iodepth=16",
-                "--size=48M",
-                "--refill_buffers",
-                "--verify_only",
-                "--output-format=json",
-            ][..],
-            &verified,
-        ]
-        .concat(),
+    let output = fio_on(
+        &server.uri(),
+        &[&verified[..], &["--verify_only", "--output-format=json"]].concat(),
     )?;
     // fio's nbd engine prints a line before the JSON.
     let text = stdout(&output);
