@@ -91,6 +91,27 @@ fn relocation_versions(state: &State, victim: SegmentId) -> u64 {
     state.segments.members(victim).len() as u64 + 1
 }
 
+/// Moves the live block `lba` (version `version`, at `from`) if `record`,
+/// read back from there, is that very record; otherwise marks it damaged.
+fn move_or_mark_damaged(
+    state: &mut State,
+    lba: Lba,
+    from: Location,
+    version: u64,
+    record: Option<(RecordHeader, &[u8])>,
+) -> Result<()> {
+    match record {
+        Some((header, payload))
+            if header.kind == RecordKind::Data
+                && header.lba == lba.0
+                && header.version == version =>
+        {
+            move_record(state, from, header, payload)
+        }
+        _ => mark_damaged(state, lba),
+    }
+}
+
 /// Moves a live data record from `from` to the GC stream, unchanged.
 fn move_record(
     state: &mut State,
@@ -378,16 +399,7 @@ impl Volume {
                 let record = buffer.get(at..at + loc.len as usize).and_then(|slice| {
                     decode_record(slice, &self.record_key, Some(seq as u32)).ok()
                 });
-                match record {
-                    Some((header, payload))
-                        if header.kind == RecordKind::Data
-                            && header.lba == lba.0
-                            && header.version == version =>
-                    {
-                        move_record(&mut state, loc, header, payload)?;
-                    }
-                    _ => mark_damaged(&mut state, lba)?,
-                }
+                move_or_mark_damaged(&mut state, lba, loc, version, record)?;
             }
             state
         };
@@ -407,16 +419,7 @@ impl Volume {
                     .read(victim, loc.offset as u64, &mut bytes)
                     .ok()
                     .and_then(|_| decode_record(&bytes, &self.record_key, Some(seq as u32)).ok());
-                match record {
-                    Some((header, payload))
-                        if header.kind == RecordKind::Data
-                            && header.lba == lba.0
-                            && header.version == version =>
-                    {
-                        move_record(&mut state, loc, header, payload)?;
-                    }
-                    _ => mark_damaged(&mut state, lba)?,
-                }
+                move_or_mark_damaged(&mut state, lba, loc, version, record)?;
             }
         }
         checkpoint_first &= post_checkpoint;

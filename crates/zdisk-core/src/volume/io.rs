@@ -524,18 +524,25 @@ impl Volume {
             let checkpoint_would_help = !checkpointed
                 && (state.range_bytes_since_checkpoint > 0 || state.segments.parked_count() > 0);
             drop(state);
-            if available < bytes + crate::record::RAW_RECORD_LEN {
+            let no_space = Error::NoSpace {
+                free_segments: free,
+                reserved_segments: reserved,
+            };
+            // Trims kept for recovery, or segments parked until a
+            // checkpoint, may be what holds the space: a checkpoint
+            // releases them. Try that once before giving up.
+            let checkpoint_or_give_up = || {
                 if !checkpoint_would_help {
-                    return Err(Error::NoSpace {
-                        free_segments: free,
-                        reserved_segments: reserved,
-                    });
+                    return Err(no_space);
                 }
                 checkpointed = true;
                 match self.checkpoint() {
-                    Ok(()) | Err(Error::NoSpace { .. }) => {}
-                    Err(other) => return Err(other),
+                    Ok(()) | Err(Error::NoSpace { .. }) => Ok(()),
+                    Err(other) => Err(other),
                 }
+            };
+            if available < bytes + crate::record::RAW_RECORD_LEN {
+                checkpoint_or_give_up()?;
                 continue;
             }
             self.poke();
@@ -551,20 +558,7 @@ impl Volume {
                 continue;
             }
             if !self.clean_one(self.foreground_min_garbage())? {
-                // Trims kept for recovery, or segments parked until a
-                // checkpoint, may be what holds the space: a checkpoint
-                // releases them. Try that once before giving up.
-                if checkpointed || !checkpoint_would_help {
-                    return Err(Error::NoSpace {
-                        free_segments: free,
-                        reserved_segments: reserved,
-                    });
-                }
-                checkpointed = true;
-                match self.checkpoint() {
-                    Ok(()) | Err(Error::NoSpace { .. }) => {}
-                    Err(other) => return Err(other),
-                }
+                checkpoint_or_give_up()?;
             }
         }
     }
