@@ -140,12 +140,7 @@ impl Drive for ImageDrive {
             OpenOptions::default(),
         )
         .map_err(|e| e.to_string())?;
-        Ok(Target {
-            volume,
-            clock: Clock::Real,
-            now_ns: 0,
-            details: None,
-        })
+        Ok(Target::real(volume))
     }
 
     fn sibling(&self, name: &str) -> Option<Box<dyn Drive>> {
@@ -178,12 +173,7 @@ impl Drive for ImageDrive {
             let media = FileMedia::open(&self.path, false).map_err(|e| e.to_string())?;
             let volume = Volume::open(Arc::new(media) as Arc<dyn Media>, OpenOptions::default())
                 .map_err(|e| e.to_string())?;
-            Ok(Target {
-                volume,
-                clock: Clock::Real,
-                now_ns: 0,
-                details: None,
-            })
+            Ok(Target::real(volume))
         }))
     }
 }

@@ -50,6 +50,16 @@ pub struct Target {
 }
 
 impl Target {
+    /// A volume on a real medium, driven in real time.
+    pub fn real(volume: Arc<Volume>) -> Target {
+        Target {
+            volume,
+            clock: Clock::Real,
+            now_ns: 0,
+            details: None,
+        }
+    }
+
     pub fn is_virtual(&self) -> bool {
         matches!(self.clock, Clock::Virtual(_))
     }

@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 
 use zdisk_core::bytes::{ByteReader, ByteWriter};
+use zdisk_core::media::lock_file;
 use zdisk_core::{Error, Result};
 
 use crate::profile::{NandParams, META_SLOT_SIZE_BYTES};
@@ -194,21 +195,6 @@ fn complement(bytes: &mut [u8]) {
     }
 }
 
-fn lock_file(file: &File, path: &Path) -> Result<()> {
-    // SAFETY: flock on a valid descriptor owned by `file`.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(Error::Locked {
-                path: path.display().to_string(),
-            });
-        }
-        return Err(Error::io(format!("locking {}", path.display()), err));
-    }
-    Ok(())
-}
-
 impl Store {
     pub fn ram(params: &NandParams) -> Store {
         let profile = &params.profile;
@@ -242,7 +228,7 @@ impl Store {
                     Error::io(format!("creating {}", path.display()), e)
                 }
             })?;
-        lock_file(&file, path)?;
+        lock_file(&file, path, true)?;
         let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
         // Truncating to zero first drops any old contents: a fresh image is all holes.
         file.set_len(0).map_err(|e| io("clearing", e))?;
@@ -268,7 +254,7 @@ impl Store {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        lock_file(&file, path)?;
+        lock_file(&file, path, true)?;
         let io = |what: &str, e| Error::io(format!("{what} {}", path.display()), e);
         let file_bytes = file.metadata().map_err(|e| io("inspecting", e))?.len();
         let mut header = vec![0u8; HEADER_AREA_BYTES.min(file_bytes) as usize];

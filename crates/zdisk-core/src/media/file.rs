@@ -40,7 +40,9 @@ pub struct FileMedia {
     discipline: PageDiscipline,
 }
 
-fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+/// Locks an image file with `flock` (exclusive for read-write use, shared
+/// for read-only), failing at once with [`Error::Locked`] if another holds it.
+pub fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     let mode = if exclusive {
         libc::LOCK_EX
     } else {

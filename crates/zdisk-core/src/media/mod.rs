@@ -22,7 +22,7 @@
 mod file;
 mod mem;
 
-pub use file::{file_geometry, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
+pub use file::{file_geometry, lock_file, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
 pub use mem::{CrashConfig, MemMedia};
 
 use std::sync::atomic::{AtomicU32, Ordering};
