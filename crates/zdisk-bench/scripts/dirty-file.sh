@@ -19,7 +19,7 @@ zdisk=${ZDISK:-$here/../../../target/release/zdisk}
 mkdir -p "$dir"
 
 for run in $(seq 1 "$runs"); do
-    "$zdisk" bench --quiet --image "$dir/dirty.zdisk" --scenario dirty \
+    "$zdisk" bench --quiet --force --image "$dir/dirty.zdisk" --scenario dirty \
         --logical "$logical" --physical "$physical" --size "$size" \
         --json "$dir/run$run.json" >/dev/null
 done

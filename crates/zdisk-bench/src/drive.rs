@@ -2,8 +2,8 @@
 //! emulated NAND drive (see `zdisk-nand`) in virtual time. Every scenario
 //! asks for a fresh drive, so scenarios never see each other's data.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use zdisk_core::media::{file_geometry, FileMedia, Media, FILE_DATA_OFFSET};
 use zdisk_core::meta::MediaKind;
@@ -59,9 +59,26 @@ pub trait Drive: Send + Sync {
 
     /// Removes what `create` left on the medium, if it can be removed.
     fn discard(&self) {}
+
+    /// Checks, before anything is created, that the drive and the named
+    /// siblings a run will ask for may be (re)created.
+    fn preflight(&self, siblings: &[&str]) -> Result<(), String> {
+        let _ = siblings;
+        Ok(())
+    }
+
+    /// Files this run created that are still there.
+    fn files_left(&self) -> Vec<PathBuf> {
+        Vec::new()
+    }
 }
 
 /// A real image file or block device, driven in real time.
+///
+/// The benchmark recreates its image for every scenario, so it must never
+/// destroy what it was not given: a path that existed before this run is
+/// replaced only with `force`, an image another process holds (its lock) is
+/// refused even then, and only files this run created are removed at the end.
 pub struct ImageDrive {
     pub path: PathBuf,
     pub logical_bytes: u64,
@@ -69,29 +86,94 @@ pub struct ImageDrive {
     pub segment_bytes: u64,
     pub codec: Codec,
     pub gc_policy: GcPolicy,
+    /// The user allowed replacing an existing image (`--force`).
+    pub force: bool,
+    /// Every path this run created, shared with sibling drives.
+    pub created: CreatedFiles,
+}
+
+/// The image files one benchmark run created, in order of creation.
+#[derive(Debug, Clone, Default)]
+pub struct CreatedFiles(Arc<Mutex<Vec<PathBuf>>>);
+
+impl CreatedFiles {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<PathBuf>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn contains(&self, path: &Path) -> bool {
+        self.lock().iter().any(|p| p == path)
+    }
+
+    fn insert(&self, path: &Path) -> bool {
+        let mut paths = self.lock();
+        if paths.iter().any(|p| p == path) {
+            return false;
+        }
+        paths.push(path.to_path_buf());
+        true
+    }
+
+    fn remove(&self, path: &Path) {
+        self.lock().retain(|p| p != path);
+    }
+
+    /// The created files that still exist.
+    pub fn existing(&self) -> Vec<PathBuf> {
+        self.lock().iter().filter(|p| p.exists()).cloned().collect()
+    }
 }
 
 impl ImageDrive {
+    /// Makes room for a fresh image at the path: removes the previous one
+    /// if this run made it, or, with `force`, an unlocked zdisk image that
+    /// was there before.
     fn remove_old(&self) -> Result<(), String> {
+        if self.may_replace()? && std::fs::metadata(&self.path).is_ok_and(|m| m.is_file()) {
+            std::fs::remove_file(&self.path)
+                .map_err(|e| format!("cannot replace {}: {e}", self.path.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Whether something is at the path that a new image would replace
+    /// (`Ok(false)` if nothing is), or why it must not be replaced.
+    fn may_replace(&self) -> Result<bool, String> {
         use std::io::Read;
         let Ok(metadata) = std::fs::metadata(&self.path) else {
-            return Ok(());
+            return Ok(false);
         };
-        if !metadata.is_file() {
-            return Ok(()); // a block device is simply overwritten
+        if self.created.contains(&self.path) {
+            // Ours, from an earlier scenario (possibly still open here).
+            return Ok(true);
         }
-        let mut magic = [0u8; 8];
-        let mut file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
-        let is_image =
-            file.read_exact(&mut magic).is_ok() && &magic == zdisk_core::meta::META_MAGIC;
+        if !self.force {
+            return Err(format!(
+                "{} already exists; the benchmark recreates its image and would destroy it, \
+                 so give a new path or pass --force",
+                self.path.display()
+            ));
+        }
+        // Refuse an image in use, even with --force, before touching it.
+        let file = std::fs::File::open(&self.path)
+            .map_err(|e| format!("cannot open {}: {e}", self.path.display()))?;
+        zdisk_core::media::lock_file(&file, &self.path, true).map_err(|e| e.to_string())?;
+        if !metadata.is_file() {
+            return Ok(true); // a block device is overwritten in place
+        }
+        let mut magic = [0u8; 16];
+        let is_image = (&file).read_exact(&mut magic).is_ok()
+            && (magic.starts_with(zdisk_core::meta::META_MAGIC)
+                || zdisk_nand::is_nand_image(&magic));
         if !is_image && metadata.len() > 0 {
             return Err(format!(
                 "{} exists and is not a zdisk image; the benchmark overwrites its image, so give a new path",
                 self.path.display()
             ));
         }
-        std::fs::remove_file(&self.path)
-            .map_err(|e| format!("cannot replace {}: {e}", self.path.display()))
+        Ok(true)
     }
 }
 
@@ -121,11 +203,14 @@ impl Drive for ImageDrive {
             return Err("a file medium has no power-loss protection".into());
         }
         self.remove_old()?;
+        if self.created.insert(&self.path) {
+            crate::say!("bench: creating image {}", self.path.display())?;
+        }
         let physical = options
             .physical_bytes
             .map(|log| log + FILE_DATA_OFFSET)
             .unwrap_or(self.physical_bytes);
-        let media = FileMedia::create(&self.path, Some(physical), self.segment_bytes, true)
+        let media = FileMedia::create(&self.path, Some(physical), self.segment_bytes, false)
             .map_err(|e| e.to_string())?;
         let create = CreateOptions {
             logical_size_bytes: options.logical_bytes.unwrap_or(self.logical_bytes),
@@ -158,14 +243,35 @@ impl Drive for ImageDrive {
         };
         Some(Box::new(ImageDrive {
             path: self.path.with_file_name(file),
+            force: self.force,
+            created: self.created.clone(),
             ..*self
         }))
     }
 
     fn discard(&self) {
-        if self.path.is_file() {
-            let _ = std::fs::remove_file(&self.path);
+        // Only what this run created, and only a regular file.
+        if self.created.contains(&self.path) && self.path.is_file() {
+            if std::fs::remove_file(&self.path).is_ok() {
+                // Only a report: the file is gone whether or not it prints.
+                let _ = crate::say!("bench: removed {}", self.path.display());
+            }
+            self.created.remove(&self.path);
         }
+    }
+
+    fn preflight(&self, siblings: &[&str]) -> Result<(), String> {
+        self.may_replace()?;
+        for name in siblings {
+            if let Some(sibling) = self.sibling(name) {
+                sibling.preflight(&[])?;
+            }
+        }
+        Ok(())
+    }
+
+    fn files_left(&self) -> Vec<PathBuf> {
+        self.created.existing()
     }
 
     fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {

@@ -15,6 +15,7 @@ pub mod pattern;
 pub mod plot;
 pub mod scenarios;
 
+use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -72,7 +73,13 @@ pub struct BenchConfig {
 pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Outcome)>, String> {
     let progress = Progress::new(config.progress);
     let mut outcomes = Vec::new();
-    println!("zdisk bench on {}", drive.describe());
+    let siblings: &[&str] = if config.scenarios.contains(&Scenario::Dirty) {
+        &scenarios::DIRTY_SIBLINGS
+    } else {
+        &[]
+    };
+    drive.preflight(siblings)?;
+    say!("zdisk bench on {}", drive.describe())?;
     for &scenario in &config.scenarios {
         let started = std::time::Instant::now();
         let mut outcome = match scenario {
@@ -93,12 +100,12 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
                 started.elapsed().as_secs_f64().into(),
             );
         }
-        println!(
+        say!(
             "\n{} ({:.1} s)",
             scenario.name(),
             started.elapsed().as_secs_f64()
-        );
-        print!("{}", render_table(&outcome.table));
+        )?;
+        print_out(format_args!("{}", render_table(&outcome.table)))?;
         outcomes.push((scenario, outcome));
     }
     if let Some(path) = &config.json {
@@ -107,17 +114,41 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
         for (_, outcome) in &outcomes {
             writeln!(file, "{}", outcome.json).map_err(|e| e.to_string())?;
         }
-        println!(
+        say!(
             "\nJSON written to {} (one object per scenario)",
             path.display()
-        );
+        )?;
     }
     if let Some(path) = &config.plot {
         plot::plot(&outcomes, &drive.describe(), path)?;
-        println!("chart written to {}", path.display());
+        say!("chart written to {}", path.display())?;
+    }
+    for path in drive.files_left() {
+        say!(
+            "bench: left {} (the image of the last scenario)",
+            path.display()
+        )?;
     }
     Ok(outcomes)
 }
+
+/// Writes to standard output; a failed write (a closed pipe, a full disk)
+/// is an error for the caller, never a panic.
+pub(crate) fn print_out(args: fmt::Arguments<'_>) -> Result<(), String> {
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_fmt(args)
+        .and_then(|()| stdout.flush())
+        .map_err(|e| format!("cannot write to standard output: {e}"))
+}
+
+/// `println!` through [`print_out`].
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::print_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use say;
 
 /// Renders rows as an aligned text table (first row is the header).
 pub fn render_table(rows: &[Vec<String>]) -> String {

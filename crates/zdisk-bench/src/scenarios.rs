@@ -265,6 +265,9 @@ struct DirtyState {
 /// and the states are measured in interleaved slices, each slice ending
 /// durable with the background work it caused done. Drift then falls on
 /// the three alike, and the ratio to clean is taken round by round.
+/// The sibling images the real-time dirty scenario makes beside its own.
+pub const DIRTY_SIBLINGS: [&str; 2] = ["clean", "trimmed"];
+
 pub fn dirty(
     drive: &dyn Drive,
     settings: &Settings,
@@ -290,7 +293,8 @@ pub fn dirty(
     let siblings = if target.is_virtual() {
         None
     } else {
-        drive.sibling("clean").zip(drive.sibling("trimmed"))
+        let [clean, trimmed] = DIRTY_SIBLINGS;
+        drive.sibling(clean).zip(drive.sibling(trimmed))
     };
     let (states, free_after_fill, trim_seconds, rounds) = match siblings {
         None => {

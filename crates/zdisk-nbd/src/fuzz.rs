@@ -11,10 +11,15 @@
 use std::io;
 use std::sync::Arc;
 
-use crate::handshake::{negotiate, Export, Negotiated};
+use std::sync::Mutex;
+
+use crate::budget::{InFlightLimits, MemoryBudget};
+use crate::handshake::{greet, haggle, Export, Negotiated, Outcome, TlsState};
+use crate::request::Session;
 use crate::session::ConnLog;
 use crate::testing::RamDevice;
-use crate::transmission::{serve, Connection, InFlightLimits, Inline, Session};
+use crate::tls::TlsMode;
+use crate::transmission::{serve, Connection, Delivery, Inline};
 use crate::wire::{BASE_ALLOCATION_ID, MIN_BLOCK_BYTES};
 
 /// Size of the fuzzing device: big enough for several allocation blocks,
@@ -46,30 +51,51 @@ fn transmit(mut input: &[u8], device: Arc<RamDevice>, negotiated: Negotiated, re
     let connection = Arc::new(Connection::new(
         session,
         ConnLog::quiet(),
-        Box::new(io::sink()),
+        Delivery::Direct(Mutex::new(Box::new(io::sink()))),
         Box::new(|| {}),
         InFlightLimits {
             max_requests: 1,
             max_buffer_bytes: usize::MAX,
         },
+        Arc::new(MemoryBudget::unlimited()),
     ));
     serve(&mut input, &connection, &Inline, &|| false);
 }
 
 /// Feeds `bytes` to the server as everything a client sends from the moment
 /// it connects: client flags, options, and, if it gets that far,
-/// transmission requests.
+/// transmission requests. The same bytes are run once with TLS allowed and
+/// once with TLS required; a STARTTLS that is accepted continues as if the
+/// TLS handshake had succeeded, so the option rules after TLS are reached.
 pub fn fuzz_handshake(bytes: &[u8]) {
-    handshake_then_transmit(bytes, Arc::new(RamDevice::new(FUZZ_DEVICE_BYTES)));
+    for mode in [TlsMode::On, TlsMode::Require] {
+        handshake_then_transmit(bytes, Arc::new(RamDevice::new(FUZZ_DEVICE_BYTES)), mode);
+    }
 }
 
-fn handshake_then_transmit(bytes: &[u8], device: Arc<RamDevice>) {
+fn handshake_then_transmit(bytes: &[u8], device: Arc<RamDevice>, mode: TlsMode) {
     let export = fuzz_export();
     let mut input = bytes;
-    let negotiated = match negotiate(&mut input, &mut io::sink(), &export, &|| false) {
-        Ok(negotiated) => negotiated,
-        Err(_) => return,
+    let Ok(flags) = greet(&mut input, &mut io::sink()) else {
+        return;
     };
+    let mut tls = TlsState {
+        mode,
+        active: false,
+    };
+    let negotiated = loop {
+        match haggle(&mut input, &mut io::sink(), &export, flags, tls, &|| None) {
+            Ok(Outcome::Transmission(negotiated)) => break negotiated,
+            Ok(Outcome::StartTls) => {
+                assert!(!tls.active, "STARTTLS accepted twice");
+                tls.active = true;
+            }
+            Err(_) => return,
+        }
+    };
+    if mode == TlsMode::Require {
+        assert!(tls.active, "transmission reached without TLS under require");
+    }
     transmit(input, device, negotiated, export.read_only);
 }
 
@@ -221,7 +247,7 @@ mod tests {
             bytes.extend_from_slice(&512u32.to_be_bytes());
             bytes.extend_from_slice(&[0x5a; 512]);
             let device = Arc::new(RamDevice::new(FUZZ_DEVICE_BYTES));
-            handshake_then_transmit(&bytes, Arc::clone(&device));
+            handshake_then_transmit(&bytes, Arc::clone(&device), TlsMode::On);
             assert_eq!(device.snapshot(4096, 512), vec![0x5a; 512], "seed {seed}");
         }
     }

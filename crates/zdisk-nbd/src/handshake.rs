@@ -13,8 +13,19 @@
 //! - Options larger than [`MAX_OPTION_BYTES`] are read and discarded in
 //!   small chunks, then refused with NBD_REP_ERR_TOO_BIG; memory stays
 //!   bounded whatever length the client announces.
-//! - Unknown options, NBD_OPT_STARTTLS and NBD_OPT_EXTENDED_HEADERS get
-//!   NBD_REP_ERR_UNSUP and negotiation continues.
+//! - Unknown options and NBD_OPT_EXTENDED_HEADERS get NBD_REP_ERR_UNSUP
+//!   and negotiation continues.
+//! - NBD_OPT_STARTTLS follows nbdkit: refused by policy when TLS is off
+//!   (NBD_REP_ERR_POLICY), invalid with data or once TLS is up; when it
+//!   is on or required, an ACK after which [`haggle`] returns
+//!   [`Outcome::StartTls`] and the caller runs the TLS handshake, then
+//!   haggles again from a clean slate (nothing negotiated in plain text
+//!   survives). Under `require`, every other option but NBD_OPT_ABORT is
+//!   refused with NBD_REP_ERR_TLS_REQD until TLS is up, and
+//!   NBD_OPT_EXPORT_NAME (which cannot be refused) ends the connection.
+//! - A connection the server will not serve (shutting down, or over the
+//!   connection limit) is still answered: every option gets an error that
+//!   says why, so the client can tell its user.
 //! - The export answers to its configured name and to "" (the default).
 //! - `block_size_agreed` is true only when the NBD_OPT_GO that entered
 //!   transmission asked for NBD_INFO_BLOCK_SIZE; only then may the server
@@ -23,6 +34,7 @@
 use std::io::{Read, Write};
 
 use crate::session::{discard, read_message, read_vec, SessionEnd};
+use crate::tls::TlsMode;
 use crate::wire::*;
 
 /// What the server exports, as the handshake describes it.
@@ -71,10 +83,39 @@ pub(crate) fn transmission_flags(read_only: bool, structured_replies: bool) -> u
     flags
 }
 
+/// Why the server will not serve a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The server is shutting down.
+    Shutdown,
+    /// Over the connection limit; the text says so, with the limit.
+    Busy(String),
+}
+
+/// Whether TLS may or must be used, and whether it already is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TlsState {
+    pub mode: TlsMode,
+    pub active: bool,
+}
+
+impl TlsState {
+    pub const OFF: TlsState = TlsState {
+        mode: TlsMode::Off,
+        active: false,
+    };
+
+    /// True while options other than STARTTLS must be refused.
+    fn required_first(&self) -> bool {
+        self.mode == TlsMode::Require && !self.active
+    }
+}
+
 /// Option-haggling state that options change.
 struct Haggle<'a> {
     export: &'a Export,
     no_zeroes: bool,
+    tls: TlsState,
     structured_replies: bool,
     base_allocation_id: Option<u32>,
 }
@@ -83,17 +124,24 @@ struct Haggle<'a> {
 enum Next {
     Continue,
     Transmission(Negotiated),
+    StartTls,
     Abort,
 }
 
-/// Runs the handshake to its end. `stopping` is polled between options; once
-/// it returns true, options are refused with NBD_REP_ERR_SHUTDOWN.
-pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
+/// How option haggling ended, short of the client leaving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Transmission(Negotiated),
+    /// NBD_OPT_STARTTLS was acknowledged: the TLS handshake comes next,
+    /// then [`haggle`] again with TLS active.
+    StartTls,
+}
+
+/// Sends the greeting and reads the client's flags.
+pub(crate) fn greet<R: Read + ?Sized, W: Write + ?Sized>(
     reader: &mut R,
     writer: &mut W,
-    export: &Export,
-    stopping: &dyn Fn() -> bool,
-) -> Result<Negotiated, SessionEnd> {
+) -> Result<u32, SessionEnd> {
     let mut out = Vec::with_capacity(GREETING_BYTES);
     put_greeting(&mut out, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
     writer.write_all(&out)?;
@@ -102,15 +150,28 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
     if !read_message(reader, &mut flag_bytes)? {
         return Err(SessionEnd::ClientClosed);
     }
-    let client_flags =
-        parse_client_flags(&flag_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))?;
+    parse_client_flags(&flag_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))
+}
 
+/// Haggles options until the client enters transmission, asks for TLS, or
+/// leaves. `refusal` is asked before each option; while it says the
+/// server will not serve, options are refused with the reason.
+pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
+    reader: &mut R,
+    writer: &mut W,
+    export: &Export,
+    client_flags: u32,
+    tls: TlsState,
+    refusal: &dyn Fn() -> Option<Refusal>,
+) -> Result<Outcome, SessionEnd> {
     let mut haggle = Haggle {
         export,
         no_zeroes: client_flags & NBD_FLAG_C_NO_ZEROES != 0,
+        tls,
         structured_replies: false,
         base_allocation_id: None,
     };
+    let mut out = Vec::new();
     loop {
         let mut header_bytes = [0u8; OPTION_HEADER_BYTES];
         if !read_message(reader, &mut header_bytes)? {
@@ -124,16 +185,16 @@ pub(crate) fn negotiate<R: Read + ?Sized, W: Write + ?Sized>(
             oversized_option(reader, &mut out, header)?
         } else {
             let data = read_vec(reader, header.length as usize)?;
-            if stopping() {
-                refuse_while_stopping(&mut out, header.option)?
-            } else {
-                haggle.option(&mut out, header.option, &data)?
+            match refusal() {
+                Some(refusal) => refuse(&mut out, header.option, &refusal)?,
+                None => haggle.option(&mut out, header.option, &data)?,
             }
         };
         writer.write_all(&out)?;
         match next {
             Next::Continue => {}
-            Next::Transmission(negotiated) => return Ok(negotiated),
+            Next::Transmission(negotiated) => return Ok(Outcome::Transmission(negotiated)),
+            Next::StartTls => return Ok(Outcome::StartTls),
             Next::Abort => return Err(SessionEnd::ClientAbort),
         }
     }
@@ -169,15 +230,24 @@ fn oversized_option<R: Read + ?Sized>(
     Ok(Next::Continue)
 }
 
-fn refuse_while_stopping(out: &mut Vec<u8>, option: u32) -> Result<Next, SessionEnd> {
+/// Answers an option on a connection the server will not serve.
+fn refuse(out: &mut Vec<u8>, option: u32, refusal: &Refusal) -> Result<Next, SessionEnd> {
     match option {
-        NBD_OPT_EXPORT_NAME => Err(SessionEnd::Shutdown),
+        NBD_OPT_EXPORT_NAME => Err(match refusal {
+            Refusal::Shutdown => SessionEnd::Shutdown,
+            Refusal::Busy(why) => SessionEnd::Protocol(format!("refused: {why}")),
+        }),
         NBD_OPT_ABORT => {
             put_option_reply(out, option, NBD_REP_ACK, &[]);
             Ok(Next::Abort)
         }
         _ => {
-            put_option_error(out, option, NBD_REP_ERR_SHUTDOWN, "server is shutting down");
+            match refusal {
+                Refusal::Shutdown => {
+                    put_option_error(out, option, NBD_REP_ERR_SHUTDOWN, "server is shutting down")
+                }
+                Refusal::Busy(why) => put_option_error(out, option, NBD_REP_ERR_POLICY, why),
+            }
             Ok(Next::Continue)
         }
     }
@@ -185,7 +255,23 @@ fn refuse_while_stopping(out: &mut Vec<u8>, option: u32) -> Result<Next, Session
 
 impl Haggle<'_> {
     fn option(&mut self, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Result<Next, SessionEnd> {
+        if self.tls.required_first() && !matches!(option, NBD_OPT_STARTTLS | NBD_OPT_ABORT) {
+            if option == NBD_OPT_EXPORT_NAME {
+                return Err(SessionEnd::Protocol(
+                    "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS, and this server requires TLS"
+                        .into(),
+                ));
+            }
+            put_option_error(
+                out,
+                option,
+                NBD_REP_ERR_TLS_REQD,
+                "this server requires TLS: send NBD_OPT_STARTTLS first",
+            );
+            return Ok(Next::Continue);
+        }
         match option {
+            NBD_OPT_STARTTLS => Ok(self.start_tls(out, data)),
             NBD_OPT_EXPORT_NAME => self.export_name(out, data),
             NBD_OPT_ABORT => {
                 // The specification asks servers to ignore any data here.
@@ -238,6 +324,29 @@ impl Haggle<'_> {
                     &format!("option {option} is not supported by this server"),
                 );
                 Ok(Next::Continue)
+            }
+        }
+    }
+
+    fn start_tls(&self, out: &mut Vec<u8>, data: &[u8]) -> Next {
+        let option = NBD_OPT_STARTTLS;
+        let refusal = if !data.is_empty() {
+            Some((NBD_REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data"))
+        } else if self.tls.mode == TlsMode::Off {
+            Some((NBD_REP_ERR_POLICY, "TLS is not enabled on this server"))
+        } else if self.tls.active {
+            Some((NBD_REP_ERR_INVALID, "TLS is already in use"))
+        } else {
+            None
+        };
+        match refusal {
+            Some((reply_type, message)) => {
+                put_option_error(out, option, reply_type, message);
+                Next::Continue
+            }
+            None => {
+                put_option_reply(out, option, NBD_REP_ACK, &[]);
+                Next::StartTls
             }
         }
     }

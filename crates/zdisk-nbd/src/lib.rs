@@ -10,25 +10,41 @@
 //! Code map:
 //! - [`wire`]: every protocol constant, and pure parsers/encoders.
 //! - `handshake`: option haggling up to the transmission phase.
-//! - `transmission`: request checking, execution, replies, per-connection
-//!   in-flight limits.
+//! - `request`: what a request means and whether the session allows it.
+//! - `reply`: running a request on the device, encoding its reply, errno
+//!   mapping.
+//! - `transmission`: one connection's request loop and reply delivery.
+//! - `budget`: in-flight limits per connection and for the whole server.
+//! - `socket`: TCP or Unix sockets, and how a non-blocking call waits.
+//! - `transport`: a connection's socket, plain or TLS, with deadlines.
+//! - `tls`: credentials (X.509 or PSK) and TLS sessions.
 //! - `pool`: the worker threads shared by all connections.
-//! - `server`: sockets, connection threads, shutdown ([`Server`]).
+//! - `server`: listeners, connection limits, threads, shutdown ([`Server`]).
 //! - [`testing`]: a RAM device with fault injection, for tests and fuzzing.
 //! - [`fuzz_handshake`] / [`fuzz_transmission`]: the real state machines
 //!   over in-memory bytes, for cargo-fuzz targets.
 //!
 //! Architecture invariant: the handshake and transmission code run over
-//! any `Read`/`Write`; only `server` touches sockets and threads.
+//! any `Read`/`Write`; only `server` and `transport` touch sockets, and only
+//! `server` starts threads.
 
+mod budget;
 mod fuzz;
 mod handshake;
 mod pool;
+mod reply;
+mod request;
 mod server;
 mod session;
+mod socket;
 pub mod testing;
+mod tls;
 mod transmission;
+mod transport;
 pub mod wire;
 
 pub use fuzz::{fuzz_handshake, fuzz_transmission};
-pub use server::{ListenAddr, Server, ServerConfig, ShutdownHandle};
+pub use server::{
+    BoundListener, ListenAddr, Server, ServerConfig, ShutdownHandle, SHUTDOWN_REPLY_PATIENCE,
+};
+pub use tls::{TlsConfig, TlsCredentials, TlsMode};

@@ -124,7 +124,7 @@ fn work(shared: &Shared) {
         };
         drop(queue);
         if catch_unwind(AssertUnwindSafe(job)).is_err() {
-            eprintln!("zdisk-nbd: a worker job panicked; the worker carries on");
+            log::error!(target: "zdisk_nbd", "a worker job panicked; the worker carries on");
         }
     }
 }

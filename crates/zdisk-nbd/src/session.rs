@@ -3,8 +3,10 @@
 //!
 //! A session ends exactly once, with a [`SessionEnd`] that says whose doing
 //! it was; the server logs that reason in the connection's closing line.
-//! Logging is one line per connection open/close and per device error, and
-//! nothing per successful request, so a busy server's stderr stays readable.
+//! Logging is one line per connection open/close, per device error and
+//! per rejected request (the first few of each connection), and nothing per
+//! successful request, so a busy server's log stays readable. Lines go to
+//! the `log` facade; the binary's logger never blocks the server on them.
 
 use std::fmt;
 use std::io::{self, Read};
@@ -69,9 +71,11 @@ impl ConnLog {
         }
     }
 
+    /// Logs one line about this connection (never blocks: see the
+    /// binary's logger).
     pub fn line(&self, message: fmt::Arguments<'_>) {
         if self.enabled {
-            eprintln!("zdisk-nbd: {}: {}", self.label, message);
+            log::info!(target: "zdisk_nbd", "{}: {}", self.label, message);
         }
     }
 }

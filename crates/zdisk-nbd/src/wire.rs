@@ -173,9 +173,10 @@ pub const NBD_ESHUTDOWN: u32 = 108;
 pub const MIN_BLOCK_BYTES: u32 = 512;
 /// Preferred block size advertised in NBD_INFO_BLOCK_SIZE.
 pub const PREFERRED_BLOCK_BYTES: u32 = 4096;
-/// Largest READ or WRITE payload this server accepts (2^25, the
-/// specification's interoperable maximum).
-pub const MAX_PAYLOAD_BYTES: u32 = 32 * 1024 * 1024;
+/// Largest READ or WRITE payload this server accepts, and advertises in
+/// NBD_INFO_BLOCK_SIZE. Twice the specification's interoperable 32 MiB:
+/// some clients send reads of ~50 MiB, which nbdkit and nbd-server take.
+pub const MAX_PAYLOAD_BYTES: u32 = 64 * 1024 * 1024;
 /// Largest option payload read into memory during the handshake. Larger
 /// options are discarded and answered with NBD_REP_ERR_TOO_BIG.
 pub const MAX_OPTION_BYTES: u32 = 64 * 1024;

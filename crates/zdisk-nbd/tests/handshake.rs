@@ -90,7 +90,7 @@ fn go_reports_export_and_block_sizes() {
     );
     let info = Client::parse_info(&replies);
     assert_eq!(info.size_bytes, SIZE);
-    assert_eq!(info.block_sizes, Some((512, 4096, 33554432)));
+    assert_eq!(info.block_sizes, Some((512, 4096, 64 << 20)));
     assert_eq!(info.name.as_deref(), Some("zdisk"));
     // No description configured: none sent.
     assert_eq!(info.description, None);
@@ -116,7 +116,7 @@ fn go_without_block_size_request_still_reports_it_and_allows_any_alignment() {
             ..Setup::SIMPLE
         },
     );
-    assert_eq!(info.block_sizes, Some((512, 4096, 33554432)));
+    assert_eq!(info.block_sizes, Some((512, 4096, 64 << 20)));
     let w = c.write(1001, b"abc");
     assert_eq!(w.error, 0, "unaligned write without a block size agreement");
     let r = c.read(1000, 5);
@@ -222,8 +222,9 @@ fn unsupported_options_get_err_unsup_and_negotiation_continues() {
     let server = TestServer::start(SIZE);
     let mut c = server.connect();
     c.start_handshake();
+    // As nbdkit does when TLS is off: a policy refusal, and carry on.
+    expect_one(&c.option(NBD_OPT_STARTTLS, &[]), NBD_REP_ERR_POLICY);
     for option in [
-        NBD_OPT_STARTTLS,
         NBD_OPT_EXTENDED_HEADERS,
         NBD_OPT_PEEK_EXPORT,
         99,

@@ -1,75 +1,12 @@
 //! `zdisk bench`: argument parsing and drive construction for the
 //! benchmark in `zdisk-bench`.
 
-use std::path::PathBuf;
-
-use clap::Args;
-
-use zdisk_bench::drive::{Drive, ImageDrive};
+use zdisk_bench::drive::{Drive, ImageDrive, NandDrive};
 use zdisk_bench::pattern::Pattern;
 use zdisk_bench::scenarios::Settings;
 use zdisk_bench::{BenchConfig, Scenario};
-use zdisk_core::{Codec, GcPolicy};
 
-use crate::{codec_arg, policy_arg, size_arg};
-
-#[derive(Args, Debug)]
-pub struct BenchArgs {
-    /// Emulated drive profile, run in virtual time (see docs/emulation.md).
-    #[arg(long, conflicts_with = "image", required_unless_present = "image")]
-    pub profile: Option<String>,
-    /// A real image (file or block device) to benchmark in real time. It is
-    /// recreated for every scenario: its contents are lost.
-    #[arg(long)]
-    pub image: Option<PathBuf>,
-    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart.
-    #[arg(long, value_delimiter = ',', required = true)]
-    pub scenario: Vec<String>,
-    /// Write one JSON object per scenario (JSON lines) to FILE.
-    #[arg(long)]
-    pub json: Option<PathBuf>,
-    /// Draw a chart to FILE (.png or .svg).
-    #[arg(long)]
-    pub plot: Option<PathBuf>,
-    /// Bytes moved per measurement (scaled down to fit the drive).
-    #[arg(long, value_parser = size_arg, default_value = "256M")]
-    pub size: u64,
-    /// Data patterns for the sweep: zeros, random, compressible:N, file:PATH (repeatable).
-    #[arg(long = "pattern")]
-    pub patterns: Vec<String>,
-    /// Emulated drives: model power-loss protection.
-    #[arg(long)]
-    pub plp: bool,
-    /// Emulated drives: cap the recycling bandwidth, imitating SandForce's lazy recycling.
-    #[arg(long = "recycle-cap-mb-s")]
-    pub recycle_cap_mb_s: Option<f64>,
-    /// Dirty the drive with random 4 KiB writes instead of sequential ones.
-    #[arg(long, default_value = "sequential", value_parser = ["sequential", "random"])]
-    pub dirty_fill: String,
-    /// Spare factors for the wa scenario (physical space / live data − 1).
-    #[arg(long, value_delimiter = ',', default_value = "0.28,0.07")]
-    pub spare: Vec<f64>,
-    /// Logical size of an image drive.
-    #[arg(long, value_parser = size_arg, default_value = "1G")]
-    pub logical: u64,
-    /// Physical size of an image drive (or of the emulated NAND).
-    #[arg(long, value_parser = size_arg)]
-    pub physical: Option<u64>,
-    /// Segment size of an image drive.
-    #[arg(long, value_parser = size_arg, default_value = "1M")]
-    pub segment_size: u64,
-    /// Codec (image drives; emulated drives use their controller's).
-    #[arg(long, value_parser = codec_arg)]
-    pub codec: Option<Codec>,
-    #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
-    pub gc_policy: GcPolicy,
-    /// Seed for data and offsets.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// Do not print progress.
-    #[arg(long)]
-    pub quiet: bool,
-}
+use crate::args::BenchArgs;
 
 pub fn run(args: &BenchArgs) -> Result<(), String> {
     let scenarios = args
@@ -94,7 +31,7 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         return Err("--spare values must be between 0.01 and 10".into());
     }
     let drive: Box<dyn Drive> = match (&args.profile, &args.image) {
-        (Some(profile), _) => crate::nand::bench_drive(profile, args)?,
+        (Some(profile), _) => nand_drive(profile, args)?,
         (None, Some(path)) => {
             if args.plp || args.recycle_cap_mb_s.is_some() {
                 return Err(
@@ -110,6 +47,8 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
                 segment_bytes: args.segment_size,
                 codec: args.codec.unwrap_or_default(),
                 gc_policy: args.gc_policy,
+                force: args.force,
+                created: Default::default(),
             })
         }
         (None, None) => return Err("give --profile NAME or --image PATH".into()),
@@ -128,4 +67,14 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         progress: !args.quiet,
     };
     zdisk_bench::run(drive.as_ref(), &config).map(|_| ())
+}
+
+/// An emulated drive of the named profile, with the command line's overrides.
+fn nand_drive(profile: &str, args: &BenchArgs) -> Result<Box<dyn Drive>, String> {
+    let params = crate::nand::params(profile, args.physical, args.plp, args.recycle_cap_mb_s)?;
+    Ok(Box::new(NandDrive {
+        params,
+        codec: args.codec,
+        gc_policy: args.gc_policy,
+    }))
 }

@@ -7,7 +7,8 @@ use std::process::ExitCode;
 
 use zdisk_core::OpenOptions;
 
-use crate::CheckArgs;
+use crate::args::CheckArgs;
+use crate::output::say;
 
 pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
     let options = OpenOptions {
@@ -32,43 +33,45 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
             "open": opened,
             "report": report,
         });
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?
-        );
+        )?;
     } else {
         for problem in &opened.slot_problems {
-            println!("metadata: {problem}");
+            say!("metadata: {problem}")?;
         }
         if opened.replayed_records > 0 {
-            println!(
+            say!(
                 "log: replayed {} records from {} segments (the image was not shut down cleanly)",
-                opened.replayed_records, opened.replayed_segments
-            );
+                opened.replayed_records,
+                opened.replayed_segments
+            )?;
         }
-        println!(
+        say!(
             "verified {} extents ({} bytes)",
-            report.extents_verified, report.bytes_verified
-        );
+            report.extents_verified,
+            report.bytes_verified
+        )?;
         for error in &report.errors {
-            println!("invariant violated: {error}");
+            say!("invariant violated: {error}")?;
         }
         if !report.damaged_blocks.is_empty() {
-            println!(
+            say!(
                 "damaged blocks ({}): {}",
                 report.damaged_blocks.len(),
                 list(&report.damaged_blocks)
-            );
+            )?;
         }
         if !report.repaired_blocks.is_empty() {
-            println!(
+            say!(
                 "repaired: dropped {} damaged blocks, which now read as zeros: {}",
                 report.repaired_blocks.len(),
                 list(&report.repaired_blocks)
-            );
+            )?;
         }
         if report.is_clean() && report.repaired_blocks.is_empty() {
-            println!("{}: clean", args.image.display());
+            say!("{}: clean", args.image.display())?;
         }
     }
     Ok(if !report.is_clean() {

@@ -1,5 +1,6 @@
 //! Creating and opening images on files and block devices.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -8,7 +9,8 @@ use zdisk_core::meta::MediaKind;
 use zdisk_core::units::format_size;
 use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
 
-use crate::{CreateArgs, LayoutArgs};
+use crate::args::{CreateArgs, LayoutArgs};
+use crate::output::say;
 
 /// Logical size of an image `serve` creates on its own.
 pub const DEFAULT_LOGICAL_BYTES: u64 = 8 << 30;
@@ -49,26 +51,132 @@ pub fn create(
         let reference = physical.unwrap_or_else(|| block_device_size(path).unwrap_or(logical));
         default_segment_size(reference)
     });
-    let existed = path.exists();
-    // Leave no half-made image file behind.
-    let cleanup = |message: String| {
-        if !existed && !is_block_device {
-            let _ = std::fs::remove_file(path);
+    if !is_block_device {
+        // Validate the layout before anything is created or replaced.
+        let size = physical.expect("a file always has a physical size");
+        zdisk_core::media::file_geometry(size, segment_size).map_err(|e| e.to_string())?;
+    }
+    create_replacing(path, force, |target| {
+        let media =
+            FileMedia::create(target, physical, segment_size, false).map_err(|e| match e {
+                zdisk_core::Error::Io { source, .. }
+                    if source.raw_os_error() == Some(libc::EFBIG) =>
+                {
+                    format!(
+                        "cannot create {}: its filesystem cannot hold a file of {} ({source})",
+                        path.display(),
+                        format_size(physical.unwrap_or(0))
+                    )
+                }
+                other => other.to_string(),
+            })?;
+        let create = CreateOptions {
+            logical_size_bytes: logical,
+            codec,
+            gc_policy,
+            media_kind: MediaKind::File,
+            media_params: Vec::new(),
+        };
+        Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Builds a new image and puts it at `path` only once it is complete, so a
+/// failed create leaves whatever was at `path` byte for byte.
+///
+/// A regular file is built under a temporary name in the same directory and
+/// then moved into place: linked if `path` did not exist (so a file created
+/// meanwhile is never replaced), renamed over it if it did, which needs
+/// `force` and the old image's lock (a served image is refused, untouched).
+/// A block device cannot be replaced, so it is locked and written in place;
+/// callers validate every argument before.
+fn create_replacing(
+    path: &Path,
+    force: bool,
+    build: impl FnOnce(&Path) -> Result<Arc<Volume>, String>,
+) -> Result<Arc<Volume>, String> {
+    let existing = match std::fs::metadata(path) {
+        Ok(metadata) => Some(metadata),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => None,
+        Err(error) => return Err(format!("cannot inspect {}: {error}", path.display())),
+    };
+    if existing
+        .as_ref()
+        .is_some_and(|m| m.file_type().is_block_device())
+    {
+        return build(path);
+    }
+    // Hold the old image's lock until the new one has replaced it.
+    let _old_lock = match &existing {
+        None => None,
+        Some(metadata) if !metadata.is_file() => {
+            return Err(format!(
+                "{} exists and is neither a regular file nor a block device",
+                path.display()
+            ))
         }
-        message
+        Some(_) if !force => {
+            return Err(format!(
+                "{} already exists; pass --force to overwrite it",
+                path.display()
+            ))
+        }
+        Some(_) => {
+            let file = std::fs::File::open(path)
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            zdisk_core::media::lock_file(&file, path, true).map_err(|e| e.to_string())?;
+            Some(file)
+        }
     };
-    let media = FileMedia::create(path, physical, segment_size, force)
-        .map_err(|e| cleanup(e.to_string()))?;
-    let create = CreateOptions {
-        logical_size_bytes: logical,
-        codec,
-        gc_policy,
-        media_kind: MediaKind::File,
-        media_params: Vec::new(),
+    // Through a symbolic link, the file it names is replaced, not the link.
+    let target = match &existing {
+        Some(_) => std::fs::canonicalize(path)
+            .map_err(|e| format!("cannot resolve {}: {e}", path.display()))?,
+        None => path.to_path_buf(),
     };
-    let volume = Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
-        .map_err(|e| cleanup(e.to_string()))?;
+    let file_name = target
+        .file_name()
+        .ok_or_else(|| format!("{} does not name a file", path.display()))?;
+    let temporary = target.with_file_name(format!(
+        ".{}.creating-{}",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let volume = match build(&temporary) {
+        Ok(volume) => volume,
+        Err(message) => {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(message);
+        }
+    };
+    let placed = match existing {
+        Some(_) => std::fs::rename(&temporary, &target),
+        None => {
+            std::fs::hard_link(&temporary, &target).and_then(|()| std::fs::remove_file(&temporary))
+        }
+    };
+    if let Err(error) = placed {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(format!(
+            "cannot put the new image at {}: {error}",
+            path.display()
+        ));
+    }
+    sync_parent(&target);
     Ok(volume)
+}
+
+/// Makes a rename or link in `path`'s directory durable (best effort: the
+/// image's own contents are synced by the engine).
+fn sync_parent(path: &Path) {
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if let Ok(directory) = std::fs::File::open(parent) {
+        let _ = directory.sync_all();
+    }
 }
 
 pub fn create_command(args: &CreateArgs) -> Result<(), String> {
@@ -88,7 +196,7 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
         )?,
     };
     volume.close().map_err(|e| e.to_string())?;
-    println!("created {}", describe(&volume, &args.image));
+    say!("created {}", describe(&volume, &args.image))?;
     Ok(())
 }
 
@@ -117,31 +225,24 @@ fn create_nand(
         Some(codec) => codec,
         None => Codec::parse(&params.profile.codec)?,
     };
-    let existed = path_exists(&args.image);
-    let media = zdisk_nand::NandMedia::create(
-        &args.image,
-        params.clone(),
-        zdisk_nand::Clock::Virtual,
-        args.force,
-    )
-    .map_err(|e| e.to_string())?;
-    let create = CreateOptions {
-        logical_size_bytes: logical,
-        codec,
-        gc_policy: args.gc_policy,
-        media_kind: MediaKind::Nand,
-        media_params: params.encode_params(),
-    };
-    Volume::create(Arc::new(media) as Arc<dyn Media>, create, options).map_err(|e| {
-        if !existed {
-            let _ = std::fs::remove_file(&args.image);
-        }
-        e.to_string()
+    create_replacing(&args.image, args.force, |target| {
+        let media = zdisk_nand::NandMedia::create(
+            target,
+            params.clone(),
+            zdisk_nand::Clock::Virtual,
+            false,
+        )
+        .map_err(|e| e.to_string())?;
+        let create = CreateOptions {
+            logical_size_bytes: logical,
+            codec,
+            gc_policy: args.gc_policy,
+            media_kind: MediaKind::Nand,
+            media_params: params.encode_params(),
+        };
+        Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
+            .map_err(|e| e.to_string())
     })
-}
-
-fn path_exists(path: &Path) -> bool {
-    std::fs::symlink_metadata(path).is_ok()
 }
 
 /// True if the file at `path` is an emulated NAND image.
@@ -218,7 +319,6 @@ pub fn describe(volume: &Volume, path: &Path) -> String {
 }
 
 fn is_block_device(path: &Path) -> bool {
-    use std::os::unix::fs::FileTypeExt;
     std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device())
 }
 

@@ -1,10 +1,7 @@
-//! Emulated NAND drives in the CLI: `create --nand`, serving and
-//! inspecting NAND images, and `bench --profile`.
+//! Emulated NAND drives in the CLI: a profile's parameters with the command
+//! line's overrides, for `create --nand` and `bench --profile`.
 
-use zdisk_bench::drive::{Drive, NandDrive};
 use zdisk_nand::{NandConfig, NandParams};
-
-use crate::bench::BenchArgs;
 
 /// Parameters for a named profile with the command line's overrides.
 pub fn params(
@@ -27,13 +24,4 @@ pub fn params(
     };
     params.validate().map_err(|e| e.to_string())?;
     Ok(params)
-}
-
-pub fn bench_drive(profile: &str, args: &BenchArgs) -> Result<Box<dyn Drive>, String> {
-    let params = params(profile, args.physical, args.plp, args.recycle_cap_mb_s)?;
-    Ok(Box::new(NandDrive {
-        params,
-        codec: args.codec,
-        gc_policy: args.gc_policy,
-    }))
 }

@@ -1,28 +1,45 @@
-//! `zdisk serve`: open (or create) an image and serve it over NBD until
-//! SIGINT or SIGTERM, then flush and write a clean checkpoint.
+//! `zdisk serve`: claim the listening address, open (or create) an image,
+//! serve it over NBD until SIGINT, SIGTERM or SIGHUP, then flush and write
+//! a clean checkpoint.
+//!
+//! Order matters for a careful operator: everything that can be checked
+//! (arguments, TLS credentials, the address) is checked before an image is
+//! created, so a busy port or a bad flag leaves nothing behind. All output
+//! goes through the non-blocking log (`logging.rs`): a stuck or closed
+//! stderr never stalls or kills the server.
 
 use std::net::ToSocketAddrs;
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use zdisk_core::units::format_size;
 use zdisk_core::{BlockDevice, OpenOptions, Volume};
-use zdisk_nbd::{ListenAddr, Server, ServerConfig};
+use zdisk_nbd::{
+    BoundListener, ListenAddr, Server, ServerConfig, TlsConfig, TlsCredentials, TlsMode,
+};
 
+use crate::args::ServeArgs;
 use crate::image::{self, DEFAULT_LOGICAL_BYTES, DEFAULT_PHYSICAL_BYTES};
-use crate::ServeArgs;
 
 pub fn run(args: ServeArgs) -> Result<(), String> {
+    crate::logging::init();
     let listen = listen_addr(&args)?;
-    let volume = open_or_create(&args)?;
-    let served = serve(&args, &listen, volume.clone());
+    let existing = std::fs::symlink_metadata(&args.image).is_ok();
+    check_layout_flags(&args, existing)?;
+    let config = server_config(&args)?;
+    let bound =
+        BoundListener::bind(&listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let volume = open_or_create(&args, existing)?;
+    let served = serve(&args, bound, config, volume.clone());
     // Whatever happened, flush and checkpoint what was written.
     let closed = volume.close();
     served?;
     closed.map_err(|e| format!("clean shutdown failed: {e}"))?;
-    eprintln!("zdisk: {} closed cleanly", args.image.display());
+    log::info!("{} closed cleanly", args.image.display());
     Ok(())
 }
 
@@ -39,23 +56,104 @@ fn listen_addr(args: &ServeArgs) -> Result<ListenAddr, String> {
     })
 }
 
-fn open_or_create(args: &ServeArgs) -> Result<Arc<Volume>, String> {
+/// Layout flags shape a new image only; on an existing one they would be
+/// silently ignored, so they are refused instead.
+fn check_layout_flags(args: &ServeArgs, existing: bool) -> Result<(), String> {
+    let layout = &args.layout;
+    let given: Vec<&str> = [
+        ("--logical", layout.logical.is_some()),
+        ("--physical", layout.physical.is_some()),
+        ("--segment-size", layout.segment_size.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, set)| set.then_some(flag))
+    .collect();
+    if existing && !given.is_empty() {
+        return Err(format!(
+            "{} applies only when serve creates the image, and {} already exists; \
+             its layout is fixed (zdisk stats shows it)",
+            given.join(", "),
+            args.image.display()
+        ));
+    }
+    if args.virtual_time && existing && !image::is_nand_image(&args.image) {
+        return Err(format!(
+            "--virtual-time applies to emulated drives, and {} is a plain image",
+            args.image.display()
+        ));
+    }
+    Ok(())
+}
+
+fn server_config(args: &ServeArgs) -> Result<ServerConfig, String> {
+    let credentials = match (&args.tls_certificates, &args.tls_psk) {
+        (Some(_), Some(_)) => {
+            return Err("give --tls-certificates or --tls-psk, not both".into());
+        }
+        (Some(dir), None) => Some(TlsCredentials::Certificates {
+            dir: dir.clone(),
+            verify_peer: args.tls_verify_peer,
+        }),
+        (None, Some(file)) => Some(TlsCredentials::PskFile(file.clone())),
+        (None, None) => None,
+    };
+    if args.tls_verify_peer && args.tls_certificates.is_none() {
+        return Err("--tls-verify-peer needs --tls-certificates".into());
+    }
+    // As with nbdkit, credentials alone offer TLS; --tls says how strictly.
+    let tls_mode = args.tls.unwrap_or(if credentials.is_some() {
+        TlsMode::On
+    } else {
+        TlsMode::Off
+    });
+    let tls = match (&credentials, tls_mode) {
+        (Some(_), TlsMode::Off) => {
+            return Err("--tls off contradicts --tls-certificates/--tls-psk".into());
+        }
+        (None, TlsMode::On | TlsMode::Require) => {
+            return Err(format!(
+                "--tls {tls_mode} needs credentials: --tls-certificates DIR or --tls-psk FILE"
+            ));
+        }
+        (Some(credentials), _) => Some(TlsConfig::load(credentials).map_err(|e| e.to_string())?),
+        (None, TlsMode::Off) => None,
+    };
+    let config = ServerConfig {
+        export_name: args.export_name.clone(),
+        description: Some(format!("zdisk image {}", args.image.display())),
+        read_only: args.read_only,
+        max_connections: args.max_connections,
+        max_in_flight_bytes: usize::try_from(args.max_in_flight)
+            .map_err(|_| "--max-in-flight is too large".to_string())?,
+        handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        reply_timeout: Duration::from_secs_f64(args.reply_timeout),
+        tls_mode,
+        tls,
+        ..ServerConfig::default()
+    };
+    config.check().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, String> {
     let options = OpenOptions {
         read_only: args.read_only,
         codec: args.codec,
         gc_policy: args.gc_policy,
         ..OpenOptions::default()
     };
-    let volume = if args.image.exists() {
+    let volume = if existing {
         let volume = image::open_with_clock(&args.image, options, args.virtual_time)?;
         let report = volume.open_report();
         for problem in &report.slot_problems {
-            eprintln!("zdisk: warning: metadata {problem}");
+            log::warn!("metadata {problem}");
         }
         if report.replayed_records > 0 {
-            eprintln!(
-                "zdisk: recovered after an unclean stop: replayed {} records from {} segments in {:.2?}",
-                report.replayed_records, report.replayed_segments, report.duration
+            log::info!(
+                "recovered after an unclean stop: replayed {} records from {} segments in {:.2?}",
+                report.replayed_records,
+                report.replayed_segments,
+                report.duration
             );
         }
         volume
@@ -74,49 +172,52 @@ fn open_or_create(args: &ServeArgs) -> Result<Arc<Volume>, String> {
         let codec = args.codec.unwrap_or_default();
         let policy = args.gc_policy.unwrap_or_default();
         let volume = image::create(&args.image, &layout, codec, policy, false, options)?;
-        eprintln!(
-            "zdisk: {} did not exist; created it with defaults (logical {}, physical {} sparse file, codec {codec})",
+        log::info!(
+            "{} did not exist; created it with defaults (logical {}, physical {} sparse file, codec {codec})",
             args.image.display(),
             format_size(layout.logical.unwrap_or(0)),
             format_size(volume.superblock().physical_size_bytes),
         );
         volume
     };
-    eprintln!("zdisk: serving {}", image::describe(&volume, &args.image));
+    log::info!("serving {}", image::describe(&volume, &args.image));
     Ok(volume)
 }
 
-fn serve(args: &ServeArgs, listen: &ListenAddr, volume: Arc<Volume>) -> Result<(), String> {
-    let config = ServerConfig {
-        export_name: args.export_name.clone(),
-        description: Some(format!("zdisk image {}", args.image.display())),
-        read_only: args.read_only,
-        ..ServerConfig::default()
-    };
+fn serve(
+    args: &ServeArgs,
+    bound: BoundListener,
+    config: ServerConfig,
+    volume: Arc<Volume>,
+) -> Result<(), String> {
+    let tls = (
+        config.tls_mode,
+        config.tls.as_ref().map(|t| t.summary().to_string()),
+    );
     let device: Arc<dyn BlockDevice> = volume.clone();
-    let server = Server::bind(listen, device, config)
-        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let server = Server::with_listener(bound, device, config).map_err(|e| e.to_string())?;
     let bound = server.local_addr().map_err(|e| e.to_string())?;
     if let Some(addr) = &args.metrics {
         let local = crate::metrics::spawn(addr, volume.clone())?;
-        eprintln!("zdisk: statistics at http://{local}/stats and http://{local}/metrics");
+        log::info!("statistics at http://{local}/stats and http://{local}/metrics");
     }
-    print_connect_hints(&bound, &args.export_name);
+    if let (mode, Some(summary)) = &tls {
+        log::info!("TLS {mode}: {summary}");
+    }
+    log_connect_hints(&bound, &args.export_name, args);
 
     let shutdown = server.shutdown_handle();
-    let mut signals = Signals::new([SIGINT, SIGTERM])
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP])
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
     let signal_handle = signals.handle();
     let waiter = std::thread::spawn(move || {
         if let Some(signal) = signals.forever().next() {
-            eprintln!(
-                "zdisk: {} received: finishing requests, flushing and checkpointing",
-                if signal == SIGINT {
-                    "SIGINT"
-                } else {
-                    "SIGTERM"
-                }
-            );
+            let name = match signal {
+                SIGINT => "SIGINT",
+                SIGHUP => "SIGHUP",
+                _ => "SIGTERM",
+            };
+            log::info!("{name} received: finishing requests, flushing and checkpointing");
             shutdown.shutdown();
         }
     });
@@ -126,27 +227,57 @@ fn serve(args: &ServeArgs, listen: &ListenAddr, volume: Arc<Volume>) -> Result<(
     served.map_err(|e| format!("server failed: {e}"))
 }
 
-fn print_connect_hints(bound: &ListenAddr, export: &str) {
-    let (uri, qemu, nbd_client) = match bound {
-        ListenAddr::Tcp(addr) => (
-            format!("nbd://{addr}/{export}"),
-            format!("nbd://{addr}/{export}"),
-            format!(
-                "nbd-client {} {} -N {export} /dev/nbd0",
-                addr.ip(),
-                addr.port()
-            ),
-        ),
-        ListenAddr::Unix(path) => (
-            format!("nbd+unix:///{export}?socket={}", path.display()),
-            format!("nbd+unix:///{export}?socket={}", path.display()),
-            format!("nbd-client -unix {} -N {export} /dev/nbd0", path.display()),
-        ),
+/// The URIs a user can paste, for the address and TLS settings in use.
+fn log_connect_hints(bound: &ListenAddr, export: &str, args: &ServeArgs) {
+    let tls_query = match (&args.tls_certificates, &args.tls_psk) {
+        (Some(_), _) => Some("tls-certificates=CLIENT-DIR".to_string()),
+        (_, Some(file)) => Some(format!("tls-psk-file={}", absolute(file))),
+        _ => None,
     };
-    eprintln!("zdisk: listening on {bound}; connect with:");
-    eprintln!("  nbdinfo {uri}");
-    eprintln!("  qemu-img info {qemu}");
-    eprintln!("  {nbd_client}");
-    eprintln!("  touch /tmp/zdisk.raw && nbdfuse /tmp/zdisk.raw {uri} &   # then: losetup -f --show /tmp/zdisk.raw");
-    eprintln!("zdisk: stop with Ctrl-C (SIGINT) or SIGTERM for a clean shutdown");
+    let user = if args.tls_psk.is_some() { "USER@" } else { "" };
+    let scheme = if tls_query.is_some() { "nbds" } else { "nbd" };
+    let uri = match bound {
+        ListenAddr::Tcp(addr) => {
+            let mut uri = format!("{scheme}://{user}{addr}/{export}");
+            if let Some(query) = &tls_query {
+                uri.push_str(&format!("?{query}"));
+            }
+            uri
+        }
+        ListenAddr::Unix(path) => {
+            let mut uri = format!("{scheme}+unix://{user}/{export}?socket={}", absolute(path));
+            if let Some(query) = &tls_query {
+                uri.push_str(&format!("&{query}"));
+            }
+            uri
+        }
+    };
+    let name = if export.is_empty() {
+        String::new()
+    } else {
+        format!(" -N {export}")
+    };
+    let nbd_client = match bound {
+        ListenAddr::Tcp(addr) => {
+            format!("nbd-client {} {}{name} /dev/nbd0", addr.ip(), addr.port())
+        }
+        ListenAddr::Unix(path) => format!("nbd-client -unix {}{name} /dev/nbd0", absolute(path)),
+    };
+    // Indented and unprefixed, so they can be pasted as they are.
+    let hint = |text: String| crate::logging::line(format!("  {text}\n"));
+    log::info!("listening on {bound}; connect with:");
+    hint(format!("nbdinfo '{uri}'"));
+    if tls_query.is_none() {
+        hint(format!("qemu-img info '{uri}'"));
+        hint(nbd_client);
+        hint(format!("touch /tmp/zdisk.raw && nbdfuse /tmp/zdisk.raw '{uri}' &   # then: losetup -f --show /tmp/zdisk.raw"));
+    }
+    log::info!("stop with Ctrl-C (SIGINT), SIGTERM or SIGHUP for a clean shutdown");
+}
+
+fn absolute(path: &Path) -> String {
+    std::path::absolute(path)
+        .unwrap_or_else(|_| path.to_path_buf())
+        .display()
+        .to_string()
 }

@@ -3,7 +3,8 @@
 use zdisk_core::units::format_size;
 use zdisk_core::{OpenOptions, Stats};
 
-use crate::StatsArgs;
+use crate::args::StatsArgs;
+use crate::output::say;
 
 pub fn run(args: &StatsArgs) -> Result<(), String> {
     let options = OpenOptions {
@@ -20,12 +21,12 @@ pub fn run(args: &StatsArgs) -> Result<(), String> {
     })?;
     let stats = volume.stats();
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&stats).map_err(|e| e.to_string())?
-        );
+        )?;
     } else {
-        print!("{}", human(&stats));
+        crate::output::write(format_args!("{}", human(&stats)))?;
     }
     Ok(())
 }

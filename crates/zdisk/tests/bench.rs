@@ -30,6 +30,10 @@ fn main() {
             "bad_arguments_are_one_line_errors_and_touch_nothing",
             bad_arguments,
         ),
+        (
+            "bench_never_destroys_an_image_it_did_not_create",
+            images_it_did_not_create,
+        ),
     ];
     let trials = tests
         .into_iter()
@@ -308,6 +312,16 @@ fn bad_arguments() -> TestResult {
         ),
         (
             vec!["--image", precious.to_str().unwrap(), "--scenario", "sweep"],
+            "already exists",
+        ),
+        (
+            vec![
+                "--image",
+                precious.to_str().unwrap(),
+                "--scenario",
+                "sweep",
+                "--force",
+            ],
             "not a zdisk image",
         ),
     ];
@@ -329,6 +343,108 @@ fn bad_arguments() -> TestResult {
     ensure!(
         std::fs::read(&precious)? == b"not a zdisk image",
         "a file that is not an image was touched"
+    );
+    Ok(Completion::Completed)
+}
+
+/// Bench recreates its image for every scenario, so it must refuse what it
+/// did not make: a served (locked) image even with --force, an existing
+/// image or sibling without --force; and it names the files it creates.
+fn images_it_did_not_create() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("bench-foreign");
+    let served = scratch.join("served.zdisk");
+    run(
+        zdisk_bin().to_str().unwrap(),
+        &["create", served.to_str().unwrap(), "--logical", "64M"],
+    )?;
+    let server = Server::start(&served, &scratch.join("s.sock"), &[])?;
+    let data = scratch.join("data.bin");
+    std::fs::write(&data, pseudo_random(4 << 20, 7))?;
+    run("nbdcopy", &[data.to_str().unwrap(), &server.uri()])?;
+    let args = |image: &Path, force: bool| {
+        let mut all = vec![
+            "bench".to_string(),
+            "--quiet".into(),
+            "--image".into(),
+            image.to_str().unwrap().into(),
+            "--scenario".into(),
+            "dirty".into(),
+            "--size".into(),
+            "2M".into(),
+            "--logical".into(),
+            "64M".into(),
+            "--physical".into(),
+            "80M".into(),
+        ];
+        if force {
+            all.push("--force".into());
+        }
+        all
+    };
+    for force in [false, true] {
+        let all = args(&served, force);
+        let output = zdisk(&all.iter().map(String::as_str).collect::<Vec<_>>());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(!output.status.success(), "bench on a served image ran");
+        let expected = if force { "in use" } else { "already exists" };
+        ensure!(stderr.contains(expected), "bench said {stderr:?}");
+    }
+    let back = scratch.join("back.bin");
+    run("nbdcopy", &[&server.uri(), back.to_str().unwrap()])?;
+    ensure!(
+        std::fs::read(&back)?[..4 << 20] == std::fs::read(&data)?[..],
+        "the served image's data changed"
+    );
+    drop(server);
+
+    // A sibling the user never named, left from before, is not deleted.
+    let fresh = scratch.join("fresh.zdisk");
+    let sibling = scratch.join("fresh.clean.zdisk");
+    std::fs::write(&sibling, b"somebody's file")?;
+    let all = args(&fresh, false);
+    let output = zdisk(&all.iter().map(String::as_str).collect::<Vec<_>>());
+    ensure!(!output.status.success(), "bench replaced a foreign sibling");
+    ensure!(
+        std::fs::read(&sibling)? == b"somebody's file",
+        "the sibling was touched"
+    );
+    ensure!(!fresh.exists(), "a refused run created its image anyway");
+    std::fs::remove_file(&sibling)?;
+
+    // A fresh path: created, named in the output, siblings removed after.
+    let output = zdisk(&all.iter().map(String::as_str).collect::<Vec<_>>());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(
+        output.status.success(),
+        "bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for name in ["fresh.zdisk", "fresh.clean.zdisk", "fresh.trimmed.zdisk"] {
+        ensure!(
+            stdout.contains(&format!("creating image {}", scratch.join(name).display())),
+            "{name} not named in {stdout}"
+        );
+    }
+    ensure!(
+        stdout.contains(&format!("left {}", fresh.display())),
+        "the image left behind is not named: {stdout}"
+    );
+    ensure!(!sibling.exists(), "the run's own sibling was left behind");
+    // Run again on what it left: that needs --force now.
+    let output = zdisk(&all.iter().map(String::as_str).collect::<Vec<_>>());
+    ensure!(
+        !output.status.success(),
+        "bench replaced an earlier run's image"
+    );
+    let all = args(&fresh, true);
+    let output = zdisk(&all.iter().map(String::as_str).collect::<Vec<_>>());
+    ensure!(
+        output.status.success(),
+        "bench --force on its old image failed: {}",
+        String::from_utf8_lossy(&output.stderr)
     );
     Ok(Completion::Completed)
 }

@@ -354,9 +354,7 @@ fn script(name: &str) -> String {
 }
 
 fn kill9_recovery(m: Medium) -> TestResult {
-    if let Some(skip) =
-        skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
-    {
+    if let Some(skip) = skip_unless(python_has_libnbd()) {
         return skip;
     }
     let dir = Scratch::new("kill9");
@@ -422,18 +420,6 @@ fn kill9_recovery(m: Medium) -> TestResult {
     Ok(Completion::Completed)
 }
 
-fn python_has_libnbd() -> Result<(), String> {
-    let ok = Command::new("/usr/bin/python3")
-        .args(["-c", "import nbd"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        Ok(())
-    } else {
-        Err("python3-libnbd is not installed".into())
-    }
-}
-
 fn python_file(name: &str, args: &[&str]) -> Result<std::process::Output, Failed> {
     let path = script(name);
     let mut all = vec![path.as_str()];
@@ -442,9 +428,7 @@ fn python_file(name: &str, args: &[&str]) -> Result<std::process::Output, Failed
 }
 
 fn multi_conn_flush(m: Medium) -> TestResult {
-    if let Some(skip) =
-        skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
-    {
+    if let Some(skip) = skip_unless(python_has_libnbd()) {
         return skip;
     }
     let dir = Scratch::new("multiconn");
@@ -622,9 +606,7 @@ fn ext4_on_nbdfuse(m: Medium) -> TestResult {
 }
 
 fn bad_requests(m: Medium) -> TestResult {
-    if let Some(skip) =
-        skip_unless(require_tools(&["/usr/bin/python3"]).and_then(|_| python_has_libnbd()))
-    {
+    if let Some(skip) = skip_unless(python_has_libnbd()) {
         return skip;
     }
     let dir = Scratch::new("bad");
@@ -636,21 +618,6 @@ fn bad_requests(m: Medium) -> TestResult {
     // The server is still up and serving after all of that.
     server.stop()?;
     Ok(Completion::Completed)
-}
-
-fn one_line_error(args: &[&str], expect: &str) -> Result<(), Failed> {
-    let output = zdisk(args);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    ensure!(!output.status.success(), "zdisk {args:?} should fail");
-    ensure!(
-        stderr.contains(expect),
-        "zdisk {args:?}: expected {expect:?} in {stderr:?}"
-    );
-    ensure!(
-        !stderr.contains("panicked"),
-        "zdisk {args:?} panicked: {stderr}"
-    );
-    Ok(())
 }
 
 fn cli_errors(m: Medium) -> TestResult {

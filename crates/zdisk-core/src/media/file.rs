@@ -115,11 +115,13 @@ impl FileMedia {
             })?;
             file_geometry(size, segment_size_bytes)?;
         }
+        // Never truncate at open: the lock must be ours before an existing
+        // image loses a byte, or a served image would be wiped under its server.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(!is_block_device)
-            .truncate(!is_block_device)
+            .truncate(false)
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
@@ -138,7 +140,9 @@ impl FileMedia {
             }
         } else {
             let size = physical_size_bytes.expect("checked above");
-            file.set_len(size)
+            // Empty first, so the new image is sparse, then size it.
+            file.set_len(0)
+                .and_then(|()| file.set_len(size))
                 .map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
             size
         };

@@ -275,6 +275,25 @@ impl Client {
         self.writer.write_all(bytes).expect("write to server");
     }
 
+    /// Sends bytes, reporting a failure (the server closed) instead of panicking.
+    pub fn try_send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.writer.write_all(bytes)
+    }
+
+    /// Reads and counts everything until the server closes the connection.
+    pub fn drain_until_closed(&mut self) -> usize {
+        let mut total = 0;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match self.reader.read(&mut buf) {
+                Ok(0) => return total,
+                Ok(count) => total += count,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return total,
+                Err(e) => panic!("waiting for close: {e}"),
+            }
+        }
+    }
+
     /// Whether the server closed the connection (no more bytes will come).
     pub fn is_closed(&mut self) -> bool {
         let mut byte = [0u8; 1];

@@ -70,10 +70,14 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new(name: &str) -> Scratch {
+        // Tests run in parallel, and one body may run for several media:
+        // every scratch directory is distinct.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let serial = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let base = std::env::var_os("ZDISK_TEST_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(std::env::temp_dir);
-        let path = base.join(format!("zdisk-test-{name}-{}", std::process::id()));
+        let path = base.join(format!("zdisk-test-{name}-{}-{serial}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create scratch dir");
         Scratch { path }
@@ -96,6 +100,22 @@ pub fn zdisk(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run zdisk")
+}
+
+/// Runs `zdisk`, which must fail with `expect` in its error and no panic.
+pub fn one_line_error(args: &[&str], expect: &str) -> Result<(), Failed> {
+    let output = zdisk(args);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(!output.status.success(), "zdisk {args:?} should fail");
+    ensure!(
+        stderr.contains(expect),
+        "zdisk {args:?}: expected {expect:?} in {stderr:?}"
+    );
+    ensure!(
+        !stderr.contains("panicked"),
+        "zdisk {args:?} panicked: {stderr}"
+    );
+    Ok(())
 }
 
 /// Runs a command; fails with its stderr if it exits non-zero.
@@ -134,12 +154,23 @@ impl Server {
     /// Starts `zdisk serve IMAGE --socket SOCK [extra...]` and waits until it listens.
     pub fn start(image: &Path, socket: &Path, extra: &[&str]) -> Result<Server, Failed> {
         let _ = std::fs::remove_file(socket);
+        let mut all = vec!["--socket", socket.to_str().expect("UTF-8 path")];
+        all.extend_from_slice(extra);
+        Self::start_args(image, socket, &all)
+    }
+
+    /// Starts `zdisk serve IMAGE [extra...]` where `extra` says where to
+    /// listen (`--listen ADDR`); `uri()` is then meaningless.
+    pub fn start_tcp(image: &Path, extra: &[&str]) -> Result<Server, Failed> {
+        Self::start_args(image, Path::new(""), extra)
+    }
+
+    fn start_args(image: &Path, socket: &Path, args: &[&str]) -> Result<Server, Failed> {
+        let extra = args;
         let mut child = Command::new(zdisk_bin())
             .arg("serve")
             .arg(image)
-            .arg("--socket")
-            .arg(socket)
-            .args(extra)
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -246,6 +277,20 @@ impl Drop for Server {
     }
 }
 
+/// Skips unless Debian's python3 has the libnbd bindings.
+pub fn python_has_libnbd() -> Result<(), String> {
+    require_tools(&["/usr/bin/python3"])?;
+    let ok = Command::new("/usr/bin/python3")
+        .args(["-c", "import nbd"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        Ok(())
+    } else {
+        Err("python3-libnbd is not installed".into())
+    }
+}
+
 /// Runs a Python snippet under Debian's python3 (which has the libnbd bindings).
 pub fn python(script: &str, args: &[&str]) -> Result<Output, Failed> {
     let mut all = vec!["-c", script];
@@ -271,4 +316,19 @@ pub fn skip_unless(check: Result<(), String>) -> Option<TestResult> {
             Some(Ok(Completion::ignored_with(reason)))
         }
     }
+}
+
+/// `len` bytes of incompressible data, the same for the same seed.
+pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        // xorshift64*: fast, and far beyond what any codec can compress.
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(len);
+    out
 }

@@ -1,0 +1,224 @@
+//! The command line's arguments: one struct per subcommand, and the
+//! parsers that turn text into sizes, codecs, policies and durations, so
+//! that a bad value is refused by clap with one line before anything runs.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use zdisk_core::units::parse_size;
+use zdisk_core::{Codec, GcPolicy};
+use zdisk_nbd::TlsMode;
+
+pub fn size_arg(text: &str) -> Result<u64, String> {
+    parse_size(text)
+}
+
+pub fn codec_arg(text: &str) -> Result<Codec, String> {
+    Codec::parse(text)
+}
+
+pub fn policy_arg(text: &str) -> Result<GcPolicy, String> {
+    GcPolicy::parse(text)
+}
+
+fn tls_mode_arg(text: &str) -> Result<TlsMode, String> {
+    TlsMode::parse(text)
+}
+
+fn seconds_arg(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds > 0.0 && seconds <= 1e6 => Ok(seconds),
+        _ => Err(format!("{text:?} is not a number of seconds above 0")),
+    }
+}
+
+fn count_arg(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(count) if count > 0 => Ok(count),
+        _ => Err(format!("{text:?} is not a positive whole number")),
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LayoutArgs {
+    /// Logical size exposed to clients (K, M, G, T suffixes); may exceed the physical size.
+    #[arg(long, value_parser = size_arg)]
+    pub logical: Option<u64>,
+    /// Physical size of the image file; defaults to the logical size for a
+    /// file, and to the whole device for a block device.
+    #[arg(long, value_parser = size_arg)]
+    pub physical: Option<u64>,
+    /// Segment size: the unit of log writing and cleaning (default: scaled
+    /// to the medium, at most 4M).
+    #[arg(long, value_parser = size_arg)]
+    pub segment_size: Option<u64>,
+}
+
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// Path of the image file or block device.
+    pub image: PathBuf,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// Compression codec: lz4 (default), zstd[:LEVEL], deflate[:LEVEL] or
+    /// none; an emulated drive defaults to its controller's codec.
+    #[arg(long, value_parser = codec_arg)]
+    pub codec: Option<Codec>,
+    /// Cleaner victim policy: greedy or cost-benefit.
+    #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
+    pub gc_policy: GcPolicy,
+    /// Overwrite an existing image file.
+    #[arg(long)]
+    pub force: bool,
+    /// Create an emulated NAND drive with this profile (see docs/emulation.md):
+    /// plain-tlc, sf1200, sf2500, csd2000, femu-default or tiny.
+    #[arg(long)]
+    pub nand: Option<String>,
+    /// Emulated drive: model power-loss protection (flushes cost no padding).
+    #[arg(long, requires = "nand")]
+    pub plp: bool,
+    /// Emulated drive: cap the recycling bandwidth (MB/s), imitating SandForce's lazy recycling.
+    #[arg(long = "recycle-cap-mb-s", requires = "nand")]
+    pub recycle_cap_mb_s: Option<f64>,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Path of the image; created with defaults (printed) if missing.
+    pub image: PathBuf,
+    /// TCP address to listen on.
+    #[arg(long, default_value = "127.0.0.1:10809", conflicts_with = "socket")]
+    pub listen: String,
+    /// Listen on a Unix socket instead of TCP.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Codec for new writes (remembered in the image).
+    #[arg(long, value_parser = codec_arg)]
+    pub codec: Option<Codec>,
+    /// Cleaner victim policy (remembered in the image).
+    #[arg(long, value_parser = policy_arg)]
+    pub gc_policy: Option<GcPolicy>,
+    /// Serve read-only: write requests fail with EPERM.
+    #[arg(long)]
+    pub read_only: bool,
+    /// Serve statistics over HTTP at ADDR: /stats (JSON) and /metrics (Prometheus).
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// Export name offered to clients (the default export "" always works too).
+    #[arg(long, default_value = "zdisk")]
+    pub export_name: String,
+    /// Emulated NAND images: run the drive model in virtual time, without
+    /// sleeping (clients see the host's speed, not the drive's).
+    #[arg(long)]
+    pub virtual_time: bool,
+    /// TLS: off, on (clients choose) or require (nothing but STARTTLS
+    /// before TLS). Default: on if credentials are given, else off.
+    #[arg(long, value_parser = tls_mode_arg)]
+    pub tls: Option<TlsMode>,
+    /// TLS with X.509: a directory holding ca-cert.pem, server-cert.pem and server-key.pem.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+    /// TLS with pre-shared keys: a file of username:hexkey lines (psktool's format).
+    #[arg(long, value_name = "FILE")]
+    pub tls_psk: Option<PathBuf>,
+    /// With --tls-certificates: require a client certificate signed by ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+    /// Connections served at once; more are refused with a reason.
+    #[arg(long, value_parser = count_arg, default_value = "128")]
+    pub max_connections: usize,
+    /// Memory all connections together may hold in request and reply buffers.
+    #[arg(long, value_parser = size_arg, default_value = "512M")]
+    pub max_in_flight: u64,
+    /// Seconds a new connection has to finish its handshake (TLS included).
+    #[arg(long, value_parser = seconds_arg, default_value = "10")]
+    pub handshake_timeout: f64,
+    /// Seconds a client may take no reply data, while replies wait, before it is disconnected.
+    #[arg(long, value_parser = seconds_arg, default_value = "30")]
+    pub reply_timeout: f64,
+    /// Layout used only when the image has to be created.
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    pub image: PathBuf,
+    /// Print JSON with the stable key names.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    pub image: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Drop map entries whose data is damaged (they then read as zeros), after listing them.
+    #[arg(long)]
+    pub repair: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Emulated drive profile, run in virtual time (see docs/emulation.md).
+    #[arg(long, conflicts_with = "image", required_unless_present = "image")]
+    pub profile: Option<String>,
+    /// A real image (file or block device) to benchmark in real time. It is
+    /// recreated for every scenario: its contents are lost.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// Let the benchmark replace an --image that existed before this run
+    /// (an image in use by another process is refused even then).
+    #[arg(long, requires = "image")]
+    pub force: bool,
+    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub scenario: Vec<String>,
+    /// Write one JSON object per scenario (JSON lines) to FILE.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw a chart to FILE (.png or .svg).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Bytes moved per measurement (scaled down to fit the drive).
+    #[arg(long, value_parser = size_arg, default_value = "256M")]
+    pub size: u64,
+    /// Data patterns for the sweep: zeros, random, compressible:N, file:PATH (repeatable).
+    #[arg(long = "pattern")]
+    pub patterns: Vec<String>,
+    /// Emulated drives: model power-loss protection.
+    #[arg(long)]
+    pub plp: bool,
+    /// Emulated drives: cap the recycling bandwidth, imitating SandForce's lazy recycling.
+    #[arg(long = "recycle-cap-mb-s")]
+    pub recycle_cap_mb_s: Option<f64>,
+    /// Dirty the drive with random 4 KiB writes instead of sequential ones.
+    #[arg(long, default_value = "sequential", value_parser = ["sequential", "random"])]
+    pub dirty_fill: String,
+    /// Spare factors for the wa scenario (physical space / live data − 1).
+    #[arg(long, value_delimiter = ',', default_value = "0.28,0.07")]
+    pub spare: Vec<f64>,
+    /// Logical size of an image drive.
+    #[arg(long, value_parser = size_arg, default_value = "1G")]
+    pub logical: u64,
+    /// Physical size of an image drive (or of the emulated NAND).
+    #[arg(long, value_parser = size_arg)]
+    pub physical: Option<u64>,
+    /// Segment size of an image drive.
+    #[arg(long, value_parser = size_arg, default_value = "1M")]
+    pub segment_size: u64,
+    /// Codec (image drives; emulated drives use their controller's).
+    #[arg(long, value_parser = codec_arg)]
+    pub codec: Option<Codec>,
+    #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
+    pub gc_policy: GcPolicy,
+    /// Seed for data and offsets.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Do not print progress.
+    #[arg(long)]
+    pub quiet: bool,
+}
