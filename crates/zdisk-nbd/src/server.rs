@@ -782,10 +782,11 @@ fn converse(
         },
     };
     let waker = Arc::clone(transport);
+    let direct = Arc::clone(transport);
     let connection = Arc::new(Connection::new(
         session,
         log.clone(),
-        Delivery::Queued(Outbox::default()),
+        Delivery::Queued(Outbox::new(Box::new(move |reply| direct.try_write(reply)))),
         // A failed send leaves the stream unusable; waking the reader ends
         // the session instead of reading requests nobody can answer.
         Box::new(move || waker.shutdown(Shutdown::Both)),

@@ -75,16 +75,42 @@ pub(crate) enum Delivery {
     Queued(Outbox),
 }
 
-/// Replies waiting for the sender thread.
-#[derive(Default)]
+/// Replies on their way to one client.
+///
+/// A worker with a finished reply writes it itself when nothing else is
+/// being written and the socket takes it at once (the common case, which
+/// costs no thread switch); whatever the socket does not take goes to the
+/// front of the queue, and the connection's sender thread, which may wait
+/// on the socket, writes the rest. `busy` makes one writer at a time, so
+/// replies never interleave.
 pub(crate) struct Outbox {
     queue: Mutex<OutboxState>,
     ready: Condvar,
+    /// Writes what the socket takes now, without waiting.
+    try_write: TryWrite,
 }
+
+/// See [`Outbox`]: a write that never waits, returning the bytes taken.
+pub(crate) type TryWrite = Box<dyn Fn(&[u8]) -> io::Result<usize> + Send + Sync>;
+
+impl Outbox {
+    pub fn new(try_write: TryWrite) -> Outbox {
+        Outbox {
+            queue: Mutex::new(OutboxState::default()),
+            ready: Condvar::new(),
+            try_write,
+        }
+    }
+}
+
+/// A reply, how much of it is already sent, and its place in the budget.
+type Pending = (Vec<u8>, usize, Permit);
 
 #[derive(Default)]
 struct OutboxState {
-    replies: VecDeque<(Vec<u8>, Permit)>,
+    replies: VecDeque<Pending>,
+    /// A thread is writing to the socket.
+    busy: bool,
     /// No more replies will come; the sender exits once the queue is empty.
     closed: bool,
 }
@@ -171,8 +197,35 @@ impl Connection {
                 }
             }
             Delivery::Queued(outbox) => {
-                lock(&outbox.queue).replies.push_back((reply, permit));
-                outbox.ready.notify_one();
+                let mut state = lock(&outbox.queue);
+                if state.busy || !state.replies.is_empty() {
+                    state.replies.push_back((reply, 0, permit));
+                    drop(state);
+                    outbox.ready.notify_one();
+                    return;
+                }
+                state.busy = true;
+                drop(state);
+                let sent = (outbox.try_write)(&reply);
+                let mut state = lock(&outbox.queue);
+                state.busy = false;
+                match sent {
+                    Ok(sent) if sent == reply.len() => drop(permit),
+                    Ok(sent) => state.replies.push_front((reply, sent, permit)),
+                    Err(error) => {
+                        drop(state);
+                        self.log
+                            .line(format_args!("sending a reply failed: {error}"));
+                        self.fail_sending(&error);
+                        outbox.ready.notify_one();
+                        return;
+                    }
+                }
+                let waiting = !state.replies.is_empty();
+                drop(state);
+                if waiting {
+                    outbox.ready.notify_one();
+                }
             }
         }
     }
@@ -188,11 +241,14 @@ impl Connection {
             let next = {
                 let mut state = lock(&outbox.queue);
                 loop {
-                    if let Some(next) = state.replies.pop_front() {
-                        break Some(next);
-                    }
-                    if state.closed {
-                        break None;
+                    if !state.busy {
+                        if let Some(next) = state.replies.pop_front() {
+                            state.busy = true;
+                            break Some(next);
+                        }
+                        if state.closed {
+                            break None;
+                        }
                     }
                     state = outbox
                         .ready
@@ -200,16 +256,17 @@ impl Connection {
                         .unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
             };
-            let Some((reply, permit)) = next else {
+            let Some((reply, sent, permit)) = next else {
                 return;
             };
             if self.send_failed().is_none() {
-                if let Err(error) = write(&reply) {
+                if let Err(error) = write(&reply[sent..]) {
                     self.log
                         .line(format_args!("sending a reply failed: {error}"));
                     self.fail_sending(&error);
                 }
             }
+            lock(&outbox.queue).busy = false;
             drop(permit);
         }
     }

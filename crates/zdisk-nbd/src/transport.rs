@@ -127,6 +127,27 @@ impl Transport {
         }
     }
 
+    /// Writes as much of `buf` as the socket takes without waiting, and
+    /// returns how much that was (0 if it takes nothing now).
+    pub fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        let mut written = 0;
+        while written < buf.len() {
+            let attempt = match self.tls_session() {
+                Some(mut session) => session.write(&buf[written..]),
+                None => plain_write(&self.socket, &buf[written..])
+                    .map_err(|e| Blocked::waiting(e, libc::POLLOUT)),
+            };
+            match attempt {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(count) => written += count,
+                Err(Blocked::On(_)) => break,
+                Err(Blocked::Failed(error)) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(Blocked::Failed(error)) => return Err(error),
+            }
+        }
+        Ok(written)
+    }
+
     /// Writes all of `buf`. `give_up` is asked, whenever the socket cannot
     /// take more, how long it has been since the last byte went out; once
     /// it says true the write fails with `TimedOut`.
