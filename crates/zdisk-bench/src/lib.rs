@@ -2,7 +2,7 @@
 //! anyone can rerun, on a real image in real time or on an emulated drive
 //! in virtual time (`zdisk bench`).
 //!
-//! Scenarios (`scenarios.rs`): `sweep` (compressibility), `dirty` (clean /
+//! Scenarios (`scenarios/`, one file each): `sweep` (compressibility), `dirty` (clean /
 //! dirty / after TRIM), `flush` (flush after every write, with and without
 //! power-loss protection), `qd` (queue depth 1–32), `wa` (steady-state
 //! write amplification under random overwrites, against theory).

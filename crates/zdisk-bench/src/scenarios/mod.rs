@@ -1,0 +1,19 @@
+//! The benchmark scenarios, one file each. Each builds fresh drives, runs
+//! workloads and returns a JSON object (with stable keys scripts can rely
+//! on) plus rows for the printed table; `common.rs` holds what they share.
+
+mod common;
+mod dirty;
+mod flush;
+mod qd;
+mod restart;
+mod sweep;
+mod wa;
+
+pub use common::{Outcome, Settings};
+pub use dirty::{dirty, DIRTY_SIBLINGS};
+pub use flush::flush;
+pub use qd::queue_depths;
+pub use restart::restart;
+pub use sweep::sweep;
+pub use wa::{greedy_theory, write_amplification};
