@@ -10,13 +10,13 @@ What it measures, and prints as a JSON line at the end:
   its last completed round with fio --verify_only once the server is back.
   verify_failures counts every verify that failed (must be 0), and
   honest_rounds_failed rounds that failed with the server up (must be 0);
-- the hostile client: asks for four 32 MiB reads and never reads a reply,
-  reconnecting whenever the server drops it;
+- hostile clients (--hostile): each asks for four 32 MiB reads and never
+  reads a reply, reconnecting whenever the server drops it;
 - idle connections: half never finish the handshake (dropped at its
   deadline, then reopened), half finish it and sit idle;
 - the server's peak RSS, sampled every 0.2 s.
 
-Usage: soak.py --zdisk BIN --dir DIR [--seconds 180] [--clients 4] [--idle 60]
+Usage: soak.py --zdisk BIN --dir DIR [--seconds 180] [--clients 4] [--idle 60] [--hostile 4]
 Run it with Debian's python3; it needs fio. Exit status 1 if a verify
 failed or an honest round failed with the server up.
 """
@@ -235,6 +235,8 @@ def main():
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--idle", type=int, default=60)
+    parser.add_argument("--hostile", type=int, default=4,
+                        help="clients that ask for 128 MiB each and never read")
     args = parser.parse_args()
 
     os.makedirs(args.dir, exist_ok=True)
@@ -250,12 +252,14 @@ def main():
                             "verify_failures", "verifies_after_kill", "hostile_connections",
                             "idle_connections_opened", "refused_connections"]}
     stop = threading.Event()
-    threads = [threading.Thread(target=hostile, args=(server, stop, stats))]
+    threads = [threading.Thread(target=hostile, args=(server, stop, stats))
+               for _ in range(args.hostile)]
     threads += [threading.Thread(target=idle, args=(server, stop, stats, i % 2 == 0))
                 for i in range(args.idle)]
     threads += [threading.Thread(target=honest, args=(server, i, stop, stats))
                 for i in range(args.clients)]
-    log(f"soak: {args.clients} fio clients, 1 hostile, {args.idle} idle, {args.seconds:.0f} s")
+    log(f"soak: {args.clients} fio clients, {args.hostile} hostile, {args.idle} idle, "
+        f"{args.seconds:.0f} s")
     for t in threads:
         t.start()
     started = time.time()
@@ -274,7 +278,7 @@ def main():
         t.join(timeout=120)
     status = server.stop()
     summary = dict(stats, seconds=round(time.time() - started, 1), clients=args.clients,
-                   idle=args.idle, kill9_restarts=len(restart_seconds),
+                   idle=args.idle, hostile=args.hostile, kill9_restarts=len(restart_seconds),
                    restart_seconds=[round(s, 2) for s in restart_seconds],
                    max_rss_bytes=max_rss, exit_status=status)
     log(f"honest rounds {stats['honest_rounds']} (failed {stats['honest_rounds_failed']}, "

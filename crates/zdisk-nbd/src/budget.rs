@@ -10,7 +10,10 @@
 //!   itself: its reader waits here, and nobody else does.
 //! - for the whole server ([`MemoryBudget`]): buffer bytes over all
 //!   connections, so many connections cannot add up to more than the
-//!   operator allowed.
+//!   operator allowed. Its last quarter is kept for connections that hold
+//!   little (at most [`SMALL_HOLDING_BYTES`]): clients with big requests,
+//!   stalled ones among them, can fill at most three quarters, so they can
+//!   slow but never starve clients doing ordinary I/O.
 //!
 //! A request larger than a limit is admitted when nothing else holds that
 //! limit, so no valid request can wait forever. Memory is therefore bounded
@@ -21,6 +24,9 @@ use std::time::Duration;
 
 /// How often a waiting reader looks again at whether it should stop.
 const STOP_CHECK: Duration = Duration::from_millis(100);
+/// A connection holding at most this much (with the request it asks for)
+/// may use the server's reserve (see the module documentation).
+pub(crate) const SMALL_HOLDING_BYTES: usize = 16 * 1024 * 1024;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Counters only: a panic while one is held leaves them consistent.
@@ -52,11 +58,17 @@ impl MemoryBudget {
         MemoryBudget::new(usize::MAX)
     }
 
-    /// Takes `bytes` if they fit (or nothing is held), waiting at most
-    /// `patience`. Returns whether it took them.
-    fn take(&self, bytes: usize, patience: Duration) -> bool {
+    /// Takes `bytes` for a connection that will then hold `holding` bytes,
+    /// if they fit under its cap (or nothing is held at all), waiting at
+    /// most `patience`. Returns whether it took them.
+    fn take(&self, bytes: usize, holding: usize, patience: Duration) -> bool {
+        let cap = if holding <= SMALL_HOLDING_BYTES {
+            self.limit_bytes
+        } else {
+            self.limit_bytes - self.limit_bytes / 4
+        };
         let mut used = lock(&self.used_bytes);
-        let fits = |used: usize| used == 0 || used.saturating_add(bytes) <= self.limit_bytes;
+        let fits = |used: usize| used == 0 || used.saturating_add(bytes) <= cap;
         if !fits(*used) {
             used = self
                 .freed
@@ -145,8 +157,9 @@ impl InFlight {
             }
             // Only this connection's reader adds to `held`, so the room
             // found above stays while the server's budget is asked.
+            let holding = held.buffer_bytes.saturating_add(buffer_bytes);
             drop(held);
-            if buffer_bytes == 0 || self.server.take(buffer_bytes, STOP_CHECK) {
+            if buffer_bytes == 0 || self.server.take(buffer_bytes, holding, STOP_CHECK) {
                 let mut held = lock(&self.held);
                 held.requests += 1;
                 held.buffer_bytes += buffer_bytes;
@@ -216,6 +229,27 @@ mod tests {
         // Alone, a request may exceed the connection's byte limit.
         assert!(one.acquire(500, &|| false));
         one.release(500);
+    }
+
+    #[test]
+    fn big_holders_leave_the_last_quarter_to_small_ones() {
+        const MIB: usize = 1 << 20;
+        let server = Arc::new(MemoryBudget::new(64 * MIB));
+        let limits = InFlightLimits {
+            max_requests: 8,
+            max_buffer_bytes: 128 * MIB,
+        };
+        let big = InFlight::new(limits, Arc::clone(&server));
+        // 3 × 16 MiB: the third makes this connection hold 48 MiB, over the
+        // 48 MiB that big holders may fill (64 less a quarter) only if more.
+        for _ in 0..3 {
+            assert!(big.acquire(16 * MIB, &|| false));
+        }
+        assert!(!big.acquire(16 * MIB, &|| true), "a big holder took the reserve");
+        let small = InFlight::new(limits, Arc::clone(&server));
+        assert!(small.acquire(4 * MIB, &|| false), "the reserve was not there");
+        assert!(small.acquire(4 * MIB, &|| false));
+        assert_eq!(server.used_bytes(), 56 * MIB);
     }
 
     #[test]

@@ -341,6 +341,8 @@ fn soak() -> TestResult {
             "3",
             "--idle",
             "40",
+            "--hostile",
+            "6",
         ],
     )?;
     let text = stdout(&output);
