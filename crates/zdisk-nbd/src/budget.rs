@@ -245,9 +245,15 @@ mod tests {
         for _ in 0..3 {
             assert!(big.acquire(16 * MIB, &|| false));
         }
-        assert!(!big.acquire(16 * MIB, &|| true), "a big holder took the reserve");
+        assert!(
+            !big.acquire(16 * MIB, &|| true),
+            "a big holder took the reserve"
+        );
         let small = InFlight::new(limits, Arc::clone(&server));
-        assert!(small.acquire(4 * MIB, &|| false), "the reserve was not there");
+        assert!(
+            small.acquire(4 * MIB, &|| false),
+            "the reserve was not there"
+        );
         assert!(small.acquire(4 * MIB, &|| false));
         assert_eq!(server.used_bytes(), 56 * MIB);
     }

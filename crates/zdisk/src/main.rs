@@ -42,8 +42,47 @@ enum Command {
     Bench(BenchArgs),
 }
 
+/// Parses the command line. Help and version print as clap renders them;
+/// any other mistake is one line on stderr and exit status 2, as every
+/// other error is.
+fn parse() -> Result<Cli, ExitCode> {
+    use clap::error::ErrorKind;
+    Cli::try_parse().map_err(|error| match error.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = error.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = error.print();
+            ExitCode::from(2)
+        }
+        _ => {
+            // clap's message: "error: ..." and maybe indented details and a
+            // tip, then usage. Keep the message and details on one line.
+            let text = error.render().to_string();
+            let mut message = Vec::new();
+            let mut tip = String::new();
+            for line in text.lines().map(str::trim) {
+                if line.is_empty() || line.starts_with("Usage:") {
+                    break;
+                }
+                match line.strip_prefix("tip: ") {
+                    Some(t) => tip = format!(" ({t})"),
+                    None => message.push(line.trim_start_matches("error: ")),
+                }
+            }
+            let message = message.join(" ");
+            logging::line(format!("zdisk: error: {message}{tip}; see zdisk --help\n"));
+            ExitCode::from(2)
+        }
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     let result = match cli.command {
         Command::Create(args) => image::create_command(&args).map(|_| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(args).map(|_| ExitCode::SUCCESS),

@@ -250,6 +250,9 @@ fn stuck_log() -> TestResult {
 }
 
 fn serve_order() -> TestResult {
+    // clap's own mistakes are one line too, with the details on it.
+    one_line_error(&["create"], "<IMAGE>")?;
+    one_line_error(&["serve", "x.zdisk", "--bogus"], "--bogus")?;
     let scratch = Scratch::new("ops-serve");
     let image = scratch.join("new.zdisk");
     let busy = std::net::TcpListener::bind("127.0.0.1:0")?;

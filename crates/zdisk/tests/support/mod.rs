@@ -115,6 +115,10 @@ pub fn one_line_error(args: &[&str], expect: &str) -> Result<(), Failed> {
         !stderr.contains("panicked"),
         "zdisk {args:?} panicked: {stderr}"
     );
+    ensure!(
+        stderr.trim_end().lines().count() == 1,
+        "zdisk {args:?}: not one line: {stderr:?}"
+    );
     Ok(())
 }
 
