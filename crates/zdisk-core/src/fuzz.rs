@@ -9,7 +9,7 @@ use crate::record::{decode_record, RecordKey};
 
 /// The key fuzzed records are checked with.
 const KEY: RecordKey = RecordKey([0x5A; 16]);
-use crate::volume::checkpoint::decode_chunk_payload;
+use crate::dump::decode_chunk_payload;
 use crate::volume::scan::scan_segment;
 
 /// Decodes `bytes` every way the engine reads the medium.

@@ -7,6 +7,7 @@
 pub mod bytes;
 pub mod codec;
 pub mod device;
+mod dump;
 pub mod error;
 pub mod fuzz;
 pub mod gc;

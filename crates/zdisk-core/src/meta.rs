@@ -6,7 +6,7 @@
 //! only ever cost the root being written, never the last good one.
 //!
 //! A root is small: the map itself lives in the log as checkpoint chunk
-//! records (see `checkpoint.rs`), and the root only lists the segments that
+//! records (see `dump.rs`), and the root only lists the segments that
 //! hold them. See docs/format.md for the byte layout.
 
 use crate::bytes::{ByteReader, ByteWriter};
@@ -322,12 +322,16 @@ impl Root {
     }
 }
 
-/// Reads a slot far enough to learn the geometry (used by media that must
-/// know their layout before the engine opens them).
-pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
-    Root::decode(slot_bytes)
-        .ok()
-        .map(|root| (root.generation, root.superblock.geometry))
+/// The geometry recorded by the newest valid root among the raw contents
+/// of the metadata slots. A medium that must know its layout before the
+/// engine opens it (a file, whose size alone does not say how it is cut
+/// into segments) is handed this, so that it never decodes a root itself.
+pub fn geometry_in_slots(slots: &[Vec<u8>; 2]) -> Option<MediaGeometry> {
+    slots
+        .iter()
+        .filter_map(|bytes| Root::decode(bytes).ok())
+        .max_by_key(|root| root.generation)
+        .map(|root| root.superblock.geometry)
 }
 
 /// True for bytes that were never written: all zeros (a sparse file) or

@@ -13,7 +13,7 @@
 //! read-modify-write come before all three.
 
 mod check;
-pub mod checkpoint;
+mod checkpoint;
 mod clean;
 mod io;
 mod recovery;
@@ -652,7 +652,7 @@ impl Volume {
     /// left is the space data and its garbage can use.
     pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
         let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
-        let dump = checkpoint::dump_segments_for(chunks, segment_count, segment_size);
+        let dump = crate::dump::dump_segments_for(chunks, segment_count, segment_size);
         2 + state::GC_RESERVE_SEGMENTS + dump + 2 * dump
     }
 

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::dump::load_dump;
 use crate::error::Result;
 use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::Media;
@@ -28,7 +29,6 @@ use crate::segments::{SegmentInfo, SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
-use super::checkpoint::load_dump;
 use super::scan::scan_segment;
 use super::state::RetainedRoot;
 
@@ -111,7 +111,7 @@ pub(crate) fn recover(
     };
     let mut map = Map::new(true);
     let dumped = match &checkpoint.dump {
-        Some(dump) => load_dump(media, &key, dump, dump.generation, logical_blocks, &mut map)?,
+        Some(dump) => load_dump(media, &key, dump, logical_blocks, &mut map)?,
         None => vec![None; geometry.segment_count as usize],
     };
     let mut roots: [Option<RetainedRoot>; 2] = [None, None];

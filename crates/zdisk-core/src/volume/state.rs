@@ -150,7 +150,7 @@ impl State {
     /// blocks may have been mapped (a write grows the map as it goes).
     pub fn dump_reserve_segments_for(&self, extra_blocks: u64) -> u64 {
         let extra_chunks = extra_blocks.div_ceil(crate::map::CHUNK_BLOCKS) + 1;
-        crate::volume::checkpoint::dump_segments_for(
+        crate::dump::dump_segments_for(
             self.map.chunk_count() as u64 + extra_chunks,
             self.segments.len() as u64,
             self.segment_size(),
