@@ -15,7 +15,7 @@ pub mod map;
 pub mod media;
 pub mod meta;
 pub mod record;
-pub mod segments;
+pub(crate) mod segments;
 pub mod sim;
 pub mod stats;
 pub mod units;

@@ -118,9 +118,48 @@ pub struct Root {
     pub checkpoint: CheckpointRoot,
 }
 
+/// What a root in a metadata slot needs kept for recovery to start from
+/// it: its dump, and the log it would replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RetainedRoot {
+    pub generation: u64,
+    /// Segments with a sequence number at least this are replayed.
+    pub boundary: u64,
+    /// Segments open at its snapshot, replayed from the recorded offset.
+    pub open: Vec<OpenSegmentPos>,
+    pub dump: Option<DumpRef>,
+}
+
+impl RetainedRoot {
+    /// The metadata slot the root lives in.
+    pub(crate) fn slot(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    /// True if a recovery from this root would replay records of
+    /// incarnation `seq` of `segment`.
+    pub(crate) fn replays(&self, segment: SegmentId, seq: u64) -> bool {
+        seq >= self.boundary
+            || self
+                .open
+                .iter()
+                .any(|open| open.segment == segment && open.seq == seq)
+    }
+}
+
 impl Root {
     pub fn slot(&self) -> usize {
         (self.generation % 2) as usize
+    }
+
+    /// What must be kept for recovery to start from this root.
+    pub(crate) fn retained(&self) -> RetainedRoot {
+        RetainedRoot {
+            generation: self.generation,
+            boundary: self.checkpoint.seq_boundary,
+            open: self.checkpoint.open_segments.clone(),
+            dump: self.checkpoint.dump.clone(),
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {

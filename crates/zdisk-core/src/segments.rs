@@ -8,10 +8,15 @@
 //! durable.
 //!
 //! Invariant: `live_bytes` of a segment equals the sum of the record lengths
-//! of map entries pointing into it (checked by `Volume::check_invariants`).
+//! of map entries pointing into it (checked by `Volume::check`).
+//!
+//! This is the table's data; the decisions (which segment may be taken,
+//! by whom, and when one comes back) belong to `volume::space::Space`,
+//! the only caller of the mutating methods.
 
 use std::collections::VecDeque;
 
+use crate::record::{RecordHeader, RecordKind};
 use crate::units::SegmentId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,16 +54,22 @@ pub struct SegmentInfo {
 }
 
 impl SegmentInfo {
-    fn free() -> SegmentInfo {
+    /// A segment never written, or erased.
+    pub fn free() -> SegmentInfo {
+        SegmentInfo::fresh(SegmentState::Free, 0)
+    }
+
+    /// A new incarnation `seq` in `state`, nothing written yet.
+    fn fresh(state: SegmentState, seq: u64) -> SegmentInfo {
         SegmentInfo {
-            holds_ranges: false,
-            range_bytes: 0,
-            killed_gen: 0,
-            state: SegmentState::Free,
-            seq: 0,
+            state,
+            seq,
             live_bytes: 0,
             fill_bytes: 0,
             max_version: 0,
+            holds_ranges: false,
+            range_bytes: 0,
+            killed_gen: 0,
         }
     }
 }
@@ -86,6 +97,7 @@ pub struct SegmentTable {
 
 impl SegmentTable {
     /// A table with every segment free.
+    #[cfg(test)]
     pub fn new(segment_count: u32) -> SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
@@ -119,16 +131,8 @@ impl SegmentTable {
         self.infos.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.infos.is_empty()
-    }
-
     pub fn get(&self, segment: SegmentId) -> &SegmentInfo {
         &self.infos[segment.index()]
-    }
-
-    pub fn get_mut(&mut self, segment: SegmentId) -> &mut SegmentInfo {
-        &mut self.infos[segment.index()]
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
@@ -140,10 +144,6 @@ impl SegmentTable {
 
     pub fn free_count(&self) -> u64 {
         self.free.len() as u64
-    }
-
-    pub fn count_in(&self, wanted: impl Fn(SegmentState) -> bool) -> u64 {
-        self.infos.iter().filter(|info| wanted(info.state)).count() as u64
     }
 
     /// Free segments a durable root lets this run allocate.
@@ -178,9 +178,14 @@ impl SegmentTable {
         self.reserved = self.reserved.max(still_free);
     }
 
-    /// Takes the longest-free reserved segment and makes it `Open` with
-    /// `seq`; `None` when no reserved segment is left.
-    pub fn allocate(&mut self, seq: u64) -> Option<SegmentId> {
+    /// Takes the longest-free reserved segment as incarnation `seq` in
+    /// `state` (`Open` for a stream, `Dump` for a checkpoint); `None` when
+    /// no reserved segment is left.
+    pub fn allocate(&mut self, seq: u64, state: SegmentState) -> Option<SegmentId> {
+        assert!(
+            matches!(state, SegmentState::Open | SegmentState::Dump),
+            "a segment is allocated to a stream or a dump, not as {state:?}"
+        );
         if self.reserved == 0 {
             return None;
         }
@@ -192,18 +197,47 @@ impl SegmentTable {
             SegmentState::Free,
             "segment {segment} on the free list is not free"
         );
-        *info = SegmentInfo {
-            state: SegmentState::Open,
-            seq,
-            live_bytes: 0,
-            fill_bytes: 0,
-            max_version: 0,
-            holds_ranges: false,
-            range_bytes: 0,
-            killed_gen: 0,
-        };
+        *info = SegmentInfo::fresh(state, seq);
         self.members[segment.index()].clear();
         Some(segment)
+    }
+
+    /// Records that `header`'s record was appended to `segment`, ending at
+    /// `end_offset`.
+    pub fn note_append(&mut self, segment: SegmentId, header: &RecordHeader, end_offset: u64) {
+        let info = &mut self.infos[segment.index()];
+        debug_assert_eq!(
+            info.state,
+            SegmentState::Open,
+            "append to segment {segment}"
+        );
+        debug_assert!(end_offset > info.fill_bytes, "segment {segment} refilled");
+        info.max_version = info.max_version.max(header.version);
+        info.fill_bytes = end_offset;
+        if header.kind.is_range() {
+            info.holds_ranges = true;
+            info.range_bytes += header.record_len();
+        }
+        if header.kind == RecordKind::Data {
+            self.members[segment.index()].push(header.lba);
+        }
+    }
+
+    /// Sets how much of `segment` is written (whole pages once flushed or sealed).
+    pub fn set_fill(&mut self, segment: SegmentId, fill_bytes: u64) {
+        self.infos[segment.index()].fill_bytes = fill_bytes;
+    }
+
+    /// Closes an open segment: its stream moved on, `fill_bytes` are written.
+    pub fn seal(&mut self, segment: SegmentId, fill_bytes: u64) {
+        let info = &mut self.infos[segment.index()];
+        assert_eq!(info.state, SegmentState::Open, "sealing segment {segment}");
+        assert!(
+            info.live_bytes <= fill_bytes,
+            "segment {segment} sealed with more live bytes than written"
+        );
+        info.fill_bytes = fill_bytes;
+        info.state = SegmentState::Sealed;
     }
 
     /// Returns a segment to the free list.
@@ -295,7 +329,8 @@ impl SegmentTable {
         }
     }
 
-    /// Notes that a data record of block `lba` was appended to `segment`.
+    /// Notes that `segment` holds a live record of block `lba` (rebuilding
+    /// the summary after recovery).
     pub fn add_member(&mut self, segment: SegmentId, lba: u64) {
         self.members[segment.index()].push(lba);
     }
@@ -310,7 +345,9 @@ impl SegmentTable {
         info.live_bytes += bytes;
     }
 
-    pub fn sub_live(&mut self, segment: SegmentId, bytes: u64) {
+    /// `bytes` of `segment` stopped being live; the write that did it is
+    /// made durable by barrier generation `killed_gen` (0: durable already).
+    pub fn sub_live(&mut self, segment: SegmentId, bytes: u64, killed_gen: u64) {
         let info = &mut self.infos[segment.index()];
         assert!(
             info.live_bytes >= bytes,
@@ -318,6 +355,7 @@ impl SegmentTable {
             info.live_bytes
         );
         info.live_bytes -= bytes;
+        info.killed_gen = info.killed_gen.max(killed_gen);
     }
 }
 
@@ -329,18 +367,18 @@ mod tests {
     fn segments_cycle_through_their_states() {
         let mut table = SegmentTable::new(4);
         assert_eq!(
-            table.allocate(1),
+            table.allocate(1, SegmentState::Open),
             None,
             "nothing is allocatable before a reservation"
         );
         let proposal = table.propose_reservation(4);
         table.commit_reservation(&proposal);
-        let a = table.allocate(1).unwrap();
+        let a = table.allocate(1, SegmentState::Open).unwrap();
         assert_eq!(table.get(a).state, SegmentState::Open);
         assert_eq!(table.free_count(), 3);
         table.add_live(a, 100);
-        table.get_mut(a).state = SegmentState::Sealed;
-        table.sub_live(a, 100);
+        table.seal(a, 4096);
+        table.sub_live(a, 100, 0);
         table.mark_reclaimable(a, 5);
         assert_eq!(table.release_reclaimable(4), 0);
         assert_eq!(table.release_reclaimable(5), 1);
@@ -350,13 +388,8 @@ mod tests {
             3,
             "a freed segment is not reserved yet"
         );
-        assert_eq!(
-            table.reserved_count(),
-            3,
-            "a freed segment is not reserved yet"
-        );
         // Freed segments queue behind the ones that were already free.
-        assert_ne!(table.allocate(2), Some(a));
+        assert_ne!(table.allocate(2, SegmentState::Open), Some(a));
     }
 
     #[test]
@@ -367,9 +400,9 @@ mod tests {
         table.commit_reservation(&proposal);
         let proposal = table.propose_reservation(2);
         table.commit_reservation(&proposal);
-        let a = table.allocate(1).unwrap();
+        let a = table.allocate(1, SegmentState::Open).unwrap();
         table.add_live(a, 1);
-        table.get_mut(a).state = SegmentState::Sealed;
+        table.seal(a, 4096);
         table.release(a);
     }
 }
