@@ -375,7 +375,7 @@ pub fn geometry_in_slots(slots: &[Vec<u8>; 2]) -> Option<MediaGeometry> {
 
 /// True for bytes that were never written: all zeros (a sparse file) or
 /// all ones (erased flash).
-pub fn is_blank(bytes: &[u8]) -> bool {
+pub(crate) fn is_blank(bytes: &[u8]) -> bool {
     bytes.iter().all(|&b| b == 0) || bytes.iter().all(|&b| b == 0xFF)
 }
 

@@ -20,7 +20,7 @@ use crate::record::{RecordHeader, RecordKind};
 use crate::units::SegmentId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SegmentState {
+pub(crate) enum SegmentState {
     Free,
     Open,
     Sealed,
@@ -32,7 +32,7 @@ pub enum SegmentState {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SegmentInfo {
+pub(crate) struct SegmentInfo {
     pub state: SegmentState,
     /// Sequence number of the current incarnation (0 if never written).
     pub seq: u64,
@@ -55,7 +55,7 @@ pub struct SegmentInfo {
 
 impl SegmentInfo {
     /// A segment never written, or erased.
-    pub fn free() -> SegmentInfo {
+    pub(crate) fn free() -> SegmentInfo {
         SegmentInfo::fresh(SegmentState::Free, 0)
     }
 
@@ -76,9 +76,9 @@ impl SegmentInfo {
 
 /// The release generation of a cleaned segment that must wait for a
 /// checkpoint (its trims could not all be relocated).
-pub const PARKED: u64 = u64::MAX;
+pub(crate) const PARKED: u64 = u64::MAX;
 
-pub struct SegmentTable {
+pub(crate) struct SegmentTable {
     infos: Vec<SegmentInfo>,
     /// Cleaned segments waiting for a barrier, in release order.
     reclaimable: std::collections::VecDeque<(u64, SegmentId)>,
@@ -98,7 +98,7 @@ pub struct SegmentTable {
 impl SegmentTable {
     /// A table with every segment free.
     #[cfg(test)]
-    pub fn new(segment_count: u32) -> SegmentTable {
+    pub(crate) fn new(segment_count: u32) -> SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
             members: vec![Vec::new(); segment_count as usize],
@@ -110,7 +110,7 @@ impl SegmentTable {
     }
 
     /// A table from known infos; free segments are queued in index order.
-    pub fn from_infos(infos: Vec<SegmentInfo>) -> SegmentTable {
+    pub(crate) fn from_infos(infos: Vec<SegmentInfo>) -> SegmentTable {
         let free = infos
             .iter()
             .enumerate()
@@ -127,33 +127,33 @@ impl SegmentTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.infos.len()
     }
 
-    pub fn get(&self, segment: SegmentId) -> &SegmentInfo {
+    pub(crate) fn get(&self, segment: SegmentId) -> &SegmentInfo {
         &self.infos[segment.index()]
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
         self.infos
             .iter()
             .enumerate()
             .map(|(i, info)| (SegmentId(i as u32), info))
     }
 
-    pub fn free_count(&self) -> u64 {
+    pub(crate) fn free_count(&self) -> u64 {
         self.free.len() as u64
     }
 
     /// Free segments a durable root lets this run allocate.
-    pub fn reserved_count(&self) -> u64 {
+    pub(crate) fn reserved_count(&self) -> u64 {
         self.reserved as u64
     }
 
     /// The segments a root written now should reserve: the first `count`
     /// free ones (those already reserved come first).
-    pub fn propose_reservation(&self, count: usize) -> Vec<SegmentId> {
+    pub(crate) fn propose_reservation(&self, count: usize) -> Vec<SegmentId> {
         self.free
             .iter()
             .take(count.max(self.reserved))
@@ -163,7 +163,7 @@ impl SegmentTable {
 
     /// Makes a proposed reservation usable once its root is durable.
     /// Segments of it allocated meanwhile were taken from the front.
-    pub fn commit_reservation(&mut self, proposal: &[SegmentId]) {
+    pub(crate) fn commit_reservation(&mut self, proposal: &[SegmentId]) {
         let still_free = proposal
             .iter()
             .filter(|s| self.infos[s.index()].state == SegmentState::Free)
@@ -181,7 +181,7 @@ impl SegmentTable {
     /// Takes the longest-free reserved segment as incarnation `seq` in
     /// `state` (`Open` for a stream, `Dump` for a checkpoint); `None` when
     /// no reserved segment is left.
-    pub fn allocate(&mut self, seq: u64, state: SegmentState) -> Option<SegmentId> {
+    pub(crate) fn allocate(&mut self, seq: u64, state: SegmentState) -> Option<SegmentId> {
         assert!(
             matches!(state, SegmentState::Open | SegmentState::Dump),
             "a segment is allocated to a stream or a dump, not as {state:?}"
@@ -204,7 +204,12 @@ impl SegmentTable {
 
     /// Records that `header`'s record was appended to `segment`, ending at
     /// `end_offset`.
-    pub fn note_append(&mut self, segment: SegmentId, header: &RecordHeader, end_offset: u64) {
+    pub(crate) fn note_append(
+        &mut self,
+        segment: SegmentId,
+        header: &RecordHeader,
+        end_offset: u64,
+    ) {
         let info = &mut self.infos[segment.index()];
         debug_assert_eq!(
             info.state,
@@ -224,12 +229,12 @@ impl SegmentTable {
     }
 
     /// Sets how much of `segment` is written (whole pages once flushed or sealed).
-    pub fn set_fill(&mut self, segment: SegmentId, fill_bytes: u64) {
+    pub(crate) fn set_fill(&mut self, segment: SegmentId, fill_bytes: u64) {
         self.infos[segment.index()].fill_bytes = fill_bytes;
     }
 
     /// Closes an open segment: its stream moved on, `fill_bytes` are written.
-    pub fn seal(&mut self, segment: SegmentId, fill_bytes: u64) {
+    pub(crate) fn seal(&mut self, segment: SegmentId, fill_bytes: u64) {
         let info = &mut self.infos[segment.index()];
         assert_eq!(info.state, SegmentState::Open, "sealing segment {segment}");
         assert!(
@@ -241,7 +246,7 @@ impl SegmentTable {
     }
 
     /// Returns a segment to the free list.
-    pub fn release(&mut self, segment: SegmentId) {
+    pub(crate) fn release(&mut self, segment: SegmentId) {
         let info = &mut self.infos[segment.index()];
         assert_ne!(
             info.state,
@@ -261,7 +266,7 @@ impl SegmentTable {
     /// Undoes [`SegmentTable::allocate`] of a segment nothing refers to
     /// (a failed checkpoint's dump): it is free again and still reserved,
     /// as the root that reserved it still names it.
-    pub fn unallocate(&mut self, segment: SegmentId) {
+    pub(crate) fn unallocate(&mut self, segment: SegmentId) {
         let info = &mut self.infos[segment.index()];
         assert!(
             matches!(info.state, SegmentState::Open | SegmentState::Dump),
@@ -279,7 +284,7 @@ impl SegmentTable {
 
     /// Marks a cleaned segment reclaimable once barrier `release_gen` is
     /// durable ([`PARKED`]: once the next checkpoint is).
-    pub fn mark_reclaimable(&mut self, segment: SegmentId, release_gen: u64) {
+    pub(crate) fn mark_reclaimable(&mut self, segment: SegmentId, release_gen: u64) {
         let info = &mut self.infos[segment.index()];
         assert_eq!(
             info.live_bytes, 0,
@@ -298,7 +303,7 @@ impl SegmentTable {
     }
 
     /// Releases every reclaimable segment whose barrier is durable.
-    pub fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
+    pub(crate) fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
         let mut released = 0;
         while let Some(&(release_gen, segment)) = self.reclaimable.front() {
             if release_gen > synced_gen {
@@ -312,17 +317,17 @@ impl SegmentTable {
     }
 
     /// Cleaned segments a barrier and sync would free.
-    pub fn reclaimable_count(&self) -> u64 {
+    pub(crate) fn reclaimable_count(&self) -> u64 {
         self.reclaimable.len() as u64
     }
 
     /// Cleaned segments waiting for a checkpoint.
-    pub fn parked_count(&self) -> u64 {
+    pub(crate) fn parked_count(&self) -> u64 {
         self.parked.len() as u64
     }
 
     /// After a durable checkpoint: parked segments wait only for a barrier.
-    pub fn unpark(&mut self, release_gen: u64) {
+    pub(crate) fn unpark(&mut self, release_gen: u64) {
         for segment in std::mem::take(&mut self.parked) {
             self.infos[segment.index()].state = SegmentState::Reclaimable { release_gen };
             self.reclaimable.push_back((release_gen, segment));
@@ -331,23 +336,23 @@ impl SegmentTable {
 
     /// Notes that `segment` holds a live record of block `lba` (rebuilding
     /// the summary after recovery).
-    pub fn add_member(&mut self, segment: SegmentId, lba: u64) {
+    pub(crate) fn add_member(&mut self, segment: SegmentId, lba: u64) {
         self.members[segment.index()].push(lba);
     }
 
     /// Blocks whose records were appended to `segment` (some may be stale).
-    pub fn members(&self, segment: SegmentId) -> &[u64] {
+    pub(crate) fn members(&self, segment: SegmentId) -> &[u64] {
         &self.members[segment.index()]
     }
 
-    pub fn add_live(&mut self, segment: SegmentId, bytes: u64) {
+    pub(crate) fn add_live(&mut self, segment: SegmentId, bytes: u64) {
         let info = &mut self.infos[segment.index()];
         info.live_bytes += bytes;
     }
 
     /// `bytes` of `segment` stopped being live; the write that did it is
     /// made durable by barrier generation `killed_gen` (0: durable already).
-    pub fn sub_live(&mut self, segment: SegmentId, bytes: u64, killed_gen: u64) {
+    pub(crate) fn sub_live(&mut self, segment: SegmentId, bytes: u64, killed_gen: u64) {
         let info = &mut self.infos[segment.index()];
         assert!(
             info.live_bytes >= bytes,

@@ -21,14 +21,17 @@
 //! Architecture invariant: the handshake and transmission code run over
 //! any `Read`/`Write`; only `server` touches sockets and threads.
 
+#[cfg(any(test, feature = "testing"))]
 mod fuzz;
 mod handshake;
 mod pool;
 mod server;
 mod session;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod transmission;
 pub mod wire;
 
+#[cfg(any(test, feature = "testing"))]
 pub use fuzz::{fuzz_handshake, fuzz_transmission};
 pub use server::{ListenAddr, Server, ServerConfig, ShutdownHandle};
