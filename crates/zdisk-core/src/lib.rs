@@ -37,4 +37,7 @@ pub use error::{Error, Result};
 pub use gc::GcPolicy;
 pub use stats::{Counters, SegmentCounts, Stats};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
-pub use volume::{CheckReport, CreateOptions, OpenOptions, OpenReport, Volume};
+pub use volume::{
+    CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, SystemClock,
+    Volume,
+};

@@ -34,7 +34,7 @@ use crate::gc::GcPolicy;
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::meta::MediaKind;
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::volume::{CreateOptions, OpenOptions, Volume};
+use crate::volume::{CreateOptions, FixedClock, OpenOptions, Random, Volume};
 
 /// Where a run draws its choices from: a seeded generator, or a fuzzer's
 /// input ([`FuzzInput`]).
@@ -402,8 +402,20 @@ struct Run<C: Choices> {
     attempt: Vec<(u64, Option<Arc<Vec<u8>>>)>,
 }
 
-fn options(codec: Codec, policy: GcPolicy) -> OpenOptions {
+/// A moment the simulated clock stands still at.
+const SIM_UNIX_SECS: u64 = 1_700_000_000;
+
+fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
+    let seed = match origin {
+        Origin::Seed(seed) => seed,
+        Origin::FuzzInput => 0,
+    };
     OpenOptions {
+        // Time and randomness (the volume's UUID) come from the run.
+        clock: Arc::new(FixedClock {
+            unix_secs: SIM_UNIX_SECS,
+        }),
+        random: Random::seeded(seed),
         codec: Some(codec),
         gc_policy: Some(policy),
         background: false,
@@ -681,8 +693,11 @@ impl<C: Choices> Run<C> {
         } else {
             GcPolicy::CostBenefit
         };
-        self.volume = Volume::open(self.media.clone() as Arc<dyn Media>, options(codec, policy))
-            .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
+        self.volume = Volume::open(
+            self.media.clone() as Arc<dyn Media>,
+            options(codec, policy, self.origin),
+        )
+        .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
         if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
             println!("{:?}", self.volume.open_report());
             for lba in 0..self.config.logical_blocks {
@@ -769,7 +784,7 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
     let volume = Volume::create(
         media.clone() as Arc<dyn Media>,
         create,
-        options(codec, policy),
+        options(codec, policy, origin),
     )
     .map_err(|e| SimFailure {
         origin,
@@ -802,7 +817,7 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
     run.media = Arc::new(run.media.reopen());
     run.volume = Volume::open(
         run.media.clone() as Arc<dyn Media>,
-        options(Codec::Lz4, GcPolicy::Greedy),
+        options(Codec::Lz4, GcPolicy::Greedy, origin),
     )
     .map_err(|e| {
         run.fail(

@@ -18,6 +18,7 @@ mod check;
 mod checkpoint;
 mod clean;
 mod io;
+mod options;
 mod recovery;
 mod room;
 mod roots;
@@ -28,20 +29,19 @@ mod state;
 mod tests;
 
 pub use check::CheckReport;
+pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, SystemClock};
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::codec::Codec;
 use crate::device::{BlockDevice, Extent, ExtentState};
 use crate::error::{Error, Result};
-use crate::gc::GcPolicy;
 use crate::map::Slot;
 use crate::media::{Media, MediaGeometry};
-use crate::meta::{read_roots, MediaKind, RetainedRoot, Root, Settings, Superblock};
+use crate::meta::{read_roots, RetainedRoot, Root, Settings, Superblock};
 use crate::record::RecordKey;
 use crate::segments::SegmentState;
 use crate::stats::{Counters, SegmentCounts, Stats};
@@ -54,73 +54,6 @@ use state::{Start, State};
 
 /// Number of stripe locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 256;
-
-/// How a new volume is laid out.
-#[derive(Debug, Clone)]
-pub struct CreateOptions {
-    pub logical_size_bytes: u64,
-    pub codec: Codec,
-    pub gc_policy: GcPolicy,
-    pub media_kind: MediaKind,
-    pub media_params: Vec<u8>,
-}
-
-impl CreateOptions {
-    pub fn new(logical_size_bytes: u64) -> Self {
-        CreateOptions {
-            logical_size_bytes,
-            codec: Codec::default(),
-            gc_policy: GcPolicy::default(),
-            media_kind: MediaKind::File,
-            media_params: Vec::new(),
-        }
-    }
-}
-
-/// How a volume runs.
-#[derive(Debug, Clone)]
-pub struct OpenOptions {
-    pub read_only: bool,
-    /// Codec for new writes (persisted); `None` keeps the image's setting.
-    pub codec: Option<Codec>,
-    /// Cleaner policy (persisted); `None` keeps the image's setting.
-    pub gc_policy: Option<GcPolicy>,
-    /// Run the cleaner and periodic checkpoints on a background thread.
-    pub background: bool,
-    /// Log bytes written between periodic checkpoints.
-    pub checkpoint_interval_bytes: u64,
-    /// Stream buffers write to the medium in batches of this many bytes.
-    pub write_batch_bytes: usize,
-    /// The background cleaner starts below this many free segments
-    /// (`None`: derived from the segment count).
-    pub gc_low_free_segments: Option<u64>,
-    /// ... and stops once this many are free.
-    pub gc_high_free_segments: Option<u64>,
-    /// How many segment sequence numbers and versions a root reserves
-    /// ahead of use (tests shrink these to exercise renewal).
-    pub seq_reserve_ahead: u64,
-    pub version_reserve_ahead: u64,
-    /// How many free segments a root reserves for allocation.
-    pub segment_reserve_ahead: u64,
-}
-
-impl Default for OpenOptions {
-    fn default() -> Self {
-        OpenOptions {
-            read_only: false,
-            codec: None,
-            gc_policy: None,
-            background: true,
-            checkpoint_interval_bytes: 1 << 30,
-            write_batch_bytes: 128 * 1024,
-            gc_low_free_segments: None,
-            gc_high_free_segments: None,
-            seq_reserve_ahead: space::SEQ_RESERVE_AHEAD,
-            version_reserve_ahead: space::VERSION_RESERVE_AHEAD,
-            segment_reserve_ahead: space::SEGMENT_RESERVE_AHEAD,
-        }
-    }
-}
 
 pub struct Volume {
     media: Arc<dyn Media>,
@@ -169,12 +102,8 @@ impl Volume {
                 "logical size {logical} exceeds 4 EiB"
             )));
         }
-        let uuid = {
-            use rand::RngCore;
-            let mut uuid = [0u8; 16];
-            rand::thread_rng().fill_bytes(&mut uuid);
-            uuid
-        };
+        let mut uuid = [0u8; 16];
+        options.random.fill(&mut uuid);
         let superblock = Superblock {
             uuid,
             logical_size_bytes: logical,
@@ -182,10 +111,7 @@ impl Volume {
             geometry,
             media_kind: create.media_kind,
             media_params: create.media_params,
-            created_unix_secs: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            created_unix_secs: options.clock.unix_secs(),
         };
         let settings = Settings {
             codec: create.codec,
@@ -228,7 +154,7 @@ impl Volume {
 
     /// Opens an existing volume, replaying the log if it was not shut down cleanly.
     pub fn open(media: Arc<dyn Media>, options: OpenOptions) -> Result<Arc<Volume>> {
-        let started = Instant::now();
+        let started = options.clock.monotonic();
         let ahead = Ahead {
             seq: options.seq_reserve_ahead,
             version: options.version_reserve_ahead,
@@ -260,7 +186,7 @@ impl Volume {
                 }
             }
         }
-        report.duration = started.elapsed();
+        report.duration = volume.options.clock.monotonic().saturating_sub(started);
         *volume.open_report.lock().expect("report lock") = report;
         if volume.options.background && !read_only {
             volume.start_background()?;
