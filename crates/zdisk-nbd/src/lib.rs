@@ -26,9 +26,12 @@ mod fuzz;
 mod handshake;
 mod pool;
 mod server;
+// A few helpers in these serve only the fuzz entry points.
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
 mod session;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+#[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
 mod transmission;
 pub mod wire;
 

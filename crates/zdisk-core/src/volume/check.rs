@@ -8,11 +8,24 @@
 //!   written part, and no two entries overlap;
 //! - the free list and segment states agree;
 //! - with `verify_data`, every live extent decodes: right block, right
-//!   version, checksum good, decompresses to one block.
+//!   version, checksum good, decompresses to one block: a map entry whose
+//!   record cannot be found or verified is damage;
+//! - recovery passed over no durable root: a root that decodes was
+//!   written after its dump was synced, so a dump that cannot be read means
+//!   records it named are gone (the medium was truncated, overwritten or
+//!   rotted in both copies). Recovery falls back to the older root, whose
+//!   map cannot name what only the newer one recorded, so this is reported
+//!   as `lost`, never as clean.
 //!
 //! Blocks that fail data verification are listed by number. Repair drops
 //! exactly those map entries (and entries already marked damaged), turning
-//! them into holes, and never touches a readable block.
+//! them into holes, and never touches a readable block; it cannot bring
+//! back what is `lost`.
+//!
+//! What no check can see: a whole log segment written after the newest
+//! checkpoint that vanished (reads as never written) looks like one the
+//! cleaner emptied, or like writes a crash lost before a flush; format v1
+//! records nowhere which segments the log spans.
 
 use std::collections::HashSet;
 
@@ -39,6 +52,10 @@ pub struct CheckReport {
     pub errors: Vec<String>,
     /// Blocks whose data cannot be read back intact.
     pub damaged_blocks: Vec<u64>,
+    /// What a durable root says exists but could not be found: a
+    /// checkpoint that recovery had to pass over for an older one (blocks
+    /// written before it may be lost, and no map names them).
+    pub lost: Vec<String>,
     pub extents_verified: u64,
     pub bytes_verified: u64,
     /// Blocks whose entries repair dropped (they now read as zeros).
@@ -47,7 +64,7 @@ pub struct CheckReport {
 
 impl CheckReport {
     pub fn is_clean(&self) -> bool {
-        self.errors.is_empty() && self.damaged_blocks.is_empty()
+        self.errors.is_empty() && self.damaged_blocks.is_empty() && self.lost.is_empty()
     }
 }
 
@@ -55,7 +72,10 @@ impl Volume {
     /// Checks every invariant; with `verify_data`, also reads every live extent.
     pub fn check(&self, verify_data: bool) -> Result<CheckReport> {
         let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        let mut report = CheckReport::default();
+        let mut report = CheckReport {
+            lost: self.open_report().lost_checkpoints,
+            ..CheckReport::default()
+        };
         let state = self.lock();
         if let Err(problem) = state.map().check_counts() {
             report.errors.push(problem);

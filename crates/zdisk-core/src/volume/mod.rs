@@ -480,6 +480,7 @@ fn recover_newest(
     ahead: Ahead,
 ) -> Result<(Root, (Start, OpenReport))> {
     let (roots, mut slot_problems) = read_roots(media)?;
+    let mut lost_checkpoints = Vec::new();
     let geometry = media.geometry();
     for (index, candidate) in roots.iter().enumerate() {
         if candidate.superblock.geometry != geometry {
@@ -497,10 +498,13 @@ fn recover_newest(
             Ok(recovered) => {
                 let (start, mut report) = start_from(recovered, candidate, geometry, ahead);
                 report.slot_problems = slot_problems;
+                report.lost_checkpoints = lost_checkpoints;
                 return Ok((candidate.clone(), (start, report)));
             }
             Err(Error::CorruptImage(problem)) => {
-                slot_problems.push(format!("generation {}: {problem}", candidate.generation));
+                let problem = format!("generation {}: {problem}", candidate.generation);
+                slot_problems.push(problem.clone());
+                lost_checkpoints.push(problem);
             }
             Err(other) => return Err(other),
         }

@@ -42,8 +42,14 @@ pub struct OpenReport {
     /// Undecodable bytes found between valid records while replaying
     /// (damage; the replay skipped over them).
     pub replay_damage: Vec<String>,
-    /// Metadata slots that did not decode (a torn root write leaves one).
+    /// Metadata slots that did not decode (a torn root write leaves one),
+    /// and roots that could not be used.
     pub slot_problems: Vec<String>,
+    /// Roots that were durable (they decode) but whose checkpoint could
+    /// not be read, so that recovery started from an older one: whatever
+    /// only they recorded may be lost. A torn root write does not count:
+    /// that root never was durable.
+    pub lost_checkpoints: Vec<String>,
     /// Map entries that pointed outside the log and were marked damaged.
     pub dangling_entries: u64,
     /// Reserved segments erased because the crashed run may have left
