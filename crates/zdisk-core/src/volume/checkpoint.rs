@@ -133,6 +133,10 @@ impl Volume {
             Ok((mut state, _)) => {
                 let mut first = state.acquire_dump_segments(wanted)?;
                 let second = first.split_off(placement.len());
+                debug_assert!(
+                    first.iter().all(|taken| !second.contains(taken)),
+                    "the two dump copies share a segment"
+                );
                 ([first, second], state.generation() + 1)
             }
             Err(Error::NoSpace { .. }) => {

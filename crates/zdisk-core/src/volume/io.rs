@@ -424,6 +424,7 @@ impl Volume {
         if let Some((start, n)) = zero_run.take() {
             state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
         }
+        debug_assert_eq!(lba, first.0 + count as u64, "every block was applied");
         Ok(())
     }
 

@@ -465,6 +465,12 @@ impl<'a> Recovery<'a> {
             self.next_seq = self.next_seq.max(info.seq + 1);
             self.next_version = self.next_version.max(info.max_version + 1);
         }
+        debug_assert!(
+            self.infos
+                .iter()
+                .all(|info| info.live_bytes <= info.fill_bytes && info.seq < self.next_seq),
+            "recovered segments outgrow what was written, or numbering would repeat"
+        );
         if writable && !self.report.clean {
             self.erase_leftovers()?;
         }
