@@ -79,6 +79,14 @@ fn create(image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
     Ok(())
 }
 
+/// A 64 MiB image of 256 KiB segments in `dir`.
+fn small_image(dir: &Scratch, name: &str) -> Result<std::path::PathBuf, Failed> {
+    let image = dir.join(name);
+    let size = ["--logical", "64M", "--physical", "64M"];
+    create(&image, &[&size[..], &["--segment-size", "256K"]].concat())?;
+    Ok(image)
+}
+
 fn thin_volume_enospc() -> TestResult {
     if let Some(skip) = skip_unless(python_ready()) {
         return skip;
@@ -192,18 +200,7 @@ fn flipped_bytes() -> TestResult {
         return skip;
     }
     let dir = Scratch::new("flip");
-    let image = dir.join("flip.zdisk");
-    create(
-        &image,
-        &[
-            "--logical",
-            "64M",
-            "--physical",
-            "64M",
-            "--segment-size",
-            "256K",
-        ],
-    )?;
+    let image = small_image(&dir, "flip.zdisk")?;
     let blocks = "8192";
     let mut server = Server::start(&image, &dir.join("sock"), &[])?;
     print!("{}", space_py(&["write-known", &server.uri(), blocks])?);
@@ -305,19 +302,8 @@ fn truncated_image() -> TestResult {
         return skip;
     }
     let dir = Scratch::new("truncate");
-    let image = dir.join("truncate.zdisk");
+    let image = small_image(&dir, "truncate.zdisk")?;
     let size: u64 = 64 << 20;
-    create(
-        &image,
-        &[
-            "--logical",
-            "64M",
-            "--physical",
-            "64M",
-            "--segment-size",
-            "256K",
-        ],
-    )?;
     // Incompressible, so that it fills the image's first 25 MiB; the
     // checkpoint of the clean shutdown lands after it.
     let data = dir.join("data.bin");

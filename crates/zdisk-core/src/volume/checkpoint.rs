@@ -12,7 +12,6 @@ use crate::meta::{DumpRef, OpenSegmentPos, RetainedRoot};
 use crate::segments::SegmentState;
 use crate::units::{PageIndex, SegmentId};
 
-use super::roots::{build_root, RootContents};
 use super::space::{Need, Reach, Reservation, Writer};
 use super::state::{State, Tally};
 use super::Volume;
@@ -222,20 +221,10 @@ impl Volume {
             let mut state = self.lock();
             let reservation = state.propose_reservation(0, 0);
             state.tally(Tally::DumpWritten(written));
-            let root = build_root(
-                &self.superblock,
-                self.settings,
-                RootContents {
-                    generation,
-                    clean,
-                    retained: &retained,
-                    next_seq: state.space().next_seq(),
-                    next_version: state.space().next_version(),
-                    reservation: &reservation,
-                    counters: state.counters(),
-                },
-            );
-            (root, reservation)
+            (
+                self.root_of(&state, clean, &retained, &reservation),
+                reservation,
+            )
         };
         self.commit_root(&root)?;
         Ok((dump, reservation))

@@ -11,6 +11,7 @@ use crate::meta::{CheckpointRoot, RetainedRoot, Root, Settings, Superblock};
 use crate::stats::Counters;
 
 use super::space::Reservation;
+use super::state::{State, Tally};
 use super::Volume;
 
 /// Everything a root records beyond the superblock and settings.
@@ -93,24 +94,35 @@ impl Volume {
                 generation,
                 ..state.newest_root().clone()
             };
-            let root = build_root(
-                &self.superblock,
-                self.settings,
-                RootContents {
-                    generation,
-                    clean,
-                    retained: &retained,
-                    next_seq: state.space().next_seq(),
-                    next_version: state.space().next_version(),
-                    reservation: &reservation,
-                    counters: state.counters(),
-                },
-            );
+            let root = self.root_of(&state, clean, &retained, &reservation);
             (root, retained, reservation)
         };
         self.commit_root(&root)?;
         self.lock().install_root(retained, &reservation);
         Ok(())
+    }
+
+    /// The root that records `state` now, pointing at the checkpoint
+    /// `retained` describes (its generation is the root's) and carrying
+    /// `reservation`.
+    pub(super) fn root_of(
+        &self,
+        state: &State,
+        clean: bool,
+        retained: &RetainedRoot,
+        reservation: &Reservation,
+    ) -> Root {
+        let space = state.space();
+        let contents = RootContents {
+            generation: retained.generation,
+            clean,
+            retained,
+            next_seq: space.next_seq(),
+            next_version: space.next_version(),
+            reservation,
+            counters: state.counters(),
+        };
+        build_root(&self.superblock, self.settings, contents)
     }
 
     /// Writes `root` to its slot and syncs: the commit point of a root.
@@ -125,8 +137,7 @@ impl Volume {
         }
         self.media.write_meta_slot(root.slot(), &bytes)?;
         self.media.sync()?;
-        self.lock()
-            .tally(super::state::Tally::RootWritten(bytes.len() as u64));
+        self.lock().tally(Tally::RootWritten(bytes.len() as u64));
         Ok(())
     }
 }
