@@ -232,11 +232,13 @@ impl State {
             Writer::Cleaner => StreamKind::Gc,
             _ => StreamKind::Host,
         };
+        let background = matches!(need.writer, Writer::Background { .. });
         let outlook = Outlook {
             map_chunks: self.map.chunk_count() as u64,
             stream_room: self.stream_room(stream),
             checkpoint_interval_bytes,
-            recycling_ready: self.media.recycling_ready(),
+            // Only the background thread waits for a recycling engine.
+            recycling_ready: !background || self.media.recycling_ready(),
         };
         self.space.next_rung(need, &outlook, reach, climbed)
     }
