@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use zdisk_core::media::{file_geometry, FileMedia, Media, FILE_DATA_OFFSET};
-use zdisk_core::meta::MediaKind;
+use zdisk_core::meta::{geometry_in_slots, MediaKind};
 use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
 
 use crate::driver::{Clock, Target};
@@ -276,7 +276,8 @@ impl Drive for ImageDrive {
 
     fn reopener(&self) -> Option<Box<dyn Fn() -> Result<Target, String> + '_>> {
         Some(Box::new(|| {
-            let media = FileMedia::open(&self.path, false).map_err(|e| e.to_string())?;
+            let media =
+                FileMedia::open(&self.path, false, geometry_in_slots).map_err(|e| e.to_string())?;
             let volume = Volume::open(Arc::new(media) as Arc<dyn Media>, OpenOptions::default())
                 .map_err(|e| e.to_string())?;
             Ok(Target::real(volume))

@@ -1,16 +1,30 @@
-//! Entry points for fuzzers over everything the engine decodes from the
-//! medium: record headers, whole segments, metadata roots and checkpoint
-//! chunks. For any input they must return without panicking and without
-//! allocating more than the input's size justifies.
+//! Entry points for fuzzers (the targets in `fuzz/`):
+//!
+//! - [`fuzz_decoders`]: everything the engine decodes from the medium —
+//!   record headers, whole segments, metadata roots and checkpoint chunks.
+//!   For any input they must return without panicking and without
+//!   allocating more than the input's size justifies.
+//! - [`fuzz_engine`]: sequences of engine operations with power cuts,
+//!   through the crash simulator, checked against its reference model.
 
+use crate::dump::decode_chunk_payload;
 use crate::map::Map;
 use crate::meta::Root;
 use crate::record::{decode_record, RecordKey};
+use crate::volume::scan::scan_segment;
 
 /// The key fuzzed records are checked with.
 const KEY: RecordKey = RecordKey([0x5A; 16]);
-use crate::volume::checkpoint::decode_chunk_payload;
-use crate::volume::scan::scan_segment;
+
+/// Runs the operations `bytes` choose against a volume on a simulated
+/// medium that loses and tears writes at power cuts (see `sim::run_input`);
+/// panics if a block reads back anything a client could not have written,
+/// or the invariant checker finds anything wrong.
+pub fn fuzz_engine(bytes: &[u8]) {
+    if let Err(failure) = crate::sim::run_input(bytes) {
+        panic!("{failure}");
+    }
+}
 
 /// Decodes `bytes` every way the engine reads the medium.
 pub fn fuzz_decoders(bytes: &[u8]) {

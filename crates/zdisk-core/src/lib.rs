@@ -2,28 +2,42 @@
 //!
 //! Start at [`Volume`]: it implements [`BlockDevice`] over a [`media::Media`].
 //! docs/ARCHITECTURE.md walks through a write, a read, a flush and a
-//! cleaning step; docs/format.md gives the byte layouts.
+//! cleaning step; docs/format.md gives the byte layouts; docs/testing.md
+//! says how all of it is tested.
+//!
+//! API boundary: the public modules are what other crates build on — the
+//! medium contract ([`media`]), the on-disk formats a medium or a tool may
+//! need to recognise ([`meta`], [`record`]), codecs, byte helpers and units.
+//! Everything else is internal. The crash simulator (`sim`) and the
+//! fuzzing entry points (`fuzz`) exist only with the `testing` feature,
+//! which tests and the fuzz targets enable.
 
 pub mod bytes;
 pub mod codec;
-pub mod device;
-pub mod error;
+mod device;
+mod dump;
+mod error;
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
-pub mod gc;
-pub mod map;
+mod gc;
+mod map;
 pub mod media;
 pub mod meta;
 pub mod record;
-pub mod segments;
+mod segments;
+#[cfg(any(test, feature = "testing"))]
 pub mod sim;
-pub mod stats;
+mod stats;
 pub mod units;
-pub mod volume;
+mod volume;
 
 pub use codec::Codec;
 pub use device::{BlockDevice, Extent, ExtentState};
 pub use error::{Error, Result};
 pub use gc::GcPolicy;
-pub use stats::Stats;
+pub use stats::{Counters, SegmentCounts, Stats};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
-pub use volume::{CheckReport, CreateOptions, OpenOptions, OpenReport, Volume};
+pub use volume::{
+    CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, SystemClock,
+    Volume,
+};

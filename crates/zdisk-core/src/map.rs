@@ -22,14 +22,14 @@ use std::collections::BTreeMap;
 
 use crate::units::{Lba, SegmentId};
 
-pub const CHUNK_SHIFT: u32 = 8;
+pub(crate) const CHUNK_SHIFT: u32 = 8;
 /// Blocks per map chunk (1 MiB of logical space).
-pub const CHUNK_BLOCKS: u64 = 1 << CHUNK_SHIFT;
+pub(crate) const CHUNK_BLOCKS: u64 = 1 << CHUNK_SHIFT;
 const CHUNK_MASK: u64 = CHUNK_BLOCKS - 1;
 
 /// Where a block's record lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Location {
+pub(crate) struct Location {
     pub segment: SegmentId,
     /// Byte offset of the record within the segment.
     pub offset: u32,
@@ -39,7 +39,7 @@ pub struct Location {
 
 /// The state of one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Slot {
+pub(crate) enum Slot {
     /// Unwritten or trimmed: reads as zeros, not allocated.
     Hole,
     /// Allocated zeros: reads as zeros, takes no payload space.
@@ -51,14 +51,14 @@ pub enum Slot {
 
 /// The states a whole range can be set to at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RangeState {
+pub(crate) enum RangeState {
     Hole,
     Zero,
     Damaged,
 }
 
 impl RangeState {
-    pub fn slot(self) -> Slot {
+    pub(crate) fn slot(self) -> Slot {
         match self {
             RangeState::Hole => Slot::Hole,
             RangeState::Zero => Slot::Zero,
@@ -72,20 +72,28 @@ const STATE_ZERO: u64 = 1;
 const STATE_DATA: u64 = 2;
 const STATE_DAMAGED: u64 = 3;
 /// Versions are stored in 48 bits.
-pub const VERSION_MAX: u64 = (1 << 48) - 1;
+pub(crate) const VERSION_MAX: u64 = (1 << 48) - 1;
 const LEN_MAX: u32 = (1 << 13) - 1;
 
 /// One packed entry: 16 bytes.
 /// `w0` = segment << 32 | offset; `w1` = version << 16 | len << 2 | state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub w0: u64,
     pub w1: u64,
 }
 
 impl Entry {
-    pub fn new(slot: Slot, version: u64) -> Entry {
+    pub(crate) fn new(slot: Slot, version: u64) -> Entry {
         assert!(version <= VERSION_MAX, "version {version} exceeds 48 bits");
+        let entry = Entry::pack(slot, version);
+        debug_assert!(entry.is_well_formed(), "{slot:?} v{version} packs badly");
+        debug_assert_eq!(entry.slot(), slot);
+        debug_assert_eq!(entry.version(), version);
+        entry
+    }
+
+    fn pack(slot: Slot, version: u64) -> Entry {
         match slot {
             Slot::Hole => Entry {
                 w0: 0,
@@ -113,7 +121,7 @@ impl Entry {
         }
     }
 
-    pub fn slot(self) -> Slot {
+    pub(crate) fn slot(self) -> Slot {
         match self.w1 & 3 {
             STATE_HOLE => Slot::Hole,
             STATE_ZERO => Slot::Zero,
@@ -126,12 +134,12 @@ impl Entry {
         }
     }
 
-    pub fn version(self) -> u64 {
+    pub(crate) fn version(self) -> u64 {
         self.w1 >> 16
     }
 
-    /// Validates an entry decoded from a checkpoint.
-    pub fn is_well_formed(self) -> bool {
+    /// True if the bits are laid out as `new` lays them out.
+    fn is_well_formed(self) -> bool {
         match self.w1 & 3 {
             STATE_DATA => {
                 let len = ((self.w1 >> 2) & LEN_MAX as u64) as u32;
@@ -144,7 +152,7 @@ impl Entry {
 
 /// A chunk of [`CHUNK_BLOCKS`] entries.
 #[derive(Debug, Clone)]
-pub enum Chunk {
+pub(crate) enum Chunk {
     /// Every block in this state at this version.
     Uniform {
         state: RangeState,
@@ -155,7 +163,7 @@ pub enum Chunk {
 
 /// Block counts by state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MapCounts {
+pub(crate) struct MapCounts {
     pub data_blocks: u64,
     pub zero_blocks: u64,
     pub damaged_blocks: u64,
@@ -189,7 +197,7 @@ impl MapCounts {
 }
 
 /// The sparse logical-to-physical map.
-pub struct Map {
+pub(crate) struct Map {
     chunks: BTreeMap<u64, Chunk>,
     counts: MapCounts,
     /// Keep trimmed entries with their versions (during recovery).
@@ -198,7 +206,7 @@ pub struct Map {
 }
 
 impl Map {
-    pub fn new(keep_tombstones: bool) -> Map {
+    pub(crate) fn new(keep_tombstones: bool) -> Map {
         Map {
             chunks: BTreeMap::new(),
             counts: MapCounts::default(),
@@ -207,23 +215,23 @@ impl Map {
         }
     }
 
-    pub fn counts(&self) -> MapCounts {
+    pub(crate) fn counts(&self) -> MapCounts {
         self.counts
     }
 
     /// Approximate heap bytes used.
-    pub fn memory_bytes(&self) -> u64 {
+    pub(crate) fn memory_bytes(&self) -> u64 {
         let node_overhead = 48u64;
         self.chunks.len() as u64 * (std::mem::size_of::<Chunk>() as u64 + 8 + node_overhead)
             + self.mixed_chunks * std::mem::size_of::<[Entry; CHUNK_BLOCKS as usize]>() as u64
     }
 
-    pub fn chunk_count(&self) -> usize {
+    pub(crate) fn chunk_count(&self) -> usize {
         self.chunks.len()
     }
 
     /// The entry for `lba` (a hole at version 0 if never written).
-    pub fn get(&self, lba: Lba) -> Entry {
+    pub(crate) fn get(&self, lba: Lba) -> Entry {
         match self.chunks.get(&(lba.0 >> CHUNK_SHIFT)) {
             None => Entry::default(),
             Some(Chunk::Uniform { state, version }) => Entry::new(state.slot(), *version),
@@ -250,7 +258,7 @@ impl Map {
     }
 
     /// Sets one block unconditionally; returns the previous entry.
-    pub fn set(&mut self, lba: Lba, slot: Slot, version: u64) -> Entry {
+    pub(crate) fn set(&mut self, lba: Lba, slot: Slot, version: u64) -> Entry {
         let new = Entry::new(slot, version);
         let entry = self.mixed_entry(lba);
         let old = *entry;
@@ -265,7 +273,7 @@ impl Map {
 
     /// Sets one block if `version` is at least the current version; returns
     /// the previous entry if it was replaced.
-    pub fn set_if_newer(&mut self, lba: Lba, slot: Slot, version: u64) -> Option<Entry> {
+    pub(crate) fn set_if_newer(&mut self, lba: Lba, slot: Slot, version: u64) -> Option<Entry> {
         if self.get(lba).version() > version {
             return None;
         }
@@ -288,7 +296,7 @@ impl Map {
     /// Sets `count` blocks from `first` to `state`, calling `displaced` with
     /// every data location that stops being referenced. With `only_newer`,
     /// blocks holding a higher version are left alone (recovery).
-    pub fn set_range(
+    pub(crate) fn set_range(
         &mut self,
         first: Lba,
         count: u64,
@@ -369,7 +377,7 @@ impl Map {
     }
 
     /// Calls `f` with each block's entry in `first..first+count`, in order.
-    pub fn for_each_in(&self, first: Lba, count: u64, mut f: impl FnMut(Lba, Entry)) {
+    pub(crate) fn for_each_in(&self, first: Lba, count: u64, mut f: impl FnMut(Lba, Entry)) {
         let end = first.0 + count;
         let mut lba = first.0;
         while lba < end {
@@ -392,7 +400,7 @@ impl Map {
     /// Runs of equal state starting at `first`, for block status: returns
     /// (state, blocks) pairs covering at most `count` blocks and `max_runs` runs.
     /// Large unwritten areas are skipped without visiting each block.
-    pub fn runs(&self, first: Lba, count: u64, max_runs: usize) -> Vec<(Slot, u64)> {
+    pub(crate) fn runs(&self, first: Lba, count: u64, max_runs: usize) -> Vec<(Slot, u64)> {
         let end = first.0.saturating_add(count);
         let mut runs: Vec<(Slot, u64)> = Vec::new();
         let push = |runs: &mut Vec<(Slot, u64)>, slot: Slot, blocks: u64| {
@@ -446,13 +454,13 @@ impl Map {
 
     /// True if some block in the range holds exactly `version` (the record
     /// with that version still determines it).
-    pub fn any_at_version(&self, first: Lba, count: u64, version: u64) -> bool {
+    pub(crate) fn any_at_version(&self, first: Lba, count: u64, version: u64) -> bool {
         self.any_in(first, count, |entry_version| entry_version == version)
     }
 
     /// True if every block in the range holds a version newer than `version`
     /// (a record with that version no longer determines any of them).
-    pub fn all_newer_than(&self, first: Lba, count: u64, version: u64) -> bool {
+    pub(crate) fn all_newer_than(&self, first: Lba, count: u64, version: u64) -> bool {
         !self.any_in(first, count, |entry_version| entry_version <= version)
     }
 
@@ -478,12 +486,12 @@ impl Map {
     }
 
     /// Every chunk in block order (for checkpoint dumps and checks).
-    pub fn chunks(&self) -> impl Iterator<Item = (u64, &Chunk)> {
+    pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, &Chunk)> {
         self.chunks.iter().map(|(index, chunk)| (*index, chunk))
     }
 
     /// Installs a chunk read from a checkpoint; a chunk listed twice is an error.
-    pub fn insert_chunk(&mut self, index: u64, chunk: Chunk) -> Result<(), String> {
+    pub(crate) fn insert_chunk(&mut self, index: u64, chunk: Chunk) -> Result<(), String> {
         if self.chunks.contains_key(&index) {
             return Err(format!("map chunk {index} appears twice"));
         }
@@ -501,7 +509,7 @@ impl Map {
     }
 
     /// Every data block and its location.
-    pub fn for_each_data(&self, mut f: impl FnMut(Lba, Location, u64)) {
+    pub(crate) fn for_each_data(&self, mut f: impl FnMut(Lba, Location, u64)) {
         for (&index, chunk) in &self.chunks {
             if let Chunk::Mixed(entries) = chunk {
                 for (i, entry) in entries.iter().enumerate() {
@@ -514,7 +522,7 @@ impl Map {
     }
 
     /// Every damaged block.
-    pub fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
+    pub(crate) fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
         for (&index, chunk) in &self.chunks {
             match chunk {
                 Chunk::Uniform {
@@ -534,7 +542,7 @@ impl Map {
     }
 
     /// Drops tombstones and switches to normal operation (end of recovery).
-    pub fn compact(&mut self) {
+    pub(crate) fn compact(&mut self) {
         self.keep_tombstones = false;
         let indices: Vec<u64> = self.chunks.keys().copied().collect();
         for index in indices {
@@ -543,7 +551,7 @@ impl Map {
     }
 
     /// Recounts everything from scratch and compares with the running totals.
-    pub fn check_counts(&self) -> Result<(), String> {
+    pub(crate) fn check_counts(&self) -> Result<(), String> {
         let mut counts = MapCounts::default();
         for chunk in self.chunks.values() {
             match chunk {

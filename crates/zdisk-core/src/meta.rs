@@ -6,7 +6,7 @@
 //! only ever cost the root being written, never the last good one.
 //!
 //! A root is small: the map itself lives in the log as checkpoint chunk
-//! records (see `checkpoint.rs`), and the root only lists the segments that
+//! records (see `dump.rs`), and the root only lists the segments that
 //! hold them. See docs/format.md for the byte layout.
 
 use crate::bytes::{ByteReader, ByteWriter};
@@ -118,9 +118,48 @@ pub struct Root {
     pub checkpoint: CheckpointRoot,
 }
 
+/// What a root in a metadata slot needs kept for recovery to start from
+/// it: its dump, and the log it would replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RetainedRoot {
+    pub generation: u64,
+    /// Segments with a sequence number at least this are replayed.
+    pub boundary: u64,
+    /// Segments open at its snapshot, replayed from the recorded offset.
+    pub open: Vec<OpenSegmentPos>,
+    pub dump: Option<DumpRef>,
+}
+
+impl RetainedRoot {
+    /// The metadata slot the root lives in.
+    pub(crate) fn slot(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    /// True if a recovery from this root would replay records of
+    /// incarnation `seq` of `segment`.
+    pub(crate) fn replays(&self, segment: SegmentId, seq: u64) -> bool {
+        seq >= self.boundary
+            || self
+                .open
+                .iter()
+                .any(|open| open.segment == segment && open.seq == seq)
+    }
+}
+
 impl Root {
     pub fn slot(&self) -> usize {
         (self.generation % 2) as usize
+    }
+
+    /// What must be kept for recovery to start from this root.
+    pub(crate) fn retained(&self) -> RetainedRoot {
+        RetainedRoot {
+            generation: self.generation,
+            boundary: self.checkpoint.seq_boundary,
+            open: self.checkpoint.open_segments.clone(),
+            dump: self.checkpoint.dump.clone(),
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -322,17 +361,21 @@ impl Root {
     }
 }
 
-/// Reads a slot far enough to learn the geometry (used by media that must
-/// know their layout before the engine opens them).
-pub fn probe_geometry(slot_bytes: &[u8]) -> Option<(u64, MediaGeometry)> {
-    Root::decode(slot_bytes)
-        .ok()
-        .map(|root| (root.generation, root.superblock.geometry))
+/// The geometry recorded by the newest valid root among the raw contents
+/// of the metadata slots. A medium that must know its layout before the
+/// engine opens it (a file, whose size alone does not say how it is cut
+/// into segments) is handed this, so that it never decodes a root itself.
+pub fn geometry_in_slots(slots: &[Vec<u8>; 2]) -> Option<MediaGeometry> {
+    slots
+        .iter()
+        .filter_map(|bytes| Root::decode(bytes).ok())
+        .max_by_key(|root| root.generation)
+        .map(|root| root.superblock.geometry)
 }
 
 /// True for bytes that were never written: all zeros (a sparse file) or
 /// all ones (erased flash).
-pub fn is_blank(bytes: &[u8]) -> bool {
+pub(crate) fn is_blank(bytes: &[u8]) -> bool {
     bytes.iter().all(|&b| b == 0) || bytes.iter().all(|&b| b == 0xFF)
 }
 

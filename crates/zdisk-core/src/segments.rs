@@ -8,14 +8,19 @@
 //! durable.
 //!
 //! Invariant: `live_bytes` of a segment equals the sum of the record lengths
-//! of map entries pointing into it (checked by `Volume::check_invariants`).
+//! of map entries pointing into it (checked by `Volume::check`).
+//!
+//! This is the table's data; the decisions (which segment may be taken,
+//! by whom, and when one comes back) belong to `volume::space::Space`,
+//! the only caller of the mutating methods.
 
 use std::collections::VecDeque;
 
+use crate::record::{RecordHeader, RecordKind};
 use crate::units::SegmentId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SegmentState {
+pub(crate) enum SegmentState {
     Free,
     Open,
     Sealed,
@@ -27,7 +32,7 @@ pub enum SegmentState {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SegmentInfo {
+pub(crate) struct SegmentInfo {
     pub state: SegmentState,
     /// Sequence number of the current incarnation (0 if never written).
     pub seq: u64,
@@ -49,25 +54,31 @@ pub struct SegmentInfo {
 }
 
 impl SegmentInfo {
-    fn free() -> SegmentInfo {
+    /// A segment never written, or erased.
+    pub(crate) fn free() -> SegmentInfo {
+        SegmentInfo::fresh(SegmentState::Free, 0)
+    }
+
+    /// A new incarnation `seq` in `state`, nothing written yet.
+    fn fresh(state: SegmentState, seq: u64) -> SegmentInfo {
         SegmentInfo {
-            holds_ranges: false,
-            range_bytes: 0,
-            killed_gen: 0,
-            state: SegmentState::Free,
-            seq: 0,
+            state,
+            seq,
             live_bytes: 0,
             fill_bytes: 0,
             max_version: 0,
+            holds_ranges: false,
+            range_bytes: 0,
+            killed_gen: 0,
         }
     }
 }
 
 /// The release generation of a cleaned segment that must wait for a
 /// checkpoint (its trims could not all be relocated).
-pub const PARKED: u64 = u64::MAX;
+pub(crate) const PARKED: u64 = u64::MAX;
 
-pub struct SegmentTable {
+pub(crate) struct SegmentTable {
     infos: Vec<SegmentInfo>,
     /// Cleaned segments waiting for a barrier, in release order.
     reclaimable: std::collections::VecDeque<(u64, SegmentId)>,
@@ -86,7 +97,8 @@ pub struct SegmentTable {
 
 impl SegmentTable {
     /// A table with every segment free.
-    pub fn new(segment_count: u32) -> SegmentTable {
+    #[cfg(test)]
+    pub(crate) fn new(segment_count: u32) -> SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
             members: vec![Vec::new(); segment_count as usize],
@@ -98,7 +110,7 @@ impl SegmentTable {
     }
 
     /// A table from known infos; free segments are queued in index order.
-    pub fn from_infos(infos: Vec<SegmentInfo>) -> SegmentTable {
+    pub(crate) fn from_infos(infos: Vec<SegmentInfo>) -> SegmentTable {
         let free = infos
             .iter()
             .enumerate()
@@ -115,45 +127,33 @@ impl SegmentTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.infos.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.infos.is_empty()
-    }
-
-    pub fn get(&self, segment: SegmentId) -> &SegmentInfo {
+    pub(crate) fn get(&self, segment: SegmentId) -> &SegmentInfo {
         &self.infos[segment.index()]
     }
 
-    pub fn get_mut(&mut self, segment: SegmentId) -> &mut SegmentInfo {
-        &mut self.infos[segment.index()]
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentInfo)> {
         self.infos
             .iter()
             .enumerate()
             .map(|(i, info)| (SegmentId(i as u32), info))
     }
 
-    pub fn free_count(&self) -> u64 {
+    pub(crate) fn free_count(&self) -> u64 {
         self.free.len() as u64
     }
 
-    pub fn count_in(&self, wanted: impl Fn(SegmentState) -> bool) -> u64 {
-        self.infos.iter().filter(|info| wanted(info.state)).count() as u64
-    }
-
     /// Free segments a durable root lets this run allocate.
-    pub fn reserved_count(&self) -> u64 {
+    pub(crate) fn reserved_count(&self) -> u64 {
         self.reserved as u64
     }
 
     /// The segments a root written now should reserve: the first `count`
     /// free ones (those already reserved come first).
-    pub fn propose_reservation(&self, count: usize) -> Vec<SegmentId> {
+    pub(crate) fn propose_reservation(&self, count: usize) -> Vec<SegmentId> {
         self.free
             .iter()
             .take(count.max(self.reserved))
@@ -163,7 +163,7 @@ impl SegmentTable {
 
     /// Makes a proposed reservation usable once its root is durable.
     /// Segments of it allocated meanwhile were taken from the front.
-    pub fn commit_reservation(&mut self, proposal: &[SegmentId]) {
+    pub(crate) fn commit_reservation(&mut self, proposal: &[SegmentId]) {
         let still_free = proposal
             .iter()
             .filter(|s| self.infos[s.index()].state == SegmentState::Free)
@@ -178,9 +178,14 @@ impl SegmentTable {
         self.reserved = self.reserved.max(still_free);
     }
 
-    /// Takes the longest-free reserved segment and makes it `Open` with
-    /// `seq`; `None` when no reserved segment is left.
-    pub fn allocate(&mut self, seq: u64) -> Option<SegmentId> {
+    /// Takes the longest-free reserved segment as incarnation `seq` in
+    /// `state` (`Open` for a stream, `Dump` for a checkpoint); `None` when
+    /// no reserved segment is left.
+    pub(crate) fn allocate(&mut self, seq: u64, state: SegmentState) -> Option<SegmentId> {
+        assert!(
+            matches!(state, SegmentState::Open | SegmentState::Dump),
+            "a segment is allocated to a stream or a dump, not as {state:?}"
+        );
         if self.reserved == 0 {
             return None;
         }
@@ -192,22 +197,56 @@ impl SegmentTable {
             SegmentState::Free,
             "segment {segment} on the free list is not free"
         );
-        *info = SegmentInfo {
-            state: SegmentState::Open,
-            seq,
-            live_bytes: 0,
-            fill_bytes: 0,
-            max_version: 0,
-            holds_ranges: false,
-            range_bytes: 0,
-            killed_gen: 0,
-        };
+        *info = SegmentInfo::fresh(state, seq);
         self.members[segment.index()].clear();
         Some(segment)
     }
 
+    /// Records that `header`'s record was appended to `segment`, ending at
+    /// `end_offset`.
+    pub(crate) fn note_append(
+        &mut self,
+        segment: SegmentId,
+        header: &RecordHeader,
+        end_offset: u64,
+    ) {
+        let info = &mut self.infos[segment.index()];
+        debug_assert_eq!(
+            info.state,
+            SegmentState::Open,
+            "append to segment {segment}"
+        );
+        debug_assert!(end_offset > info.fill_bytes, "segment {segment} refilled");
+        info.max_version = info.max_version.max(header.version);
+        info.fill_bytes = end_offset;
+        if header.kind.is_range() {
+            info.holds_ranges = true;
+            info.range_bytes += header.record_len();
+        }
+        if header.kind == RecordKind::Data {
+            self.members[segment.index()].push(header.lba);
+        }
+    }
+
+    /// Sets how much of `segment` is written (whole pages once flushed or sealed).
+    pub(crate) fn set_fill(&mut self, segment: SegmentId, fill_bytes: u64) {
+        self.infos[segment.index()].fill_bytes = fill_bytes;
+    }
+
+    /// Closes an open segment: its stream moved on, `fill_bytes` are written.
+    pub(crate) fn seal(&mut self, segment: SegmentId, fill_bytes: u64) {
+        let info = &mut self.infos[segment.index()];
+        assert_eq!(info.state, SegmentState::Open, "sealing segment {segment}");
+        assert!(
+            info.live_bytes <= fill_bytes,
+            "segment {segment} sealed with more live bytes than written"
+        );
+        info.fill_bytes = fill_bytes;
+        info.state = SegmentState::Sealed;
+    }
+
     /// Returns a segment to the free list.
-    pub fn release(&mut self, segment: SegmentId) {
+    pub(crate) fn release(&mut self, segment: SegmentId) {
         let info = &mut self.infos[segment.index()];
         assert_ne!(
             info.state,
@@ -227,7 +266,7 @@ impl SegmentTable {
     /// Undoes [`SegmentTable::allocate`] of a segment nothing refers to
     /// (a failed checkpoint's dump): it is free again and still reserved,
     /// as the root that reserved it still names it.
-    pub fn unallocate(&mut self, segment: SegmentId) {
+    pub(crate) fn unallocate(&mut self, segment: SegmentId) {
         let info = &mut self.infos[segment.index()];
         assert!(
             matches!(info.state, SegmentState::Open | SegmentState::Dump),
@@ -245,7 +284,7 @@ impl SegmentTable {
 
     /// Marks a cleaned segment reclaimable once barrier `release_gen` is
     /// durable ([`PARKED`]: once the next checkpoint is).
-    pub fn mark_reclaimable(&mut self, segment: SegmentId, release_gen: u64) {
+    pub(crate) fn mark_reclaimable(&mut self, segment: SegmentId, release_gen: u64) {
         let info = &mut self.infos[segment.index()];
         assert_eq!(
             info.live_bytes, 0,
@@ -264,7 +303,7 @@ impl SegmentTable {
     }
 
     /// Releases every reclaimable segment whose barrier is durable.
-    pub fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
+    pub(crate) fn release_reclaimable(&mut self, synced_gen: u64) -> u64 {
         let mut released = 0;
         while let Some(&(release_gen, segment)) = self.reclaimable.front() {
             if release_gen > synced_gen {
@@ -278,39 +317,42 @@ impl SegmentTable {
     }
 
     /// Cleaned segments a barrier and sync would free.
-    pub fn reclaimable_count(&self) -> u64 {
+    pub(crate) fn reclaimable_count(&self) -> u64 {
         self.reclaimable.len() as u64
     }
 
     /// Cleaned segments waiting for a checkpoint.
-    pub fn parked_count(&self) -> u64 {
+    pub(crate) fn parked_count(&self) -> u64 {
         self.parked.len() as u64
     }
 
     /// After a durable checkpoint: parked segments wait only for a barrier.
-    pub fn unpark(&mut self, release_gen: u64) {
+    pub(crate) fn unpark(&mut self, release_gen: u64) {
         for segment in std::mem::take(&mut self.parked) {
             self.infos[segment.index()].state = SegmentState::Reclaimable { release_gen };
             self.reclaimable.push_back((release_gen, segment));
         }
     }
 
-    /// Notes that a data record of block `lba` was appended to `segment`.
-    pub fn add_member(&mut self, segment: SegmentId, lba: u64) {
+    /// Notes that `segment` holds a live record of block `lba` (rebuilding
+    /// the summary after recovery).
+    pub(crate) fn add_member(&mut self, segment: SegmentId, lba: u64) {
         self.members[segment.index()].push(lba);
     }
 
     /// Blocks whose records were appended to `segment` (some may be stale).
-    pub fn members(&self, segment: SegmentId) -> &[u64] {
+    pub(crate) fn members(&self, segment: SegmentId) -> &[u64] {
         &self.members[segment.index()]
     }
 
-    pub fn add_live(&mut self, segment: SegmentId, bytes: u64) {
+    pub(crate) fn add_live(&mut self, segment: SegmentId, bytes: u64) {
         let info = &mut self.infos[segment.index()];
         info.live_bytes += bytes;
     }
 
-    pub fn sub_live(&mut self, segment: SegmentId, bytes: u64) {
+    /// `bytes` of `segment` stopped being live; the write that did it is
+    /// made durable by barrier generation `killed_gen` (0: durable already).
+    pub(crate) fn sub_live(&mut self, segment: SegmentId, bytes: u64, killed_gen: u64) {
         let info = &mut self.infos[segment.index()];
         assert!(
             info.live_bytes >= bytes,
@@ -318,6 +360,7 @@ impl SegmentTable {
             info.live_bytes
         );
         info.live_bytes -= bytes;
+        info.killed_gen = info.killed_gen.max(killed_gen);
     }
 }
 
@@ -329,18 +372,18 @@ mod tests {
     fn segments_cycle_through_their_states() {
         let mut table = SegmentTable::new(4);
         assert_eq!(
-            table.allocate(1),
+            table.allocate(1, SegmentState::Open),
             None,
             "nothing is allocatable before a reservation"
         );
         let proposal = table.propose_reservation(4);
         table.commit_reservation(&proposal);
-        let a = table.allocate(1).unwrap();
+        let a = table.allocate(1, SegmentState::Open).unwrap();
         assert_eq!(table.get(a).state, SegmentState::Open);
         assert_eq!(table.free_count(), 3);
         table.add_live(a, 100);
-        table.get_mut(a).state = SegmentState::Sealed;
-        table.sub_live(a, 100);
+        table.seal(a, 4096);
+        table.sub_live(a, 100, 0);
         table.mark_reclaimable(a, 5);
         assert_eq!(table.release_reclaimable(4), 0);
         assert_eq!(table.release_reclaimable(5), 1);
@@ -350,13 +393,8 @@ mod tests {
             3,
             "a freed segment is not reserved yet"
         );
-        assert_eq!(
-            table.reserved_count(),
-            3,
-            "a freed segment is not reserved yet"
-        );
         // Freed segments queue behind the ones that were already free.
-        assert_ne!(table.allocate(2), Some(a));
+        assert_ne!(table.allocate(2, SegmentState::Open), Some(a));
     }
 
     #[test]
@@ -367,9 +405,9 @@ mod tests {
         table.commit_reservation(&proposal);
         let proposal = table.propose_reservation(2);
         table.commit_reservation(&proposal);
-        let a = table.allocate(1).unwrap();
+        let a = table.allocate(1, SegmentState::Open).unwrap();
         table.add_live(a, 1);
-        table.get_mut(a).state = SegmentState::Sealed;
+        table.seal(a, 4096);
         table.release(a);
     }
 }

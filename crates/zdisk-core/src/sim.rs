@@ -14,6 +14,12 @@
 //!
 //! A failure names its seed; `ZDISK_SIM_SEED=<seed> cargo test -p zdisk-core
 //! --release sim_replay -- --nocapture` replays it.
+//!
+//! The same runs take their choices from a fuzzer's input instead of a
+//! seed ([`run_input`], the `engine_ops` fuzz target): each choice costs
+//! one input byte, so a fuzzer mutates the operation sequence itself, and
+//! keeps the sequences that reach new engine code. Block contents come
+//! from a generator seeded by the input, not from the input.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -28,7 +34,87 @@ use crate::gc::GcPolicy;
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::meta::MediaKind;
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::volume::{CreateOptions, OpenOptions, Volume};
+use crate::volume::{CreateOptions, FixedClock, OpenOptions, Random, Volume};
+
+/// Where a run draws its choices from: a seeded generator, or a fuzzer's
+/// input ([`FuzzInput`]).
+pub trait Choices: RngCore {
+    /// True once a fuzzer's input is used up; a generator never is.
+    fn exhausted(&self) -> bool {
+        false
+    }
+
+    /// Fills `out` with block data.
+    fn data_bytes(&mut self, out: &mut [u8]) {
+        for byte in out.iter_mut() {
+            *byte = self.gen();
+        }
+    }
+}
+
+impl Choices for SmallRng {}
+
+/// A fuzzer's input as a source of choices: every draw takes one byte,
+/// mixed with its position into a whole word (so that ranges and
+/// probabilities see every outcome, and rejection sampling does not keep
+/// refusing the same values). After the last byte, draws mix in zeros.
+/// Block data comes from a generator seeded by the input, so that it does
+/// not use the input up.
+pub struct FuzzInput<'a> {
+    bytes: &'a [u8],
+    position: usize,
+    data: SmallRng,
+}
+
+impl<'a> FuzzInput<'a> {
+    pub fn new(bytes: &'a [u8]) -> FuzzInput<'a> {
+        FuzzInput {
+            bytes,
+            position: 0,
+            data: SmallRng::seed_from_u64(crc32c::crc32c(bytes) as u64),
+        }
+    }
+
+    /// The next byte, mixed with its position (SplitMix64's finaliser).
+    fn next_word(&mut self) -> u64 {
+        let byte = self.bytes.get(self.position).copied().unwrap_or(0);
+        let mut word = (self.position as u64) << 8 | byte as u64;
+        self.position += 1;
+        word = word.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        word = (word ^ (word >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        word = (word ^ (word >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        word ^ (word >> 31)
+    }
+}
+
+impl RngCore for FuzzInput<'_> {
+    fn next_u32(&mut self) -> u32 {
+        (self.next_word() >> 32) as u32
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.next_word()
+    }
+
+    fn fill_bytes(&mut self, dest: &mut [u8]) {
+        self.data.fill_bytes(dest);
+    }
+
+    fn try_fill_bytes(&mut self, dest: &mut [u8]) -> Result<(), rand::Error> {
+        self.fill_bytes(dest);
+        Ok(())
+    }
+}
+
+impl Choices for FuzzInput<'_> {
+    fn exhausted(&self) -> bool {
+        self.position >= self.bytes.len()
+    }
+
+    fn data_bytes(&mut self, out: &mut [u8]) {
+        self.data.fill_bytes(out);
+    }
+}
 
 /// What one block may read as.
 #[derive(Debug, Clone, Default)]
@@ -156,6 +242,25 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
+    /// A small drive for fuzzing, its crash model chosen by `shape`: runs
+    /// must take milliseconds.
+    pub fn for_fuzzing(shape: u8) -> SimConfig {
+        SimConfig {
+            page_size_bytes: 4096,
+            segment_size_bytes: 8 * 4096,
+            segment_count: 24,
+            logical_blocks: 64 + (shape as u64 & 0x3F),
+            operations: 300,
+            crash: CrashConfig {
+                keep_probability: (shape >> 6) as f64 / 3.0,
+                tear: true,
+                flip_bit: shape & 1 == 1,
+            },
+            big: false,
+            reuse_in_place: shape & 2 == 2,
+        }
+    }
+
     /// A configuration chosen by the seed, so that seeds cover several shapes.
     pub fn for_seed(seed: u64) -> SimConfig {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5EED_C0F1);
@@ -201,10 +306,18 @@ pub struct SimStats {
     pub mid_operation_crashes: u64,
 }
 
+/// Where a run's choices came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Seed(u64),
+    /// A fuzzer's input: the fuzzer keeps it, and replays it.
+    FuzzInput,
+}
+
 /// A failed run: everything needed to replay it.
 #[derive(Debug)]
 pub struct SimFailure {
-    pub seed: u64,
+    pub origin: Origin,
     pub step: usize,
     pub message: String,
     pub trace: Vec<String>,
@@ -212,24 +325,33 @@ pub struct SimFailure {
 
 impl fmt::Display for SimFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let origin = match self.origin {
+            Origin::Seed(seed) => format!("seed {seed}"),
+            Origin::FuzzInput => "fuzz input".into(),
+        };
         writeln!(
             f,
-            "crash simulation failed: seed {} at step {}: {}",
-            self.seed, self.step, self.message
+            "crash simulation failed: {origin} at step {}: {}",
+            self.step, self.message
         )?;
         writeln!(f, "last operations:")?;
         for line in self.trace.iter().rev().take(25).rev() {
             writeln!(f, "  {line}")?;
         }
-        write!(
-            f,
-            "replay: ZDISK_SIM_SEED={} cargo test -p zdisk-core --release sim_replay -- --nocapture",
-            self.seed
-        )
+        match self.origin {
+            Origin::Seed(seed) => write!(
+                f,
+                "replay: ZDISK_SIM_SEED={seed} cargo test -p zdisk-core --release sim_replay -- --nocapture"
+            ),
+            Origin::FuzzInput => write!(
+                f,
+                "replay: cargo fuzz run -O engine_ops <the input the fuzzer saved> (in fuzz/, see docs/testing.md)"
+            ),
+        }
     }
 }
 
-fn content(rng: &mut SmallRng) -> Vec<u8> {
+fn content(rng: &mut impl Choices) -> Vec<u8> {
     let mut block = vec![0u8; BLOCK_SIZE];
     match rng.gen_range(0..4) {
         0 => rng.fill_bytes(&mut block),
@@ -256,7 +378,7 @@ fn content(rng: &mut SmallRng) -> Vec<u8> {
     block
 }
 
-fn codec_for(rng: &mut SmallRng) -> Codec {
+fn codec_for(rng: &mut impl Choices) -> Codec {
     match rng.gen_range(0..4) {
         0 => Codec::Lz4,
         1 => Codec::Zstd {
@@ -267,9 +389,9 @@ fn codec_for(rng: &mut SmallRng) -> Codec {
     }
 }
 
-struct Run {
-    seed: u64,
-    rng: SmallRng,
+struct Run<C: Choices> {
+    origin: Origin,
+    rng: C,
     config: SimConfig,
     media: Arc<MemMedia>,
     volume: Arc<Volume>,
@@ -280,8 +402,20 @@ struct Run {
     attempt: Vec<(u64, Option<Arc<Vec<u8>>>)>,
 }
 
-fn options(codec: Codec, policy: GcPolicy) -> OpenOptions {
+/// A moment the simulated clock stands still at.
+const SIM_UNIX_SECS: u64 = 1_700_000_000;
+
+fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
+    let seed = match origin {
+        Origin::Seed(seed) => seed,
+        Origin::FuzzInput => 0,
+    };
     OpenOptions {
+        // Time and randomness (the volume's UUID) come from the run.
+        clock: Arc::new(FixedClock {
+            unix_secs: SIM_UNIX_SECS,
+        }),
+        random: Random::seeded(seed),
         codec: Some(codec),
         gc_policy: Some(policy),
         background: false,
@@ -296,10 +430,10 @@ fn options(codec: Codec, policy: GcPolicy) -> OpenOptions {
     }
 }
 
-impl Run {
+impl<C: Choices> Run<C> {
     fn fail(&self, step: usize, message: impl Into<String>) -> SimFailure {
         SimFailure {
-            seed: self.seed,
+            origin: self.origin,
             step,
             message: message.into(),
             trace: self.trace.clone(),
@@ -435,7 +569,8 @@ impl Run {
                 let lba = self.rng.gen_range(0..self.config.logical_blocks);
                 let sector = self.rng.gen_range(0..8u64);
                 let sectors = self.rng.gen_range(1..=(8 - sector));
-                let bytes: Vec<u8> = (0..sectors * 512).map(|_| self.rng.gen()).collect();
+                let mut bytes = vec![0u8; (sectors * 512) as usize];
+                self.rng.data_bytes(&mut bytes);
                 self.trace
                     .push(format!("write {lba} sectors {sector}+{sectors}"));
                 let offset = lba * BLOCK_SIZE_U64 + sector * 512;
@@ -558,8 +693,11 @@ impl Run {
         } else {
             GcPolicy::CostBenefit
         };
-        self.volume = Volume::open(self.media.clone() as Arc<dyn Media>, options(codec, policy))
-            .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
+        self.volume = Volume::open(
+            self.media.clone() as Arc<dyn Media>,
+            options(codec, policy, self.origin),
+        )
+        .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
         if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
             println!("{:?}", self.volume.open_report());
             for lba in 0..self.config.logical_blocks {
@@ -598,7 +736,23 @@ impl Run {
 /// Runs one seed to completion.
 pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
     let config = SimConfig::for_seed(seed);
-    let mut rng = SmallRng::seed_from_u64(seed);
+    run(config, SmallRng::seed_from_u64(seed), Origin::Seed(seed))
+}
+
+/// Runs the operations a fuzzer's input chooses (its first byte chooses
+/// the drive's shape and crash model), until the input is used up.
+pub fn run_input(input: &[u8]) -> Result<SimStats, SimFailure> {
+    let Some((&shape, choices)) = input.split_first() else {
+        return Ok(SimStats::default());
+    };
+    let config = SimConfig::for_fuzzing(shape);
+    run(config, FuzzInput::new(choices), Origin::FuzzInput)
+}
+
+/// Creates a volume shaped by `config`, runs operations chosen by `rng`
+/// against it and the model, and ends with a power cut, then a clean
+/// shutdown and reopen, checking everything after each.
+fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimStats, SimFailure> {
     let media = Arc::new(
         MemMedia::with_size(
             config.page_size_bytes,
@@ -630,16 +784,16 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
     let volume = Volume::create(
         media.clone() as Arc<dyn Media>,
         create,
-        options(codec, policy),
+        options(codec, policy, origin),
     )
     .map_err(|e| SimFailure {
-        seed,
+        origin,
         step: 0,
         message: format!("create failed: {e}"),
         trace: Vec::new(),
     })?;
     let mut run = Run {
-        seed,
+        origin,
         rng,
         config,
         media,
@@ -649,31 +803,33 @@ pub fn run_seed(seed: u64) -> Result<SimStats, SimFailure> {
         stats: SimStats::default(),
         attempt: Vec::new(),
     };
-    for step in 1..=config.operations {
-        run.step(step)?;
+    let mut steps = 0;
+    while steps < config.operations && !run.rng.exhausted() {
+        steps += 1;
+        run.step(steps)?;
         run.stats.operations += 1;
     }
     // Always end with a power cut, then a clean shutdown and reopen.
-    run.crash(config.operations + 1)?;
+    run.crash(steps + 1)?;
     run.volume
         .close()
-        .map_err(|e| run.fail(config.operations + 2, format!("close failed: {e}")))?;
+        .map_err(|e| run.fail(steps + 2, format!("close failed: {e}")))?;
     run.media = Arc::new(run.media.reopen());
     run.volume = Volume::open(
         run.media.clone() as Arc<dyn Media>,
-        options(Codec::Lz4, GcPolicy::Greedy),
+        options(Codec::Lz4, GcPolicy::Greedy, origin),
     )
     .map_err(|e| {
         run.fail(
-            config.operations + 2,
+            steps + 2,
             format!("reopen after clean shutdown failed: {e}"),
         )
     })?;
     if run.volume.open_report().replayed_records != 0 {
-        return Err(run.fail(config.operations + 2, "a clean shutdown left log to replay"));
+        return Err(run.fail(steps + 2, "a clean shutdown left log to replay"));
     }
     run.model.flush();
-    run.verify_after_recovery(config.operations + 2)?;
+    run.verify_after_recovery(steps + 2)?;
     Ok(run.stats)
 }
 
@@ -728,6 +884,29 @@ mod tests {
             "every seed ends with at least one power cut"
         );
         assert!(totals.cleaned > 0, "the cleaner must run in the simulation");
+    }
+
+    /// The fuzz target's runs work on any input: random bytes drive a
+    /// volume through writes, cleaning, checkpoints and power cuts.
+    #[test]
+    fn fuzz_inputs_drive_the_engine() {
+        let mut rng = SmallRng::seed_from_u64(11);
+        let mut totals = SimStats::default();
+        for _ in 0..40 {
+            let mut input = vec![0u8; rng.gen_range(0..600)];
+            rng.fill_bytes(&mut input);
+            match run_input(&input) {
+                Ok(stats) => {
+                    totals.operations += stats.operations;
+                    totals.mid_operation_crashes += stats.mid_operation_crashes;
+                    totals.checkpoints += stats.checkpoints;
+                }
+                Err(failure) => panic!("{failure}"),
+            }
+        }
+        assert!(totals.operations > 500, "{totals:?}");
+        assert!(totals.mid_operation_crashes > 0, "{totals:?}");
+        assert!(totals.checkpoints > 0, "{totals:?}");
     }
 
     /// Replays one seed: ZDISK_SIM_SEED=<seed>.

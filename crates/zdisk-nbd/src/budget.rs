@@ -54,6 +54,7 @@ impl MemoryBudget {
     }
 
     /// An unlimited budget, for callers that bound memory otherwise (the fuzzer).
+    #[cfg(any(test, feature = "testing"))]
     pub fn unlimited() -> MemoryBudget {
         MemoryBudget::new(usize::MAX)
     }

@@ -11,15 +11,13 @@
 use std::io;
 use std::sync::Arc;
 
-use std::sync::Mutex;
-
 use crate::budget::{InFlightLimits, MemoryBudget};
 use crate::handshake::{greet, haggle, Export, Negotiated, Outcome, TlsState};
 use crate::request::Session;
 use crate::session::ConnLog;
 use crate::testing::RamDevice;
 use crate::tls::TlsMode;
-use crate::transmission::{serve, Connection, Delivery, Inline};
+use crate::transmission::{serve, Connection, Inline, Outbox};
 use crate::wire::{BASE_ALLOCATION_ID, MIN_BLOCK_BYTES};
 
 /// Size of the fuzzing device: big enough for several allocation blocks,
@@ -51,7 +49,8 @@ fn transmit(mut input: &[u8], device: Arc<RamDevice>, negotiated: Negotiated, re
     let connection = Arc::new(Connection::new(
         session,
         ConnLog::quiet(),
-        Delivery::Direct(Mutex::new(Box::new(io::sink()))),
+        // Replies go nowhere, all at once: no sender thread is needed.
+        Outbox::new(Box::new(|reply| Ok(reply.len()))),
         Box::new(|| {}),
         InFlightLimits {
             max_requests: 1,

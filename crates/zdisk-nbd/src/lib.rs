@@ -29,6 +29,7 @@
 //! `server` starts threads.
 
 mod budget;
+#[cfg(any(test, feature = "testing"))]
 mod fuzz;
 mod handshake;
 mod pool;
@@ -37,12 +38,14 @@ mod request;
 mod server;
 mod session;
 mod socket;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 mod tls;
 mod transmission;
 mod transport;
 pub mod wire;
 
+#[cfg(any(test, feature = "testing"))]
 pub use fuzz::{fuzz_handshake, fuzz_transmission};
 pub use server::{
     BoundListener, ListenAddr, Server, ServerConfig, ShutdownHandle, SHUTDOWN_REPLY_PATIENCE,

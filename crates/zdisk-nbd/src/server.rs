@@ -50,7 +50,7 @@ use crate::request::Session;
 use crate::session::{ConnLog, SessionEnd};
 use crate::socket::Socket;
 use crate::tls::{TlsConfig, TlsMode};
-use crate::transmission::{serve, Connection, Delivery, Outbox};
+use crate::transmission::{serve, Connection, Outbox};
 use crate::transport::Transport;
 use crate::wire::{MAX_PAYLOAD_BYTES, MAX_STRING_BYTES, MIN_BLOCK_BYTES};
 
@@ -786,7 +786,7 @@ fn converse(
     let connection = Arc::new(Connection::new(
         session,
         log.clone(),
-        Delivery::Queued(Outbox::new(Box::new(move |reply| direct.try_write(reply)))),
+        Outbox::new(Box::new(move |reply| direct.try_write(reply))),
         // A failed send leaves the stream unusable; waking the reader ends
         // the session instead of reading requests nobody can answer.
         Box::new(move || waker.shutdown(Shutdown::Both)),

@@ -64,6 +64,7 @@ pub(crate) struct ConnLog {
 }
 
 impl ConnLog {
+    #[cfg(any(test, feature = "testing"))]
     pub fn quiet() -> Self {
         ConnLog {
             enabled: false,

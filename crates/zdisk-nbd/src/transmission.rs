@@ -5,10 +5,11 @@
 //! valid request becomes a job handed to a [`Dispatch`] (the shared worker
 //! pool in the server, inline execution under the fuzzer). A job runs the
 //! request on the device and hands its complete reply to the connection's
-//! [`Delivery`]: in the server, a queue drained by the connection's own
-//! sender thread, so a worker never waits for a client's socket and a client
-//! that stops reading its replies only stops itself. Replies go out whole,
-//! in completion order, which the specification allows.
+//! [`Outbox`]: written at once if the socket takes it, otherwise queued for
+//! the connection's own sender thread, so a worker never waits for a
+//! client's socket and a client that stops reading its replies only stops
+//! itself. Replies go out whole, in completion order, which the
+//! specification allows.
 //!
 //! Invariants:
 //! - Every request is checked by `request::validate` before the device
@@ -27,7 +28,7 @@
 //!   [`serve`] waits until every dispatched request has been answered.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -51,8 +52,10 @@ pub(crate) trait Dispatch {
 }
 
 /// Runs each job on the calling thread before returning.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) struct Inline;
 
+#[cfg(any(test, feature = "testing"))]
 impl Dispatch for Inline {
     fn dispatch(&self, job: Job) {
         job();
@@ -65,14 +68,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Where finished replies go.
-pub(crate) enum Delivery {
-    /// Written at once by the job's thread (the fuzzer, with no sockets).
-    Direct(Mutex<Box<dyn Write + Send>>),
-    /// Queued for the connection's sender thread ([`Connection::send_loop`]).
-    Queued(Outbox),
 }
 
 /// Replies on their way to one client.
@@ -120,7 +115,7 @@ struct OutboxState {
 pub(crate) struct Connection {
     session: Session,
     log: ConnLog,
-    delivery: Delivery,
+    outbox: Outbox,
     /// Why sending a reply failed, once it has; no further replies are sent.
     send_failure: Mutex<Option<String>>,
     /// Called once when sending fails, to wake the reader (shuts the socket).
@@ -134,7 +129,7 @@ impl Connection {
     pub fn new(
         session: Session,
         log: ConnLog,
-        delivery: Delivery,
+        outbox: Outbox,
         on_send_failure: Box<dyn Fn() + Send + Sync>,
         limits: InFlightLimits,
         server_budget: Arc<MemoryBudget>,
@@ -142,7 +137,7 @@ impl Connection {
         Connection {
             session,
             log,
-            delivery,
+            outbox,
             send_failure: Mutex::new(None),
             on_send_failure,
             in_flight: InFlight::new(limits, server_budget),
@@ -188,45 +183,35 @@ impl Connection {
         if self.send_failed().is_some() {
             return;
         }
-        match &self.delivery {
-            Delivery::Direct(writer) => {
-                let mut writer = lock(writer);
-                if let Err(error) = writer.write_all(&reply).and_then(|()| writer.flush()) {
-                    drop(writer);
-                    self.fail_sending(&error);
-                }
-            }
-            Delivery::Queued(outbox) => {
-                let mut state = lock(&outbox.queue);
-                if state.busy || !state.replies.is_empty() {
-                    state.replies.push_back((reply, 0, permit));
-                    drop(state);
-                    outbox.ready.notify_one();
-                    return;
-                }
-                state.busy = true;
+        let outbox = &self.outbox;
+        let mut state = lock(&outbox.queue);
+        if state.busy || !state.replies.is_empty() {
+            state.replies.push_back((reply, 0, permit));
+            drop(state);
+            outbox.ready.notify_one();
+            return;
+        }
+        state.busy = true;
+        drop(state);
+        let sent = (outbox.try_write)(&reply);
+        let mut state = lock(&outbox.queue);
+        state.busy = false;
+        match sent {
+            Ok(sent) if sent == reply.len() => drop(permit),
+            Ok(sent) => state.replies.push_front((reply, sent, permit)),
+            Err(error) => {
                 drop(state);
-                let sent = (outbox.try_write)(&reply);
-                let mut state = lock(&outbox.queue);
-                state.busy = false;
-                match sent {
-                    Ok(sent) if sent == reply.len() => drop(permit),
-                    Ok(sent) => state.replies.push_front((reply, sent, permit)),
-                    Err(error) => {
-                        drop(state);
-                        self.log
-                            .line(format_args!("sending a reply failed: {error}"));
-                        self.fail_sending(&error);
-                        outbox.ready.notify_one();
-                        return;
-                    }
-                }
-                let waiting = !state.replies.is_empty();
-                drop(state);
-                if waiting {
-                    outbox.ready.notify_one();
-                }
+                self.log
+                    .line(format_args!("sending a reply failed: {error}"));
+                self.fail_sending(&error);
+                outbox.ready.notify_one();
+                return;
             }
+        }
+        let waiting = !state.replies.is_empty();
+        drop(state);
+        if waiting {
+            outbox.ready.notify_one();
         }
     }
 
@@ -234,9 +219,7 @@ impl Connection {
     /// the outbox is closed and empty. After a failed write, later replies
     /// are dropped unsent.
     pub fn send_loop(&self, write: &dyn Fn(&[u8]) -> io::Result<()>) {
-        let Delivery::Queued(outbox) = &self.delivery else {
-            unreachable!("send_loop on a connection with direct delivery");
-        };
+        let outbox = &self.outbox;
         loop {
             let next = {
                 let mut state = lock(&outbox.queue);
@@ -273,10 +256,8 @@ impl Connection {
 
     /// Tells the sender that no more replies will come.
     fn close_outbox(&self) {
-        if let Delivery::Queued(outbox) = &self.delivery {
-            lock(&outbox.queue).closed = true;
-            outbox.ready.notify_all();
-        }
+        lock(&self.outbox.queue).closed = true;
+        self.outbox.ready.notify_all();
     }
 
     /// Answers a request refused before the device saw it, and logs the

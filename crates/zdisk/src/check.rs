@@ -56,6 +56,9 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
         for error in &report.errors {
             say!("invariant violated: {error}")?;
         }
+        for lost in &report.lost {
+            println!("lost: {lost}");
+        }
         if !report.damaged_blocks.is_empty() {
             say!(
                 "damaged blocks ({}): {}",

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use zdisk_core::media::{FileMedia, Media};
-use zdisk_core::meta::MediaKind;
+use zdisk_core::meta::{geometry_in_slots as geometry, MediaKind};
 use zdisk_core::units::format_size;
 use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
 
@@ -278,7 +278,7 @@ pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
     if is_nand_image(path) {
         return open_with_clock(path, options, true);
     }
-    let media = FileMedia::open(path, options.read_only).map_err(|e| match e {
+    let media = FileMedia::open(path, options.read_only, geometry).map_err(|e| match e {
         zdisk_core::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
             format!(
                 "{} does not exist; create it with `zdisk create {} --logical SIZE`",

@@ -1,8 +1,9 @@
 //! End-to-end tests of space management and damage handling through the
 //! real binary: a thin volume filled until ENOSPC and brought back by TRIM,
 //! the cleaner keeping a small volume writable under heavy overwrites,
-//! flipped bytes in an image surfacing as EIO and in `zdisk check`, and an
-//! image on a real block device (a loop device).
+//! flipped bytes in an image surfacing as EIO and in `zdisk check`, an
+//! image truncated and extended again that `zdisk check` must not call
+//! clean, and an image on a real block device (a loop device).
 //!
 //! Missing prerequisites are reported as ignored, with the reason.
 
@@ -11,7 +12,7 @@ mod support;
 use std::process::Command;
 
 use libtest_mimic::{Arguments, Trial};
-use rand::{Rng, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 
 use support::*;
 
@@ -30,6 +31,10 @@ fn main() {
             flipped_bytes,
         ),
         ("image_on_a_block_device", block_device),
+        (
+            "a_truncated_and_extended_image_is_not_clean",
+            truncated_image,
+        ),
     ];
     let trials = tests
         .into_iter()
@@ -72,6 +77,14 @@ fn create(image: &std::path::Path, args: &[&str]) -> Result<(), Failed> {
         String::from_utf8_lossy(&output.stderr)
     );
     Ok(())
+}
+
+/// A 64 MiB image of 256 KiB segments in `dir`.
+fn small_image(dir: &Scratch, name: &str) -> Result<std::path::PathBuf, Failed> {
+    let image = dir.join(name);
+    let size = ["--logical", "64M", "--physical", "64M"];
+    create(&image, &[&size[..], &["--segment-size", "256K"]].concat())?;
+    Ok(image)
 }
 
 fn thin_volume_enospc() -> TestResult {
@@ -187,18 +200,7 @@ fn flipped_bytes() -> TestResult {
         return skip;
     }
     let dir = Scratch::new("flip");
-    let image = dir.join("flip.zdisk");
-    create(
-        &image,
-        &[
-            "--logical",
-            "64M",
-            "--physical",
-            "64M",
-            "--segment-size",
-            "256K",
-        ],
-    )?;
+    let image = small_image(&dir, "flip.zdisk")?;
     let blocks = "8192";
     let mut server = Server::start(&image, &dir.join("sock"), &[])?;
     print!("{}", space_py(&["write-known", &server.uri(), blocks])?);
@@ -273,6 +275,76 @@ fn flipped_bytes() -> TestResult {
         output.status.success(),
         "check after repair: {}",
         stdout(&output)
+    );
+    Ok(Completion::Completed)
+}
+
+/// `zdisk check --json` on `image`: its exit code and report.
+fn check_json(image: &std::path::Path) -> Result<(Option<i32>, serde_json::Value), Failed> {
+    let output = zdisk(&["check", image.to_str().unwrap(), "--json"]);
+    let report = serde_json::from_slice(&output.stdout).map_err(|e| {
+        format!(
+            "check --json: {e}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })?;
+    Ok((output.status.code(), report))
+}
+
+/// Issue #9: an image cut short and extended back to its size reads zeros
+/// where its tail was. Here the tail held the checkpoint of the clean
+/// shutdown, so recovery falls back to an older root and replays what is
+/// left of the log: the blocks only the lost checkpoint recorded read as
+/// zeros, and no map names them. `zdisk check` must report that and exit
+/// 4, not call the image clean.
+fn truncated_image() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    let dir = Scratch::new("truncate");
+    let image = small_image(&dir, "truncate.zdisk")?;
+    let size: u64 = 64 << 20;
+    // Incompressible, so that it fills the image's first 25 MiB; the
+    // checkpoint of the clean shutdown lands after it.
+    let data = dir.join("data.bin");
+    let mut bytes = vec![0u8; 24 << 20];
+    rand::rngs::SmallRng::seed_from_u64(9).fill_bytes(&mut bytes);
+    std::fs::write(&data, &bytes).map_err(|e| e.to_string())?;
+    let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+    run("nbdcopy", &[data.to_str().unwrap(), &server.uri()])?;
+    server.stop()?;
+
+    let (code, report) = check_json(&image)?;
+    ensure!(
+        code == Some(0) && report["clean"] == true,
+        "the intact image should check clean: {code:?} {report}"
+    );
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .map_err(|e| e.to_string())?;
+    file.set_len(size / 4).map_err(|e| e.to_string())?;
+    file.set_len(size).map_err(|e| e.to_string())?;
+    drop(file);
+    println!("truncated the image to 16 MiB and extended it back to 64 MiB");
+
+    let (code, report) = check_json(&image)?;
+    let lost = report["report"]["lost"].as_array().map_or(0, Vec::len);
+    let damaged = report["report"]["damaged_blocks"]
+        .as_array()
+        .map_or(0, Vec::len);
+    println!("zdisk check: exit {code:?}, {lost} lost, {damaged} damaged blocks");
+    ensure!(
+        report["clean"] == false,
+        "a truncated image checked clean: {report}"
+    );
+    ensure!(
+        lost + damaged > 0,
+        "check names nothing lost or damaged: {report}"
+    );
+    ensure!(
+        code == Some(4),
+        "check should exit 4, got {code:?}: {report}"
     );
     Ok(Completion::Completed)
 }

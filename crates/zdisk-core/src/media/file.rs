@@ -163,8 +163,15 @@ impl FileMedia {
         })
     }
 
-    /// Opens an existing image, reading its geometry from the metadata slots.
-    pub fn open(path: &Path, read_only: bool) -> Result<FileMedia> {
+    /// Opens an existing image. The medium does not know the engine's
+    /// format: it hands the raw contents of both metadata slots to
+    /// `geometry_of` (the engine's `meta::geometry_in_slots`), which says
+    /// how the file is laid out, or `None` if it is not an image.
+    pub fn open(
+        path: &Path,
+        read_only: bool,
+        geometry_of: impl FnOnce(&[Vec<u8>; 2]) -> Option<MediaGeometry>,
+    ) -> Result<FileMedia> {
         let file = OpenOptions::new()
             .read(true)
             .write(!read_only)
@@ -177,21 +184,17 @@ impl FileMedia {
             .map_err(|e| Error::io(format!("inspecting {}", path.display()), e))?;
         let is_block_device = metadata.file_type().is_block_device();
         let physical = device_size(&file, path)?;
-        let mut best: Option<(u64, MediaGeometry)> = None;
-        for slot in 0..2u64 {
-            let mut bytes = vec![0u8; FILE_META_SLOT_SIZE as usize];
-            if physical < (slot + 1) * FILE_META_SLOT_SIZE as u64 {
+        let mut slots = [Vec::new(), Vec::new()];
+        for (slot, bytes) in slots.iter_mut().enumerate() {
+            let offset = slot as u64 * FILE_META_SLOT_SIZE as u64;
+            if physical < offset + FILE_META_SLOT_SIZE as u64 {
                 break;
             }
-            file.read_exact_at(&mut bytes, slot * FILE_META_SLOT_SIZE as u64)
+            bytes.resize(FILE_META_SLOT_SIZE as usize, 0);
+            file.read_exact_at(bytes, offset)
                 .map_err(|e| Error::io(format!("reading metadata of {}", path.display()), e))?;
-            if let Some((generation, geometry)) = crate::meta::probe_geometry(&bytes) {
-                if best.is_none_or(|(g, _)| generation > g) {
-                    best = Some((generation, geometry));
-                }
-            }
         }
-        let (_, geometry) = best.ok_or_else(|| {
+        let geometry = geometry_of(&slots).ok_or_else(|| {
             Error::CorruptImage(format!(
                 "{} is not a zdisk image (no valid superblock in either metadata slot)",
                 path.display()

@@ -10,7 +10,8 @@
 //! - optionally one landed sector of the torn write gets a flipped bit.
 //!
 //! This is the fault model of docs/semantics.md, and the crash harness
-//! (`crate::sim`) runs the real engine against it under thousands of seeds.
+//! (`sim.rs`, with the `testing` feature) runs the real engine against it
+//! under thousands of seeds.
 
 use std::sync::Mutex;
 

@@ -8,21 +8,42 @@
 //!   written part, and no two entries overlap;
 //! - the free list and segment states agree;
 //! - with `verify_data`, every live extent decodes: right block, right
-//!   version, checksum good, decompresses to one block.
+//!   version, checksum good, decompresses to one block: a map entry whose
+//!   record cannot be found or verified is damage;
+//! - recovery passed over no durable root: a root that decodes was
+//!   written after its dump was synced, so a dump that cannot be read means
+//!   records it named are gone (the medium was truncated, overwritten or
+//!   rotted in both copies). Recovery falls back to the older root, whose
+//!   map cannot name what only the newer one recorded, so this is reported
+//!   as `lost`, never as clean.
 //!
 //! Blocks that fail data verification are listed by number. Repair drops
 //! exactly those map entries (and entries already marked damaged), turning
-//! them into holes, and never touches a readable block.
+//! them into holes, and never touches a readable block; it cannot bring
+//! back what is `lost`.
+//!
+//! What no check can see: a whole log segment written after the newest
+//! checkpoint that vanished (reads as never written) looks like one the
+//! cleaner emptied, or like writes a crash lost before a flush; format v1
+//! records nowhere which segments the log spans.
+
+use std::collections::HashSet;
 
 use serde::Serialize;
 
 use crate::error::Result;
 use crate::map::Location;
+use crate::record::RecordKind;
 use crate::segments::SegmentState;
 use crate::units::{Lba, BLOCK_SIZE};
 
-use super::io::{append_range, decode_block};
+use super::io::{decode_block, RANGE_RECORD_LEN};
+use super::space::Writer;
+use super::state::State;
 use super::Volume;
+
+/// A live block: where its record is, its number and version.
+type Extent = (Location, Lba, u64);
 
 /// What a check found.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -31,6 +52,10 @@ pub struct CheckReport {
     pub errors: Vec<String>,
     /// Blocks whose data cannot be read back intact.
     pub damaged_blocks: Vec<u64>,
+    /// What a durable root says exists but could not be found: a
+    /// checkpoint that recovery had to pass over for an older one (blocks
+    /// written before it may be lost, and no map names them).
+    pub lost: Vec<String>,
     pub extents_verified: u64,
     pub bytes_verified: u64,
     /// Blocks whose entries repair dropped (they now read as zeros).
@@ -39,7 +64,7 @@ pub struct CheckReport {
 
 impl CheckReport {
     pub fn is_clean(&self) -> bool {
-        self.errors.is_empty() && self.damaged_blocks.is_empty()
+        self.errors.is_empty() && self.damaged_blocks.is_empty() && self.lost.is_empty()
     }
 }
 
@@ -47,137 +72,63 @@ impl Volume {
     /// Checks every invariant; with `verify_data`, also reads every live extent.
     pub fn check(&self, verify_data: bool) -> Result<CheckReport> {
         let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        let mut report = CheckReport::default();
+        let mut report = CheckReport {
+            lost: self.open_report().lost_checkpoints,
+            ..CheckReport::default()
+        };
         let state = self.lock();
-        if let Err(problem) = state.map.check_counts() {
+        if let Err(problem) = state.map().check_counts() {
             report.errors.push(problem);
         }
-        let segment_count = state.segments.len();
-        let mut live = vec![0u64; segment_count];
-        let mut extents: Vec<(Location, Lba, u64)> = Vec::new();
-        state.map.for_each_data(|lba, loc, version| {
+        let mut extents: Vec<Extent> = Vec::new();
+        state.map().for_each_data(|lba, loc, version| {
             extents.push((loc, lba, version));
         });
-        for &(loc, lba, _) in &extents {
-            if loc.segment.index() >= segment_count {
-                report.errors.push(format!(
-                    "block {lba} points at segment {} beyond the medium",
-                    loc.segment
-                ));
-                continue;
-            }
-            live[loc.segment.index()] += loc.len as u64;
-            let info = state.segments.get(loc.segment);
-            if !matches!(info.state, SegmentState::Open | SegmentState::Sealed) {
-                report.errors.push(format!(
-                    "block {lba} points into segment {} which is {:?}",
-                    loc.segment, info.state
-                ));
-            }
-            if loc.offset as u64 + loc.len as u64 > info.fill_bytes {
-                report.errors.push(format!(
-                    "block {lba} extends past the written part of segment {} ({} + {} > {})",
-                    loc.segment, loc.offset, loc.len, info.fill_bytes
-                ));
-            }
-        }
-        extents.sort_by_key(|(loc, _, _)| (loc.segment, loc.offset));
-        for pair in extents.windows(2) {
-            let (a, b) = (pair[0].0, pair[1].0);
-            if a.segment == b.segment && a.offset + a.len > b.offset {
-                report.errors.push(format!(
-                    "blocks {} and {} overlap in segment {}",
-                    pair[0].1, pair[1].1, a.segment
-                ));
-            }
-        }
-        let mut free = 0;
-        for (segment, info) in state.segments.iter() {
-            if info.live_bytes != live[segment.index()] {
-                report.errors.push(format!(
-                    "segment {segment}: live bytes {} but the map references {}",
-                    info.live_bytes,
-                    live[segment.index()]
-                ));
-            }
-            if info.state == SegmentState::Free {
-                free += 1;
-            }
-        }
-        if free != state.segments.free_count() {
-            report.errors.push(format!(
-                "{free} segments are free but the free list holds {}",
-                state.segments.free_count()
-            ));
-        }
-        for (kind, stream) in state.streams.iter().enumerate() {
-            if let Some(segment) = stream.segment {
-                if state.segments.get(segment).state != SegmentState::Open {
-                    report.errors.push(format!(
-                        "stream {kind} writes into segment {segment} which is not open"
-                    ));
-                }
-            }
-        }
-        for dump in state
-            .roots
-            .iter()
-            .flatten()
-            .filter_map(|root| root.dump.as_ref())
-        {
-            for segment in dump.segments() {
-                if state.segments.get(segment).state != SegmentState::Dump {
-                    report.errors.push(format!(
-                        "checkpoint segment {segment} is not marked as such"
-                    ));
-                }
-            }
-        }
-        let dump_segments: std::collections::HashSet<_> = state
-            .roots
-            .iter()
-            .flatten()
-            .filter_map(|root| root.dump.as_ref())
-            .flat_map(|dump| dump.segments())
-            .collect();
-        for (segment, info) in state.segments.iter() {
-            if info.state == SegmentState::Dump && !dump_segments.contains(&segment) {
-                report.errors.push(format!(
-                    "segment {segment} is marked as a checkpoint but no root uses it"
-                ));
-            }
-        }
+        check_extents(&state, &mut extents, &mut report.errors);
+        check_segments(&state, &extents, &mut report.errors);
         state
-            .map
+            .map()
             .for_each_damaged(|lba| report.damaged_blocks.push(lba.0));
         if verify_data {
-            let mut block = vec![0u8; BLOCK_SIZE];
-            for &(loc, lba, version) in &extents {
-                let bytes = match state.read_buffered(loc)? {
-                    Some(bytes) => bytes,
-                    None => {
-                        let mut bytes = vec![0u8; loc.len as usize];
-                        if self
-                            .media
-                            .read(loc.segment, loc.offset as u64, &mut bytes)
-                            .is_err()
-                        {
-                            report.damaged_blocks.push(lba.0);
-                            continue;
-                        }
-                        bytes
-                    }
-                };
-                report.extents_verified += 1;
-                report.bytes_verified += loc.len as u64;
-                if decode_block(&self.record_key, lba, version, &bytes, loc, &mut block).is_err() {
-                    report.damaged_blocks.push(lba.0);
-                }
-            }
+            self.verify_extents(&state, &extents, &mut report)?;
         }
         report.damaged_blocks.sort_unstable();
         report.damaged_blocks.dedup();
         Ok(report)
+    }
+
+    /// Reads every live extent back and verifies it (right block, right
+    /// version, checksum good, decompresses to one block).
+    fn verify_extents(
+        &self,
+        state: &State,
+        extents: &[Extent],
+        report: &mut CheckReport,
+    ) -> Result<()> {
+        let mut block = vec![0u8; BLOCK_SIZE];
+        for &(loc, lba, version) in extents {
+            let bytes = match state.read_buffered(loc)? {
+                Some(bytes) => bytes,
+                None => {
+                    let mut bytes = vec![0u8; loc.len as usize];
+                    if self
+                        .media
+                        .read(loc.segment, loc.offset as u64, &mut bytes)
+                        .is_err()
+                    {
+                        report.damaged_blocks.push(lba.0);
+                        continue;
+                    }
+                    bytes
+                }
+            };
+            report.extents_verified += 1;
+            report.bytes_verified += loc.len as u64;
+            if decode_block(&self.record_key, lba, version, &bytes, loc, &mut block).is_err() {
+                report.damaged_blocks.push(lba.0);
+            }
+        }
+        Ok(())
     }
 
     /// Checks with data verification, then drops the map entries of every
@@ -189,19 +140,112 @@ impl Volume {
             return Ok(report);
         }
         for &lba in &report.damaged_blocks {
-            let (mut state, floor) = self.lock_with_room(super::io::RANGE_RECORD_LEN, None)?;
-            append_range(
-                &mut state,
-                crate::record::RecordKind::Trim,
-                Lba(lba),
-                1,
-                floor,
-            )?;
+            let (mut state, floor) = self.admit(Writer::Range, RANGE_RECORD_LEN, 1)?;
+            state.apply_range(RecordKind::Trim, Lba(lba), 1, floor)?;
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);
         self.checkpoint()?;
         let after = self.check(false)?;
         report.errors = after.errors;
         Ok(report)
+    }
+}
+
+/// Every data entry points into an open or sealed segment, inside its
+/// written part, and no two overlap. Sorts `extents` by location.
+fn check_extents(state: &State, extents: &mut [Extent], errors: &mut Vec<String>) {
+    let table = state.space().table();
+    for &(loc, lba, _) in extents.iter() {
+        if loc.segment.index() >= table.len() {
+            errors.push(format!(
+                "block {lba} points at segment {} beyond the medium",
+                loc.segment
+            ));
+            continue;
+        }
+        let info = table.get(loc.segment);
+        if !matches!(info.state, SegmentState::Open | SegmentState::Sealed) {
+            errors.push(format!(
+                "block {lba} points into segment {} which is {:?}",
+                loc.segment, info.state
+            ));
+        }
+        if loc.offset as u64 + loc.len as u64 > info.fill_bytes {
+            errors.push(format!(
+                "block {lba} extends past the written part of segment {} ({} + {} > {})",
+                loc.segment, loc.offset, loc.len, info.fill_bytes
+            ));
+        }
+    }
+    extents.sort_by_key(|(loc, _, _)| (loc.segment, loc.offset));
+    for pair in extents.windows(2) {
+        let (a, b) = (pair[0].0, pair[1].0);
+        if a.segment == b.segment && a.offset + a.len > b.offset {
+            errors.push(format!(
+                "blocks {} and {} overlap in segment {}",
+                pair[0].1, pair[1].1, a.segment
+            ));
+        }
+    }
+}
+
+/// Live bytes equal what the map references; the free list, the open
+/// streams and the dumps of the retained roots agree with segment states.
+fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
+    let table = state.space().table();
+    let mut live = vec![0u64; table.len()];
+    for &(loc, _, _) in extents {
+        if let Some(bytes) = live.get_mut(loc.segment.index()) {
+            *bytes += loc.len as u64;
+        }
+    }
+    let mut free = 0;
+    for (segment, info) in table.iter() {
+        if info.live_bytes != live[segment.index()] {
+            errors.push(format!(
+                "segment {segment}: live bytes {} but the map references {}",
+                info.live_bytes,
+                live[segment.index()]
+            ));
+        }
+        if info.state == SegmentState::Free {
+            free += 1;
+        }
+    }
+    if free != table.free_count() {
+        errors.push(format!(
+            "{free} segments are free but the free list holds {}",
+            table.free_count()
+        ));
+    }
+    for (kind, stream) in state.streams().iter().enumerate() {
+        if let Some(segment) = stream.segment {
+            if table.get(segment).state != SegmentState::Open {
+                errors.push(format!(
+                    "stream {kind} writes into segment {segment} which is not open"
+                ));
+            }
+        }
+    }
+    let dump_segments: HashSet<_> = state
+        .roots()
+        .iter()
+        .flatten()
+        .filter_map(|root| root.dump.as_ref())
+        .flat_map(|dump| dump.segments())
+        .collect();
+    for &segment in &dump_segments {
+        if table.get(segment).state != SegmentState::Dump {
+            errors.push(format!(
+                "checkpoint segment {segment} is not marked as such"
+            ));
+        }
+    }
+    for (segment, info) in table.iter() {
+        if info.state == SegmentState::Dump && !dump_segments.contains(&segment) {
+            errors.push(format!(
+                "segment {segment} is marked as a checkpoint but no root uses it"
+            ));
+        }
     }
 }

@@ -1,31 +1,38 @@
 //! The segment cleaner (garbage collector).
 //!
-//! One step: pick a sealed victim by policy, read it whole, and relocate its
-//! live records into the GC stream unchanged — same payload, same codec,
-//! same version — so a relocated copy can never override a newer write
-//! during recovery (equal versions mean equal data). Range records (trim,
-//! zero, damaged) in a victim written after the durable checkpoint are
-//! relocated too, because recovery from that checkpoint still needs them.
-//!
-//! The victim becomes `Reclaimable`, not free: it is erased and reused only
-//! after a barrier and a sync have made the relocated copies, and every
-//! write that made its other records dead, durable. A victim nothing was
-//! copied out of, whose killing writes are all durable already
-//! (`SegmentInfo::killed_gen` synced), is free at once.
+//! One step, in four parts:
+//! 1. **choose** a sealed victim by policy, once the ladder has made room
+//!    to relocate it;
+//! 2. **read** its live records (found through the segment summary), or
+//!    the whole segment if it holds range records recovery may still need
+//!    (only a scan finds those);
+//! 3. **relocate** its live records into the GC stream unchanged — same
+//!    payload, same codec, same version — so a relocated copy can never
+//!    override a newer write during recovery (equal versions mean equal
+//!    data), together with range records (trim, zero, damaged) that
+//!    recovery from the durable checkpoint still needs;
+//! 4. **release** it: `Space::retire` decides when it is free again —
+//!    after a barrier and a sync have made the relocated copies, and every
+//!    write that made its other records dead, durable; at once if nothing
+//!    was copied and those writes are durable already.
 //!
 //! Damage found while cleaning is never laundered into a fresh checksum:
 //! a live record that fails verification becomes a `Damaged` map entry
 //! (reads fail with EIO) backed by a `Damaged` record in the log.
 
-use crate::error::Result;
+use std::sync::MutexGuard;
+
+use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
-use crate::record::{decode_record, RecordHeader, RecordKind};
+use crate::media::ReadRange;
+use crate::record::{decode_record, range_count, RecordHeader, RecordKey, RecordKind};
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
-use super::scan::scan_segment;
-use super::state::{State, StreamKind};
+use super::scan::{scan_segment, ScanResult};
+use super::space::{Need, Reach, Writer};
+use super::state::{State, StreamKind, Tally};
 use super::Volume;
 
 /// Room kept for small records a cleaning step may add beyond the live
@@ -35,20 +42,16 @@ const RELOCATION_SLACK_BYTES: u64 = 256;
 /// Live records closer than this are read in one request, gap included.
 const MERGE_GAP_BYTES: u64 = 16 * 1024;
 
-/// A release generation that no barrier reaches: set while a checkpoint
-/// must come first.
-const AFTER_CHECKPOINT: u64 = crate::segments::PARKED;
+/// A live block of a victim: its number, where its record is, its version.
+type LiveExtent = (Lba, Location, u64);
 
 /// The best victim under `policy` with at least `min_garbage_bytes` reclaimable.
-pub(crate) fn pick_victim(
-    state: &State,
-    policy: GcPolicy,
-    min_garbage_bytes: u64,
-) -> Option<SegmentId> {
-    let segment_size = state.segment_size();
-    let now = state.next_version;
+fn pick_victim(state: &State, policy: GcPolicy, min_garbage_bytes: u64) -> Option<SegmentId> {
+    let space = state.space();
+    let segment_size = state.segment_size_bytes();
+    let now = space.next_version();
     let mut best: Option<(SegmentId, f64)> = None;
-    for (segment, info) in state.segments.iter() {
+    for (segment, info) in space.table().iter() {
         if info.state != SegmentState::Sealed {
             continue;
         }
@@ -75,29 +78,30 @@ pub(crate) fn pick_victim(
     best.map(|(segment, _)| segment)
 }
 
-/// Segments the GC stream needs to take `victim`'s live data and
-/// `extra_bytes` of range records (plus slack for damage markers).
-fn relocation_segments(state: &State, victim: SegmentId, extra_bytes: u64) -> u64 {
-    let bytes = state.segments.get(victim).live_bytes + extra_bytes;
-    if bytes == 0 {
-        return 0;
+/// What relocating `victim`'s live data and `extra_bytes` of range
+/// records (plus slack for damage markers) asks of the ladder: the GC
+/// stream's segments, and a version per damage marker (at most one per
+/// record appended to it).
+fn relocation_need(state: &State, victim: SegmentId, extra_bytes: u64) -> Need {
+    let space = state.space();
+    let bytes = space.segment(victim).live_bytes + extra_bytes;
+    let segments = match bytes {
+        0 => 0,
+        _ => state.segments_needed(StreamKind::Gc, bytes + RELOCATION_SLACK_BYTES),
+    };
+    Need {
+        writer: Writer::Cleaner,
+        segments,
+        versions: space.table().members(victim).len() as u64 + 1,
+        bytes: 0,
     }
-    state.segments_needed(StreamKind::Gc, bytes + RELOCATION_SLACK_BYTES)
-}
-
-/// Versions cleaning `victim` may take: one per damage marker, at most one
-/// per record appended to it.
-fn relocation_versions(state: &State, victim: SegmentId) -> u64 {
-    state.segments.members(victim).len() as u64 + 1
 }
 
 /// Moves the live block `lba` (version `version`, at `from`) if `record`,
 /// read back from there, is that very record; otherwise marks it damaged.
 fn move_or_mark_damaged(
     state: &mut State,
-    lba: Lba,
-    from: Location,
-    version: u64,
+    (lba, from, version): LiveExtent,
     record: Option<(RecordHeader, &[u8])>,
 ) -> Result<()> {
     match record {
@@ -106,139 +110,67 @@ fn move_or_mark_damaged(
                 && header.lba == lba.0
                 && header.version == version =>
         {
-            move_record(state, from, header, payload)
+            state.relocate(from, header, payload)
         }
-        _ => mark_damaged(state, lba),
+        _ => state.mark_damaged(lba),
     }
 }
 
-/// Moves a live data record from `from` to the GC stream, unchanged.
-fn move_record(
-    state: &mut State,
-    from: Location,
-    header: RecordHeader,
-    payload: &[u8],
-) -> Result<()> {
-    let moved = relocate(state, header, payload)?;
-    state.segments.add_live(moved.segment, moved.len as u64);
-    state
-        .map
-        .set(Lba(header.lba), Slot::Data(moved), header.version);
-    state.release_location(from);
-    Ok(())
+/// The record at `loc`, decoded from the runs read from its victim, if it
+/// decodes as a record of incarnation `seq32`.
+fn record_in_runs<'a>(
+    runs: &'a [(u64, Vec<u8>)],
+    loc: Location,
+    key: &RecordKey,
+    seq32: u32,
+) -> Option<(RecordHeader, &'a [u8])> {
+    let index = runs.partition_point(|(start, _)| *start <= loc.offset as u64) - 1;
+    let (start, run) = &runs[index];
+    let at = (loc.offset as u64 - start) as usize;
+    let bytes = run.get(at..at + loc.len as usize)?;
+    decode_record(bytes, key, Some(seq32)).ok()
 }
 
-fn relocate(state: &mut State, header: RecordHeader, payload: &[u8]) -> Result<Location> {
-    let loc = state.append(StreamKind::Gc, header, payload, crc32c::crc32c(payload), 0)?;
-    state.counters.gc_write_bytes += loc.len as u64;
-    Ok(loc)
+/// A victim chosen for one cleaning step.
+#[derive(Debug, Clone, Copy)]
+struct Victim {
+    segment: SegmentId,
+    seq: u64,
+    fill_bytes: u64,
+    /// A recovery from a retained root would replay it, so range records
+    /// in it must be relocated, and only a scan finds them.
+    needed_by_recovery: bool,
+    holds_ranges: bool,
 }
 
-/// Replaces a damaged block's entry with a `Damaged` marker, logged so it
-/// survives restarts.
-pub(crate) fn mark_damaged(state: &mut State, lba: Lba) -> Result<()> {
-    let version = state.take_version();
-    let payload = 1u64.to_le_bytes();
-    let header = RecordHeader {
-        kind: RecordKind::Damaged,
-        codec: 0,
-        seg_seq: 0,
-        lba: lba.0,
-        version,
-        payload_len: payload.len() as u32,
-        crc: 0,
-    };
-    state.append(
-        StreamKind::Gc,
-        header,
-        &payload,
-        crc32c::crc32c(&payload),
-        0,
-    )?;
-    let old = state.map.set(lba, Slot::Damaged, version);
-    if let Slot::Data(loc) = old.slot() {
-        state.release_location(loc);
+impl Victim {
+    fn full_scan(&self) -> bool {
+        self.needed_by_recovery && self.holds_ranges
     }
-    state.counters.damaged_blocks_found += 1;
-    Ok(())
+}
+
+/// What was read of a victim.
+enum Contents {
+    /// The whole segment, scanned.
+    Scanned { bytes: Vec<u8>, scan: ScanResult },
+    /// Only its live records, in runs merged across small gaps.
+    Live {
+        live: Vec<LiveExtent>,
+        runs: Vec<(u64, Vec<u8>)>,
+        read_bytes: u64,
+    },
+}
+
+/// What relocation left to the release.
+struct Relocated<'a> {
+    state: MutexGuard<'a, State>,
+    relocated_bytes: u64,
+    /// Range records lost to damage could not be relocated: only a
+    /// checkpoint makes them unnecessary.
+    checkpoint_first: bool,
 }
 
 impl Volume {
-    /// The live records of `segment`: (block, location, version), found
-    /// through the segment summary, or a scan of the map if it has none.
-    fn live_extents(&self, segment: SegmentId) -> Vec<(Lba, Location, u64)> {
-        let state = self.lock();
-        let mut members = state.segments.members(segment).to_vec();
-        members.sort_unstable();
-        members.dedup();
-        let mut live = Vec::new();
-        let mut live_bytes = 0;
-        for lba in members {
-            let entry = state.map.get(Lba(lba));
-            if let Slot::Data(loc) = entry.slot() {
-                if loc.segment == segment {
-                    live_bytes += loc.len as u64;
-                    live.push((Lba(lba), loc, entry.version()));
-                }
-            }
-        }
-        if live_bytes != state.segments.get(segment).live_bytes {
-            // The summary is incomplete (it is rebuilt from the map at open,
-            // so this is a bug guard): fall back to the whole map.
-            live.clear();
-            state.map.for_each_data(|lba, loc, version| {
-                if loc.segment == segment {
-                    live.push((lba, loc, version));
-                }
-            });
-        }
-        live
-    }
-
-    fn has_relocation_room(&self, state: &State, victim: SegmentId, extra_bytes: u64) -> bool {
-        let needed = relocation_segments(state, victim, extra_bytes);
-        let versions = relocation_versions(state, victim);
-        // A victim with nothing to move needs no room at all.
-        state.gc_has_room(needed)
-            && state.segments.reserved_count() >= needed
-            && state.numbering_room(needed, versions)
-    }
-
-    /// Not enough room to relocate: renew the reservations if that is what
-    /// is missing, or release cleaned segments if a barrier can, else report
-    /// no progress. The caller holds the maintenance lock.
-    fn short_of_room(
-        &self,
-        state: std::sync::MutexGuard<'_, State>,
-        victim: SegmentId,
-        extra_bytes: u64,
-    ) -> Result<bool> {
-        let needed = relocation_segments(&state, victim, extra_bytes);
-        let versions = relocation_versions(&state, victim);
-        let free_enough = state.gc_has_room(needed);
-        if free_enough && state.reservation_short(needed, versions) {
-            let wanted = needed + state.segment_reserve_ahead / 2;
-            drop(state);
-            self.write_root(false, wanted, versions)?;
-            return Ok(true);
-        }
-        let reclaimable = state.reclaimable_count();
-        drop(state);
-        if reclaimable > 0 {
-            self.flush()?;
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// Garbage a victim must hold for a writer waiting on space to clean
-    /// it. More than the tail a full segment always wastes (under one raw
-    /// record), so that a volume whose only "garbage" is such tails reports
-    /// ENOSPC instead of copying segments around to gain nothing.
-    pub(crate) fn foreground_min_garbage(&self) -> u64 {
-        2 * crate::record::RAW_RECORD_LEN
-    }
-
     /// Cleans one victim with at least `min_garbage_bytes` of reclaimable
     /// space. Returns false if there is none, or no room to relocate into.
     pub fn clean_one(&self, min_garbage_bytes: u64) -> Result<bool> {
@@ -249,206 +181,284 @@ impl Volume {
         self.clean_one_locked(min_garbage_bytes)
     }
 
+    /// [`Volume::clean_one`] with the maintenance lock held.
     pub(crate) fn clean_one_locked(&self, min_garbage_bytes: u64) -> Result<bool> {
-        let page_size = self.geometry.page_size_bytes as u64;
-        let (victim, seq, fill_bytes, post_checkpoint) = {
+        let Some(victim) = self.choose_victim(min_garbage_bytes)? else {
+            return Ok(false);
+        };
+        let contents = self.read_victim(&victim)?;
+        let Some(relocated) = self.relocate_victim(&victim, contents)? else {
+            return Ok(false);
+        };
+        self.release_victim(&victim, relocated)?;
+        Ok(true)
+    }
+
+    /// The ladder, for the cleaner: `None` if even renewing the
+    /// reservations and flushing leave no room to relocate.
+    fn room_to_relocate(
+        &self,
+        victim: SegmentId,
+        extra_bytes: u64,
+    ) -> Result<Option<MutexGuard<'_, State>>> {
+        match self.make_room(Reach::Nested, |state| {
+            relocation_need(state, victim, extra_bytes)
+        }) {
+            Ok((state, _)) => Ok(Some(state)),
+            Err(Error::NoSpace { .. }) => Ok(None),
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Step 1: the victim with the best score, or, when free segments are
+    /// short, the emptiest, which needs the least room to relocate.
+    fn choose_victim(&self, min_garbage_bytes: u64) -> Result<Option<Victim>> {
+        let segment = {
             let state = self.lock();
             state.check_writable()?;
-            let Some(mut victim) = pick_victim(&state, self.settings.gc_policy, min_garbage_bytes)
-            else {
-                return Ok(false);
+            let policy = self.settings.gc_policy;
+            let Some(best) = pick_victim(&state, policy, min_garbage_bytes) else {
+                return Ok(None);
             };
-            // Room for its live records plus a few small records (damage markers).
-            let room_for = |state: &State, victim: SegmentId| relocation_segments(state, victim, 0);
-            if !state.gc_has_room(room_for(&state, victim)) {
-                // Short of free segments: take the emptiest victim instead,
-                // which needs the least room to relocate.
-                if let Some(emptiest) = pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes) {
-                    victim = emptiest;
-                }
-            }
-            let info = *state.segments.get(victim);
-            let needed = room_for(&state, victim);
-            let versions = relocation_versions(&state, victim);
-            if state.reservation_short(needed, versions) && state.gc_has_room(needed) {
-                // Free segments exist but no root has reserved them (or
-                // the numbers for them) yet.
-                let wanted = needed + state.segment_reserve_ahead / 2;
-                drop(state);
-                self.write_root(false, wanted, versions)?;
-                return Ok(true);
-            }
-            if !state.gc_has_room(needed) {
-                let reclaimable = state.reclaimable_count();
-                drop(state);
-                if reclaimable > 0 {
-                    self.flush()?;
-                    return Ok(true);
-                }
-                return Ok(false);
-            }
-            (
-                victim,
-                info.seq,
-                info.fill_bytes,
-                state.needed_by_recovery(victim),
-            )
-        };
-
-        // Trims in a segment written after the durable checkpoint must be
-        // relocated, and only a full scan finds them. Otherwise the
-        // segment summary (the blocks appended to it) and the map say which
-        // records are live, and only those are read.
-        let holds_ranges = self.lock().segments.get(victim).holds_ranges;
-        let full_scan = post_checkpoint && holds_ranges;
-        let mut checkpoint_first = false;
-        let gc_written_before;
-        let mut state = if full_scan {
-            let mut bytes = vec![0u8; fill_bytes as usize];
-            self.media.read(victim, 0, &mut bytes)?;
-            let scan = scan_segment(&bytes, 0, seq as u32, page_size, &self.record_key);
-            let mut state = self.lock();
-            // Trim and zero records come on top of the live data: make sure
-            // everything fits before changing anything.
-            let range_bytes: u64 = scan
-                .records
-                .iter()
-                .filter(|r| r.header.kind.is_range())
-                .map(|r| r.header.record_len())
-                .sum();
-            if !self.has_relocation_room(&state, victim, range_bytes) {
-                return self.short_of_room(state, victim, range_bytes);
-            }
-            gc_written_before = state.counters.gc_write_bytes;
-            state.counters.gc_read_bytes += fill_bytes;
-            for record in &scan.records {
-                let header = record.header;
-                let payload = &bytes[record.payload.clone()];
-                match header.kind {
-                    RecordKind::Data => {
-                        let here = Location {
-                            segment: victim,
-                            offset: record.offset as u32,
-                            len: header.record_len() as u32,
-                        };
-                        if state.map.get(Lba(header.lba)).slot() == Slot::Data(here) {
-                            move_record(&mut state, here, header, payload)?;
-                        }
-                    }
-                    RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
-                        // Needed by recovery unless later writes replaced every block it covers.
-                        let count = crate::record::range_count(payload);
-                        if !state
-                            .map
-                            .all_newer_than(Lba(header.lba), count, header.version)
-                        {
-                            relocate(&mut state, header, payload)?;
-                        }
-                    }
-                    RecordKind::MapChunk => {}
-                }
-            }
-            // Range records lost to damage in the segment could not be
-            // relocated: only a checkpoint makes them unnecessary.
-            checkpoint_first = scan.first_error.is_some();
-            state
-        } else {
-            let mut live = self.live_extents(victim);
-            live.sort_by_key(|(_, loc, _)| loc.offset);
-            // Read the live records, merging those close together.
-            let mut runs: Vec<(u64, u64)> = Vec::new();
-            for (_, loc, _) in &live {
-                let (start, end) = (loc.offset as u64, loc.offset as u64 + loc.len as u64);
-                match runs.last_mut() {
-                    Some(run) if start <= run.1 + MERGE_GAP_BYTES => run.1 = run.1.max(end),
-                    _ => runs.push((start, end)),
-                }
-            }
-            let mut buffers: Vec<(u64, Vec<u8>)> = runs
-                .iter()
-                .map(|&(start, end)| (start, vec![0u8; (end - start) as usize]))
-                .collect();
-            let read: u64 = runs.iter().map(|&(start, end)| end - start).sum();
+            let need = relocation_need(&state, best, 0);
+            if state
+                .space()
+                .segments_fit(&need, state.floor(Writer::Cleaner))
             {
-                let mut ranges: Vec<crate::media::ReadRange<'_>> = buffers
-                    .iter_mut()
-                    .map(|(start, buf)| crate::media::ReadRange {
-                        segment: victim,
-                        offset_bytes: *start,
-                        buf,
-                    })
-                    .collect();
-                for result in self.media.read_batch(&mut ranges) {
-                    result?;
-                }
+                best
+            } else {
+                pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes).unwrap_or(best)
             }
-            let mut state = self.lock();
-            if !self.has_relocation_room(&state, victim, 0) {
-                return self.short_of_room(state, victim, 0);
-            }
-            gc_written_before = state.counters.gc_write_bytes;
-            state.counters.gc_read_bytes += read;
-            for (lba, loc, version) in live {
-                // A host write may have replaced the block meanwhile.
-                if state.map.get(lba).slot() != Slot::Data(loc) {
-                    continue;
-                }
-                let index = buffers.partition_point(|(start, _)| *start <= loc.offset as u64) - 1;
-                let (start, buffer) = &buffers[index];
-                let at = (loc.offset as u64 - start) as usize;
-                let record = buffer.get(at..at + loc.len as usize).and_then(|slice| {
-                    decode_record(slice, &self.record_key, Some(seq as u32)).ok()
-                });
-                move_or_mark_damaged(&mut state, lba, loc, version, record)?;
-            }
-            state
         };
-        if state.segments.get(victim).live_bytes > 0 {
-            // Live records the scan could not reach (damage in the segment):
-            // find them through the map and verify them one by one.
-            drop(state);
-            let stragglers = self.live_extents(victim);
-            state = self.lock();
-            for (lba, loc, version) in stragglers {
-                if state.map.get(lba).slot() != Slot::Data(loc) {
-                    continue;
+        let Some(state) = self.room_to_relocate(segment, 0)? else {
+            return Ok(None);
+        };
+        let info = state.space().segment(segment);
+        debug_assert_eq!(info.state, SegmentState::Sealed, "victim {segment}");
+        Ok(Some(Victim {
+            segment,
+            seq: info.seq,
+            fill_bytes: info.fill_bytes,
+            needed_by_recovery: state.needed_by_recovery(segment),
+            holds_ranges: info.holds_ranges,
+        }))
+    }
+
+    /// The live records of `segment`: (block, location, version), found
+    /// through the segment summary, or a scan of the map if it has none.
+    fn live_extents(&self, segment: SegmentId) -> Vec<LiveExtent> {
+        let state = self.lock();
+        let (map, space) = (state.map(), state.space());
+        let mut members = space.table().members(segment).to_vec();
+        members.sort_unstable();
+        members.dedup();
+        let mut live = Vec::new();
+        let mut live_bytes = 0;
+        for lba in members {
+            let entry = map.get(Lba(lba));
+            if let Slot::Data(loc) = entry.slot() {
+                if loc.segment == segment {
+                    live_bytes += loc.len as u64;
+                    live.push((Lba(lba), loc, entry.version()));
                 }
-                let mut bytes = vec![0u8; loc.len as usize];
-                let record = self
-                    .media
-                    .read(victim, loc.offset as u64, &mut bytes)
-                    .ok()
-                    .and_then(|_| decode_record(&bytes, &self.record_key, Some(seq as u32)).ok());
-                move_or_mark_damaged(&mut state, lba, loc, version, record)?;
             }
         }
-        checkpoint_first &= post_checkpoint;
-        assert_eq!(
-            state.segments.get(victim).live_bytes,
-            0,
-            "victim {victim} still has live bytes"
-        );
-        let relocated = state.counters.gc_write_bytes - gc_written_before;
-        let killed_gen = state.segments.get(victim).killed_gen;
-        let next_barrier = state.barrier_gen + 1;
-        if checkpoint_first {
-            state.segments.mark_reclaimable(victim, AFTER_CHECKPOINT);
-        } else if relocated == 0 && killed_gen <= state.synced_gen {
-            // Nothing was copied out, and every write that made its records
-            // dead is already durable (typically a flushed TRIM or
-            // overwrite): no barrier needs to wait for it.
-            state.segments.release(victim);
-        } else {
-            state.segments.mark_reclaimable(victim, next_barrier);
+        if live_bytes != space.segment(segment).live_bytes {
+            // The summary is incomplete (it is rebuilt from the map at open,
+            // so this is a bug guard): fall back to the whole map.
+            live.clear();
+            map.for_each_data(|lba, loc, version| {
+                if loc.segment == segment {
+                    live.push((lba, loc, version));
+                }
+            });
         }
-        state.counters.segments_cleaned += 1;
+        live
+    }
+
+    /// Step 2, outside the state lock: the whole victim if it must be
+    /// scanned, otherwise its live records, merged into few requests.
+    fn read_victim(&self, victim: &Victim) -> Result<Contents> {
+        let segment = victim.segment;
+        if victim.full_scan() {
+            let mut bytes = vec![0u8; victim.fill_bytes as usize];
+            self.media.read(segment, 0, &mut bytes)?;
+            let page_size = self.geometry.page_size_bytes as u64;
+            let scan = scan_segment(&bytes, 0, victim.seq as u32, page_size, &self.record_key);
+            return Ok(Contents::Scanned { bytes, scan });
+        }
+        let mut live = self.live_extents(segment);
+        live.sort_by_key(|(_, loc, _)| loc.offset);
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        for (_, loc, _) in &live {
+            let (start, end) = (loc.offset as u64, loc.offset as u64 + loc.len as u64);
+            match spans.last_mut() {
+                Some(span) if start <= span.1 + MERGE_GAP_BYTES => span.1 = span.1.max(end),
+                _ => spans.push((start, end)),
+            }
+        }
+        let mut runs: Vec<(u64, Vec<u8>)> = spans
+            .iter()
+            .map(|&(start, end)| (start, vec![0u8; (end - start) as usize]))
+            .collect();
+        let read_bytes = spans.iter().map(|&(start, end)| end - start).sum();
+        let mut ranges: Vec<ReadRange<'_>> = runs
+            .iter_mut()
+            .map(|(start, buf)| ReadRange {
+                segment,
+                offset_bytes: *start,
+                buf,
+            })
+            .collect();
+        for result in self.media.read_batch(&mut ranges) {
+            result?;
+        }
+        Ok(Contents::Live {
+            live,
+            runs,
+            read_bytes,
+        })
+    }
+
+    /// Step 3: relocates what is live (and, from a scan, the range records
+    /// recovery still needs); `None` if the ladder finds no room for it.
+    fn relocate_victim<'a>(
+        &'a self,
+        victim: &Victim,
+        contents: Contents,
+    ) -> Result<Option<Relocated<'a>>> {
+        let segment = victim.segment;
+        let seq32 = victim.seq as u32;
+        let mut checkpoint_first = false;
+        let (mut state, gc_written_before) = match contents {
+            Contents::Scanned { bytes, scan } => {
+                // Trim and zero records come on top of the live data: make
+                // sure everything fits before changing anything.
+                let range_bytes: u64 = scan
+                    .records
+                    .iter()
+                    .filter(|r| r.header.kind.is_range())
+                    .map(|r| r.header.record_len())
+                    .sum();
+                let Some(mut state) = self.room_to_relocate(segment, range_bytes)? else {
+                    return Ok(None);
+                };
+                let before = state.counters().gc_write_bytes;
+                state.tally(Tally::GcRead(victim.fill_bytes));
+                relocate_scanned(&mut state, segment, &bytes, &scan)?;
+                checkpoint_first = scan.first_error.is_some();
+                (state, before)
+            }
+            Contents::Live {
+                live,
+                runs,
+                read_bytes,
+            } => {
+                let Some(mut state) = self.room_to_relocate(segment, 0)? else {
+                    return Ok(None);
+                };
+                let before = state.counters().gc_write_bytes;
+                state.tally(Tally::GcRead(read_bytes));
+                for extent @ (lba, loc, _) in live {
+                    // A host write may have replaced the block meanwhile.
+                    if state.map().get(lba).slot() != Slot::Data(loc) {
+                        continue;
+                    }
+                    let record = record_in_runs(&runs, loc, &self.record_key, seq32);
+                    move_or_mark_damaged(&mut state, extent, record)?;
+                }
+                (state, before)
+            }
+        };
+        if state.space().segment(segment).live_bytes > 0 {
+            // Live records the scan could not reach (damage in the segment).
+            drop(state);
+            state = self.relocate_stragglers(victim)?;
+        }
+        let relocated_bytes = state.counters().gc_write_bytes - gc_written_before;
+        Ok(Some(Relocated {
+            state,
+            relocated_bytes,
+            checkpoint_first: checkpoint_first && victim.needed_by_recovery,
+        }))
+    }
+
+    /// Finds the victim's remaining live records through the map and
+    /// verifies them one by one; returns the state lock.
+    fn relocate_stragglers(&self, victim: &Victim) -> Result<MutexGuard<'_, State>> {
+        let stragglers = self.live_extents(victim.segment);
+        let mut state = self.lock();
+        for extent @ (lba, loc, _) in stragglers {
+            if state.map().get(lba).slot() != Slot::Data(loc) {
+                continue;
+            }
+            let mut bytes = vec![0u8; loc.len as usize];
+            let record = self
+                .media
+                .read(victim.segment, loc.offset as u64, &mut bytes)
+                .ok()
+                .and_then(|_| {
+                    decode_record(&bytes, &self.record_key, Some(victim.seq as u32)).ok()
+                });
+            move_or_mark_damaged(&mut state, extent, record)?;
+        }
+        Ok(state)
+    }
+
+    /// Step 4: the victim is retired; if damage hid range records a
+    /// recovery might need, it waits for a checkpoint, written at once.
+    fn release_victim(&self, victim: &Victim, relocated: Relocated<'_>) -> Result<()> {
+        let Relocated {
+            mut state,
+            relocated_bytes,
+            checkpoint_first,
+        } = relocated;
+        state.retire(victim.segment, relocated_bytes, checkpoint_first);
         drop(state);
         self.media
-            .segment_recycled(self.geometry.segment_size_bytes, relocated);
+            .segment_recycled(self.geometry.segment_size_bytes, relocated_bytes);
         if checkpoint_first {
             // Also releases the victim for the next barrier.
             self.checkpoint_locked(false)?;
         }
-        Ok(true)
+        Ok(())
     }
+}
+
+/// Relocates, from a scanned victim, each data record the map still points
+/// at, and each range record that still determines a block (recovery from
+/// the durable checkpoint needs it).
+fn relocate_scanned(
+    state: &mut State,
+    segment: SegmentId,
+    bytes: &[u8],
+    scan: &ScanResult,
+) -> Result<()> {
+    for record in &scan.records {
+        let header = record.header;
+        let payload = &bytes[record.payload.clone()];
+        match header.kind {
+            RecordKind::Data => {
+                let here = Location {
+                    segment,
+                    offset: record.offset as u32,
+                    len: header.record_len() as u32,
+                };
+                if state.map().get(Lba(header.lba)).slot() == Slot::Data(here) {
+                    state.relocate(here, header, payload)?;
+                }
+            }
+            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
+                let count = range_count(payload);
+                if !state
+                    .map()
+                    .all_newer_than(Lba(header.lba), count, header.version)
+                {
+                    state.relocate_range(header, payload)?;
+                }
+            }
+            RecordKind::MapChunk => {}
+        }
+    }
+    Ok(())
 }

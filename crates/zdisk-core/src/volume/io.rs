@@ -13,16 +13,20 @@
 //! under a stripe lock, so concurrent sub-block writes to one block do not
 //! lose each other's bytes.
 
+use std::ops::Range;
+use std::sync::MutexGuard;
+
 use crate::codec::{compress_block, decompress_block, CodecId};
 use crate::error::{Error, Result};
-use crate::map::{Location, RangeState, Slot};
-use crate::media::HostDirection;
+use crate::map::{Entry, Location, Slot};
+use crate::media::{HostDirection, ReadRange};
 use crate::record::{
-    decode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
+    decode_record, record_len_for_payload, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
 };
-use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
-use super::state::{State, StreamKind};
+use super::space::{Need, Reach, Writer};
+use super::state::{State, StreamKind, Tally};
 use super::Volume;
 
 /// Requests at least this many blocks long compress on several threads.
@@ -96,7 +100,7 @@ impl Volume {
         if buf.is_empty() {
             return Ok(());
         }
-        self.lock().counters.host_read_bytes += buf.len() as u64;
+        self.lock().tally(Tally::HostRead(buf.len() as u64));
         let result = self.read_bytes_inner(offset, buf);
         // The data leaves over the host link once it has been read.
         self.media
@@ -117,122 +121,121 @@ impl Volume {
         Ok(())
     }
 
-    /// Reads whole blocks into `out`.
+    /// Reads whole blocks into `out`: looks them up, reads their records
+    /// from the medium in one batch, verifies and decompresses them, and
+    /// looks again at any that failed (the cleaner may have moved them).
     pub(crate) fn read_blocks(&self, first: Lba, out: &mut [u8]) -> Result<()> {
-        let count = (out.len() / BLOCK_SIZE) as u64;
-        let mut wanted: Vec<(usize, Location, u64)> = Vec::new();
-        let mut buffered: Vec<(usize, Vec<u8>, u64)> = Vec::new();
-        {
-            let state = self.lock();
-            let mut error = None;
-            state.map.for_each_in(first, count, |lba, entry| {
-                if error.is_some() {
-                    return;
-                }
-                let index = (lba.0 - first.0) as usize;
-                match entry.slot() {
-                    Slot::Hole | Slot::Zero => {
-                        out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].fill(0)
-                    }
-                    Slot::Damaged => {
-                        error = Some(Error::DamagedBlock {
-                            lba: lba.0,
-                            segment: 0,
-                            offset: 0,
-                            reason:
-                                "its data was found damaged earlier; rewrite the block to clear"
-                                    .into(),
-                        })
-                    }
-                    Slot::Data(loc) => match state.read_buffered(loc) {
-                        Ok(Some(bytes)) => buffered.push((index, bytes, entry.version())),
-                        Ok(None) => wanted.push((index, loc, entry.version())),
-                        Err(e) => error = Some(e),
-                    },
-                }
-            });
-            if let Some(error) = error {
-                return Err(error);
-            }
-        }
+        let Lookup {
+            mut wanted,
+            buffered,
+        } = self.look_up(first, out)?;
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (index, bytes, version) in buffered {
             let lba = Lba(first.0 + index as u64);
-            let block = &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
+            // Still in a stream buffer: no medium location to report.
+            let loc = Location {
+                segment: SegmentId(0),
+                offset: 0,
+                len: bytes.len() as u32,
+            };
             if let Err(error) = decode_block(
                 &self.record_key,
                 lba,
                 version,
                 &bytes,
-                Location {
-                    segment: crate::units::SegmentId(0),
-                    offset: 0,
-                    len: bytes.len() as u32,
-                },
-                block,
+                loc,
+                block_mut(out, index),
             ) {
                 failed.push((index, error));
             }
         }
-        wanted.sort_by_key(|(_, loc, _)| (loc.segment, loc.offset));
-        // Group adjacent records into runs, then read every run in one
-        // batch, so a drive with many dies serves them in parallel.
-        let mut runs: Vec<(std::ops::Range<usize>, Location, u64)> = Vec::new();
-        let mut run_start = 0;
-        while run_start < wanted.len() {
-            let mut run_end = run_start + 1;
-            let first_loc = wanted[run_start].1;
-            let mut end_offset = first_loc.offset as u64 + first_loc.len as u64;
-            while run_end < wanted.len() {
-                let loc = wanted[run_end].1;
-                if loc.segment != first_loc.segment
-                    || loc.offset as u64 != end_offset
-                    || end_offset + loc.len as u64 - first_loc.offset as u64 > READ_COALESCE_BYTES
-                {
-                    break;
-                }
-                end_offset += loc.len as u64;
-                run_end += 1;
-            }
-            runs.push((
-                run_start..run_end,
-                first_loc,
-                end_offset - first_loc.offset as u64,
-            ));
-            run_start = run_end;
+        wanted.sort_by_key(|extent| (extent.loc.segment, extent.loc.offset));
+        let runs = coalesce(&wanted);
+        failed.extend(self.read_runs(first, &wanted, &runs, out));
+        for (index, error) in failed {
+            self.reread_block(Lba(first.0 + index as u64), block_mut(out, index), error)?;
         }
-        let media_read: u64 = runs.iter().map(|(_, _, span)| span).sum();
+        Ok(())
+    }
+
+    /// Under the state lock: fills holes and zeros in `out`, copies
+    /// records still in a stream buffer, and lists the rest for reading.
+    fn look_up(&self, first: Lba, out: &mut [u8]) -> Result<Lookup> {
+        let count = (out.len() / BLOCK_SIZE) as u64;
+        let mut lookup = Lookup {
+            wanted: Vec::new(),
+            buffered: Vec::new(),
+        };
+        let state = self.lock();
+        let mut error = None;
+        state.map().for_each_in(first, count, |lba, entry| {
+            if error.is_some() {
+                return;
+            }
+            let index = (lba.0 - first.0) as usize;
+            match entry.slot() {
+                Slot::Hole | Slot::Zero => block_mut(out, index).fill(0),
+                Slot::Damaged => {
+                    error = Some(damaged_earlier(
+                        lba,
+                        "its data was found damaged earlier; rewrite the block to clear",
+                    ))
+                }
+                Slot::Data(loc) => match state.read_buffered(loc) {
+                    Ok(Some(bytes)) => lookup.buffered.push((index, bytes, entry.version())),
+                    Ok(None) => lookup.wanted.push(Wanted {
+                        index,
+                        loc,
+                        version: entry.version(),
+                    }),
+                    Err(e) => error = Some(e),
+                },
+            }
+        });
+        match error {
+            Some(error) => Err(error),
+            None => Ok(lookup),
+        }
+    }
+
+    /// Reads every run in one batch (a drive with many dies serves them in
+    /// parallel) and decodes each block into `out`; returns the blocks
+    /// that failed.
+    fn read_runs(
+        &self,
+        first: Lba,
+        wanted: &[Wanted],
+        runs: &[Run],
+        out: &mut [u8],
+    ) -> Vec<(usize, Error)> {
+        let media_read: u64 = runs.iter().map(|run| run.span_bytes).sum();
         let mut scratch = vec![0u8; media_read as usize];
         let results = {
             let mut ranges = Vec::with_capacity(runs.len());
             let mut rest = scratch.as_mut_slice();
-            for (_, loc, span) in &runs {
-                let (buf, tail) = std::mem::take(&mut rest).split_at_mut(*span as usize);
+            for run in runs {
+                let (buf, tail) = std::mem::take(&mut rest).split_at_mut(run.span_bytes as usize);
                 rest = tail;
-                ranges.push(crate::media::ReadRange {
-                    segment: loc.segment,
-                    offset_bytes: loc.offset as u64,
+                ranges.push(ReadRange {
+                    segment: run.start.segment,
+                    offset_bytes: run.start.offset as u64,
                     buf,
                 });
             }
             self.media.read_batch(&mut ranges)
         };
+        let mut failed = Vec::new();
         let mut base = 0usize;
-        for ((members, first_loc, span), read) in runs.iter().zip(results) {
-            for &(index, loc, version) in &wanted[members.clone()] {
-                let lba = Lba(first.0 + index as u64);
-                let block = &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
+        for (run, read) in runs.iter().zip(results) {
+            for extent in &wanted[run.members.clone()] {
+                let lba = Lba(first.0 + extent.index as u64);
+                let loc = extent.loc;
                 let result = match &read {
                     Ok(()) => {
-                        let at = base + (loc.offset - first_loc.offset) as usize;
-                        decode_block(
-                            &self.record_key,
-                            lba,
-                            version,
-                            &scratch[at..at + loc.len as usize],
-                            loc,
-                            block,
-                        )
+                        let at = base + (loc.offset - run.start.offset) as usize;
+                        let bytes = &scratch[at..at + loc.len as usize];
+                        let block = block_mut(out, extent.index);
+                        decode_block(&self.record_key, lba, extent.version, bytes, loc, block)
                     }
                     Err(e) => Err(Error::io(
                         format!("reading block {lba}"),
@@ -240,20 +243,13 @@ impl Volume {
                     )),
                 };
                 if let Err(error) = result {
-                    failed.push((index, error));
+                    failed.push((extent.index, error));
                 }
             }
-            base += *span as usize;
+            base += run.span_bytes as usize;
         }
-        self.lock().counters.media_read_bytes += media_read;
-        for (index, error) in failed {
-            self.reread_block(
-                Lba(first.0 + index as u64),
-                &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE],
-                error,
-            )?;
-        }
-        Ok(())
+        self.lock().tally(Tally::MediaRead(media_read));
+        failed
     }
 
     /// A block failed verification: if the map moved on (the cleaner
@@ -262,14 +258,13 @@ impl Volume {
     fn reread_block(&self, lba: Lba, out: &mut [u8], mut error: Error) -> Result<()> {
         let mut previous = None;
         for _ in 0..4 {
-            let entry = self.lock().map.get(lba);
+            let entry = self.lock().map().get(lba);
             if previous == Some(entry) {
                 break;
             }
             previous = Some(entry);
             let mut block = vec![0u8; BLOCK_SIZE];
-            let attempt = self.read_blocks_once(lba, entry, &mut block);
-            match attempt {
+            match self.read_block_once(lba, entry, &mut block) {
                 Ok(()) => {
                     out.copy_from_slice(&block);
                     return Ok(());
@@ -277,22 +272,17 @@ impl Volume {
                 Err(e) => error = e,
             }
         }
-        self.lock().counters.damaged_blocks_found += 1;
+        self.lock().tally(Tally::DamageFound);
         Err(error)
     }
 
-    fn read_blocks_once(&self, lba: Lba, entry: crate::map::Entry, out: &mut [u8]) -> Result<()> {
+    fn read_block_once(&self, lba: Lba, entry: Entry, out: &mut [u8]) -> Result<()> {
         match entry.slot() {
             Slot::Hole | Slot::Zero => {
                 out.fill(0);
                 Ok(())
             }
-            Slot::Damaged => Err(Error::DamagedBlock {
-                lba: lba.0,
-                segment: 0,
-                offset: 0,
-                reason: "its data was found damaged earlier".into(),
-            }),
+            Slot::Damaged => Err(damaged_earlier(lba, "its data was found damaged earlier")),
             Slot::Data(loc) => {
                 let buffered = self.lock().read_buffered(loc)?;
                 let bytes = match buffered {
@@ -339,11 +329,7 @@ impl Volume {
                 self.modify_block(end_full, Some(&data[(end_full - offset) as usize..]))?;
             }
         }
-        {
-            let mut state = self.lock();
-            state.counters.host_write_bytes += data.len() as u64;
-            state.counters.host_write_requests += 1;
-        }
+        self.lock().tally(Tally::HostWrite(data.len() as u64));
         if fua {
             self.flush()?;
         }
@@ -401,8 +387,13 @@ impl Volume {
                 };
             }
         }
-        let floor_blocks = Some(count as u64);
-        let (mut state, floor) = self.lock_with_room(needed, floor_blocks)?;
+        let (mut state, floor) = self.admit(
+            Writer::Host {
+                blocks: count as u64,
+            },
+            needed,
+            count as u64,
+        )?;
         let mut lba = first.0;
         let mut zero_run: Option<(u64, u64)> = None;
         for batch in &batches {
@@ -421,146 +412,39 @@ impl Volume {
                         crc,
                     } => {
                         if let Some((start, n)) = zero_run.take() {
-                            append_range(&mut state, RecordKind::Zero, Lba(start), n, floor)?;
+                            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
                         }
-                        let version = state.take_version();
-                        let header = RecordHeader {
-                            kind: RecordKind::Data,
-                            codec: *codec as u8,
-                            seg_seq: 0,
-                            lba,
-                            version,
-                            payload_len: *len as u32,
-                            crc: 0,
-                        };
-                        let loc = state.append(
-                            StreamKind::Host,
-                            header,
-                            &batch.arena[*start..*start + *len],
-                            *crc,
-                            floor,
-                        )?;
-                        state.segments.add_live(loc.segment, loc.len as u64);
-                        let old = state.map.set(Lba(lba), Slot::Data(loc), version);
-                        if let Slot::Data(old_loc) = old.slot() {
-                            state.release_location(old_loc);
-                        }
+                        let payload = &batch.arena[*start..*start + *len];
+                        state.apply_write(Lba(lba), *codec as u8, payload, *crc, floor)?;
                     }
                 }
                 lba += 1;
             }
         }
         if let Some((start, n)) = zero_run.take() {
-            append_range(&mut state, RecordKind::Zero, Lba(start), n, floor)?;
+            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
         }
+        debug_assert_eq!(lba, first.0 + count as u64, "every block was applied");
         Ok(())
     }
 
-    /// Takes the state lock once the host stream has room for `bytes`,
-    /// cleaning segments in this thread if needed (this is what throttles
-    /// writers when space runs short).
-    /// `reserve_for_blocks`: keep the reserve, sized for a write of that
-    /// many blocks; `None`: only keep room for a checkpoint, so that trims
-    /// and zeroes work on a full medium.
-    /// Returns the guard and the number of segments that must stay free.
-    pub(crate) fn lock_with_room(
+    /// Takes the state lock once `writer` has room to append `bytes` to
+    /// the host stream and number `versions` versions, climbing the ladder
+    /// in this thread if needed (this is what throttles writers when space
+    /// runs short). Returns the guard and the number of segments that must
+    /// stay free.
+    pub(crate) fn admit(
         &self,
+        writer: Writer,
         bytes: u64,
-        reserve_for_blocks: Option<u64>,
-    ) -> Result<(std::sync::MutexGuard<'_, State>, u64)> {
-        let mut attempts = 0u64;
-        let mut checkpointed = false;
-        let limit = 4 * self.geometry.segment_count as u64 + 16;
-        loop {
-            let mut state = self.lock();
-            state.check_writable()?;
-            if state.closing {
-                return Err(Error::ShutDown);
-            }
-            let floor = match reserve_for_blocks {
-                Some(blocks) => state.reserved_segments_for(blocks),
-                None => state.dump_reserve_segments(),
-            };
-            let needed = state.segments_needed(StreamKind::Host, bytes);
-            // A write numbers each block (data or zero run); a range, itself.
-            let versions = reserve_for_blocks.unwrap_or(1);
-            if state.reservation_short(needed, versions) {
-                drop(state);
-                self.renew_reservations(needed, versions)?;
-                state = self.lock();
-            }
-            if state.host_has_room(bytes, floor) {
-                if state.numbering_room(needed, versions) {
-                    return Ok((state, floor));
-                }
-                // Other writers used the renewed numbers first: renew again.
-                attempts += 1;
-                if attempts > limit {
-                    return Err(Error::NoSpace {
-                        free_segments: state.segments.free_count(),
-                        reserved_segments: floor,
-                    });
-                }
-                continue;
-            }
-            let reclaimable = state.reclaimable_count();
-            let free = state.segments.free_count();
-            let reserved = floor;
-            // Give up at once if all the garbage there is could not make room:
-            // cleaning would only churn.
-            let segment_size = state.segment_size();
-            let min_garbage = self.foreground_min_garbage();
-            let garbage: u64 = state
-                .segments
-                .iter()
-                .filter(|(_, info)| info.state == crate::segments::SegmentState::Sealed)
-                .map(|(_, info)| segment_size - info.live_bytes)
-                .filter(|&g| g >= min_garbage)
-                .sum();
-            let available = (free + reclaimable).saturating_sub(reserved) * segment_size
-                + state.stream_room(StreamKind::Host)
-                + garbage;
-            // Only a checkpoint frees trims kept for recovery and parked segments.
-            let checkpoint_would_help = !checkpointed
-                && (state.range_bytes_since_checkpoint > 0 || state.segments.parked_count() > 0);
-            drop(state);
-            let no_space = Error::NoSpace {
-                free_segments: free,
-                reserved_segments: reserved,
-            };
-            // Trims kept for recovery, or segments parked until a
-            // checkpoint, may be what holds the space: a checkpoint
-            // releases them. Try that once before giving up.
-            let checkpoint_or_give_up = || {
-                if !checkpoint_would_help {
-                    return Err(no_space);
-                }
-                checkpointed = true;
-                match self.checkpoint() {
-                    Ok(()) | Err(Error::NoSpace { .. }) => Ok(()),
-                    Err(other) => Err(other),
-                }
-            };
-            if available < bytes + crate::record::RAW_RECORD_LEN {
-                checkpoint_or_give_up()?;
-                continue;
-            }
-            self.poke();
-            attempts += 1;
-            if attempts > limit {
-                return Err(Error::NoSpace {
-                    free_segments: free,
-                    reserved_segments: reserved,
-                });
-            }
-            if reclaimable > 0 {
-                self.flush()?;
-                continue;
-            }
-            if !self.clean_one(self.foreground_min_garbage())? {
-                checkpoint_or_give_up()?;
-            }
-        }
+        versions: u64,
+    ) -> Result<(MutexGuard<'_, State>, u64)> {
+        self.make_room(Reach::All, |state| Need {
+            writer,
+            segments: state.segments_needed(StreamKind::Host, bytes),
+            versions,
+            bytes,
+        })
     }
 
     pub(crate) fn discard(&self, offset: u64, len: u64, mode: Discard, fua: bool) -> Result<()> {
@@ -591,26 +475,18 @@ impl Volume {
                 Discard::Zero => RecordKind::Zero,
             };
             // Trims and zeroes free space, so they may use the cleaner's reserve.
-            let (mut state, floor) = self.lock_with_room(RANGE_RECORD_LEN, None)?;
-            append_range(
-                &mut state,
-                kind,
-                Lba(first_full / BLOCK_SIZE_U64),
-                (end_full - first_full) / BLOCK_SIZE_U64,
-                floor,
-            )?;
+            let (mut state, floor) = self.admit(Writer::Range, RANGE_RECORD_LEN, 1)?;
+            let first = Lba(first_full / BLOCK_SIZE_U64);
+            state.apply_range(kind, first, (end_full - first_full) / BLOCK_SIZE_U64, floor)?;
             drop(state);
             if zeroing && end_full < end {
                 self.modify_block_with(end_full, None, (end - end_full) as usize)?;
             }
         }
-        {
-            let mut state = self.lock();
-            match mode {
-                Discard::Trim => state.counters.host_trim_bytes += len,
-                _ => state.counters.host_zero_bytes += len,
-            }
-        }
+        self.lock().tally(match mode {
+            Discard::Trim => Tally::HostTrim(len),
+            Discard::Zero | Discard::ZeroPunch => Tally::HostZero(len),
+        });
         if fua {
             self.flush()?;
         }
@@ -618,44 +494,71 @@ impl Volume {
     }
 }
 
-/// Appends a range record and applies it to the map, keeping `floor`
-/// segments free.
-pub(crate) fn append_range(
-    state: &mut State,
-    kind: RecordKind,
-    first: Lba,
-    count: u64,
-    floor: u64,
-) -> Result<()> {
-    let version = state.take_version();
-    let payload = count.to_le_bytes();
-    let header = RecordHeader {
-        kind,
-        codec: 0,
-        seg_seq: 0,
-        lba: first.0,
-        version,
-        payload_len: RANGE_PAYLOAD_LEN,
-        crc: 0,
-    };
-    state.append(
-        StreamKind::Host,
-        header,
-        &payload,
-        crc32c::crc32c(&payload),
-        floor,
-    )?;
-    let range_state = match kind {
-        RecordKind::Trim => RangeState::Hole,
-        RecordKind::Zero => RangeState::Zero,
-        RecordKind::Damaged => RangeState::Damaged,
-        other => panic!("{other:?} is not a range record"),
-    };
-    let State { map, segments, .. } = state;
-    map.set_range(first, count, range_state, version, false, &mut |loc| {
-        segments.sub_live(loc.segment, loc.len as u64)
-    });
-    Ok(())
+/// A block a read must fetch from the medium.
+struct Wanted {
+    /// Its position in the request.
+    index: usize,
+    loc: Location,
+    version: u64,
+}
+
+/// What a read finds under the lock.
+struct Lookup {
+    wanted: Vec<Wanted>,
+    /// Records still in a stream buffer: (position, bytes, version).
+    buffered: Vec<(usize, Vec<u8>, u64)>,
+}
+
+/// Adjacent records read from the medium in one request.
+struct Run {
+    /// Positions in the sorted `wanted` list.
+    members: Range<usize>,
+    start: Location,
+    span_bytes: u64,
+}
+
+/// Groups `wanted` (sorted by location) into runs of adjacent records, up
+/// to `READ_COALESCE_BYTES` each.
+fn coalesce(wanted: &[Wanted]) -> Vec<Run> {
+    let mut runs = Vec::new();
+    let mut run_start = 0;
+    while run_start < wanted.len() {
+        let start = wanted[run_start].loc;
+        let mut run_end = run_start + 1;
+        let mut end_offset = start.offset as u64 + start.len as u64;
+        while let Some(next) = wanted.get(run_end).map(|w| w.loc) {
+            let span = end_offset + next.len as u64 - start.offset as u64;
+            if next.segment != start.segment
+                || next.offset as u64 != end_offset
+                || span > READ_COALESCE_BYTES
+            {
+                break;
+            }
+            end_offset += next.len as u64;
+            run_end += 1;
+        }
+        runs.push(Run {
+            members: run_start..run_end,
+            start,
+            span_bytes: end_offset - start.offset as u64,
+        });
+        run_start = run_end;
+    }
+    runs
+}
+
+/// The `index`th block of `out`.
+fn block_mut(out: &mut [u8], index: usize) -> &mut [u8] {
+    &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE]
+}
+
+fn damaged_earlier(lba: Lba, reason: &str) -> Error {
+    Error::DamagedBlock {
+        lba: lba.0,
+        segment: 0,
+        offset: 0,
+        reason: reason.into(),
+    }
 }
 
 /// Verifies the record in `bytes` is block `lba` at `version` and decompresses it.

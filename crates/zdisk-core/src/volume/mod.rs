@@ -1,120 +1,63 @@
 //! The volume: zdisk's engine, tying the map, the log writer, the cleaner,
 //! checkpoints and recovery together behind [`BlockDevice`].
 //!
-//! Concurrency: one mutex guards [`State`] (map, segment table, stream
+//! Concurrency: one mutex guards [`State`] (map, free space, stream
 //! buffers). Compression, decompression and medium reads happen outside
-//! it; appending records and updating the map happen inside. Syncs are
-//! group-committed under their own lock, so one `fdatasync` covers every
-//! flush waiting for it. The cleaner and checkpoints are serialised by a
-//! maintenance lock and run on a background thread, or in the writer's
-//! thread when a write finds no room (which is how writes are throttled).
+//! it; appending records and updating the map happen inside, through
+//! `State`'s mutation methods. Syncs are group-committed under their own
+//! lock, so one `fdatasync` covers every flush waiting for it. The cleaner
+//! and checkpoints are serialised by a maintenance lock and run on a
+//! background thread, or in the writer's thread when a write finds no room
+//! (which is how writes are throttled): every caller short of space climbs
+//! one ladder, decided in `space.rs` and climbed in `room.rs`.
 //!
 //! Lock order: maintenance → sync → state. The stripe locks of
 //! read-modify-write come before all three.
 
 mod check;
-pub mod checkpoint;
+mod checkpoint;
 mod clean;
 mod io;
+mod options;
 mod recovery;
-pub mod scan;
-pub mod state;
+mod room;
+mod roots;
+pub(crate) mod scan;
+mod space;
+mod state;
 #[cfg(test)]
 mod tests;
 
 pub use check::CheckReport;
+pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, SystemClock};
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::codec::Codec;
 use crate::device::{BlockDevice, Extent, ExtentState};
 use crate::error::{Error, Result};
-use crate::gc::GcPolicy;
 use crate::map::Slot;
 use crate::media::{Media, MediaGeometry};
-use crate::meta::{read_roots, CheckpointRoot, MediaKind, Root, Settings, Superblock};
-use crate::stats::{Counters, Stats};
+use crate::meta::{read_roots, RetainedRoot, Root, Settings, Superblock};
+use crate::record::RecordKey;
+use crate::segments::SegmentState;
+use crate::stats::{Counters, SegmentCounts, Stats};
 use crate::units::{Lba, BLOCK_SIZE_U64};
 
-use state::{State, Stream};
+use recovery::Recovered;
+use roots::{build_root, RootContents};
+use space::{Ahead, Reservation, Space};
+use state::{Start, State};
 
 /// Number of stripe locks serialising read-modify-write of partial blocks.
 const RMW_STRIPES: usize = 256;
 
-/// How a new volume is laid out.
-#[derive(Debug, Clone)]
-pub struct CreateOptions {
-    pub logical_size_bytes: u64,
-    pub codec: Codec,
-    pub gc_policy: GcPolicy,
-    pub media_kind: MediaKind,
-    pub media_params: Vec<u8>,
-}
-
-impl CreateOptions {
-    pub fn new(logical_size_bytes: u64) -> Self {
-        CreateOptions {
-            logical_size_bytes,
-            codec: Codec::default(),
-            gc_policy: GcPolicy::default(),
-            media_kind: MediaKind::File,
-            media_params: Vec::new(),
-        }
-    }
-}
-
-/// How a volume runs.
-#[derive(Debug, Clone)]
-pub struct OpenOptions {
-    pub read_only: bool,
-    /// Codec for new writes (persisted); `None` keeps the image's setting.
-    pub codec: Option<Codec>,
-    /// Cleaner policy (persisted); `None` keeps the image's setting.
-    pub gc_policy: Option<GcPolicy>,
-    /// Run the cleaner and periodic checkpoints on a background thread.
-    pub background: bool,
-    /// Log bytes written between periodic checkpoints.
-    pub checkpoint_interval_bytes: u64,
-    /// Stream buffers write to the medium in batches of this many bytes.
-    pub write_batch_bytes: usize,
-    /// The background cleaner starts below this many free segments
-    /// (`None`: derived from the segment count).
-    pub gc_low_free_segments: Option<u64>,
-    /// ... and stops once this many are free.
-    pub gc_high_free_segments: Option<u64>,
-    /// How many segment sequence numbers and versions a root reserves
-    /// ahead of use (tests shrink these to exercise renewal).
-    pub seq_reserve_ahead: u64,
-    pub version_reserve_ahead: u64,
-    /// How many free segments a root reserves for allocation.
-    pub segment_reserve_ahead: u64,
-}
-
-impl Default for OpenOptions {
-    fn default() -> Self {
-        OpenOptions {
-            read_only: false,
-            codec: None,
-            gc_policy: None,
-            background: true,
-            checkpoint_interval_bytes: 1 << 30,
-            write_batch_bytes: 128 * 1024,
-            gc_low_free_segments: None,
-            gc_high_free_segments: None,
-            seq_reserve_ahead: state::SEQ_RESERVE_AHEAD,
-            version_reserve_ahead: state::VERSION_RESERVE_AHEAD,
-            segment_reserve_ahead: 64,
-        }
-    }
-}
-
 pub struct Volume {
     media: Arc<dyn Media>,
-    record_key: crate::record::RecordKey,
+    record_key: RecordKey,
     geometry: MediaGeometry,
     superblock: Superblock,
     settings: Settings,
@@ -159,43 +102,44 @@ impl Volume {
                 "logical size {logical} exceeds 4 EiB"
             )));
         }
-        let uuid = {
-            use rand::RngCore;
-            let mut uuid = [0u8; 16];
-            rand::thread_rng().fill_bytes(&mut uuid);
-            uuid
+        let mut uuid = [0u8; 16];
+        options.random.fill(&mut uuid);
+        let superblock = Superblock {
+            uuid,
+            logical_size_bytes: logical,
+            physical_size_bytes: media.physical_size_bytes(),
+            geometry,
+            media_kind: create.media_kind,
+            media_params: create.media_params,
+            created_unix_secs: options.clock.unix_secs(),
         };
-        let root = Root {
-            generation: 1,
-            superblock: Superblock {
-                uuid,
-                logical_size_bytes: logical,
-                physical_size_bytes: media.physical_size_bytes(),
-                geometry,
-                media_kind: create.media_kind,
-                media_params: create.media_params,
-                created_unix_secs: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0),
-            },
-            settings: Settings {
-                codec: create.codec,
-                gc_policy: create.gc_policy,
-            },
-            checkpoint: CheckpointRoot {
+        let settings = Settings {
+            codec: create.codec,
+            gc_policy: create.gc_policy,
+        };
+        // An empty volume: nothing to replay, nothing reserved.
+        let root = build_root(
+            &superblock,
+            settings,
+            RootContents {
+                generation: 1,
                 clean: true,
-                seq_boundary: 1,
+                retained: &RetainedRoot {
+                    generation: 1,
+                    boundary: 1,
+                    open: Vec::new(),
+                    dump: None,
+                },
                 next_seq: 1,
                 next_version: 1,
-                seq_reserved: 1,
-                version_reserved: 1,
-                reserved_segments: Vec::new(),
-                open_segments: Vec::new(),
-                dump: None,
+                reservation: &Reservation {
+                    seq: 1,
+                    version: 1,
+                    segments: Vec::new(),
+                },
                 counters: Counters::default(),
             },
-        };
+        );
         let bytes = root.encode();
         if bytes.len() > geometry.meta_slot_size_bytes as usize {
             return Err(Error::InvalidArgument(
@@ -210,54 +154,54 @@ impl Volume {
 
     /// Opens an existing volume, replaying the log if it was not shut down cleanly.
     pub fn open(media: Arc<dyn Media>, options: OpenOptions) -> Result<Arc<Volume>> {
-        let started = Instant::now();
-        let (roots, mut slot_problems) = read_roots(media.as_ref())?;
-        let geometry = media.geometry();
-        // Start from the newest root; if its checkpoint cannot be read,
-        // from the older one, whose dump and log are kept for exactly this.
-        let mut attempt = None;
-        for (index, candidate) in roots.iter().enumerate() {
-            if candidate.superblock.geometry != geometry {
-                slot_problems.push(format!(
-                    "generation {}: geometry {:?} does not match the medium {:?}",
-                    candidate.generation, candidate.superblock.geometry, geometry
-                ));
-                continue;
-            }
-            let older = roots.get(index + 1).filter(|_| index == 0);
-            // A damaged slot may have held a newer root: then this root's
-            // clean flag says nothing about what came after it.
-            let trust_clean = slot_problems.is_empty() && index == 0;
-            match recovery::recover(
-                media.as_ref(),
-                candidate,
-                older,
-                trust_clean,
-                !options.read_only,
-            ) {
-                Ok(recovered) => {
-                    attempt = Some((candidate.clone(), recovered));
-                    break;
-                }
-                Err(Error::CorruptImage(problem)) => {
-                    slot_problems.push(format!("generation {}: {problem}", candidate.generation));
-                }
-                Err(other) => return Err(other),
-            }
-        }
-        let Some((mut root, mut recovered)) = attempt else {
-            return Err(Error::CorruptImage(format!(
-                "no usable checkpoint: {}",
-                slot_problems.join("; ")
-            )));
+        let started = options.clock.monotonic();
+        let ahead = Ahead {
+            seq: options.seq_reserve_ahead,
+            version: options.version_reserve_ahead,
+            segments: options.segment_reserve_ahead,
         };
-        recovered.report.slot_problems = slot_problems;
+        let (mut root, recovered) = recover_newest(media.as_ref(), !options.read_only, ahead)?;
         if let Some(codec) = options.codec {
             root.settings.codec = codec;
         }
         if let Some(policy) = options.gc_policy {
             root.settings.gc_policy = policy;
         }
+        let read_only = options.read_only;
+        let volume = Arc::new(Volume::assemble(media, root, recovered.0, options));
+        let mut report = recovered.1;
+        if !read_only {
+            // First mark the volume dirty and reserve numbers for this run,
+            // before anything is written.
+            volume.write_root(false, 0, 0)?;
+            if report.replayed_records > 0 || !report.clean {
+                // Fold the replayed log into a checkpoint, so the next start
+                // does not replay it again and its trims are safe to clean.
+                // If even cleaning cannot make room for the dump, the volume
+                // opens on the old checkpoint, marked dirty; a later
+                // checkpoint catches up.
+                match volume.checkpoint_making_room(false) {
+                    Ok(()) | Err(Error::NoSpace { .. }) => {}
+                    Err(other) => return Err(other),
+                }
+            }
+        }
+        report.duration = volume.options.clock.monotonic().saturating_sub(started);
+        *volume.open_report.lock().expect("report lock") = report;
+        if volume.options.background && !read_only {
+            volume.start_background()?;
+        }
+        Ok(volume)
+    }
+
+    /// The volume over what recovery found, before anything is written.
+    fn assemble(
+        media: Arc<dyn Media>,
+        root: Root,
+        recovered: Start,
+        options: OpenOptions,
+    ) -> Volume {
+        let geometry = media.geometry();
         let segment_count = geometry.segment_count as u64;
         let gc_low = options
             .gc_low_free_segments
@@ -266,42 +210,21 @@ impl Volume {
             .gc_high_free_segments
             .unwrap_or_else(|| gc_low + (segment_count / 50).clamp(2, 64))
             .max(gc_low + 1);
-        let record_key = crate::record::RecordKey(root.superblock.uuid);
-        let state = State {
-            media: media.clone(),
-            geometry,
-            key: record_key,
-            write_batch_bytes: options
-                .write_batch_bytes
-                .max(geometry.page_size_bytes as usize),
-            map: recovered.map,
-            segments: recovered.segments,
-            streams: [Stream::default(), Stream::default()],
-            next_version: recovered.next_version,
-            next_seq: recovered.next_seq,
-            // Nothing may be numbered until a root reserves it.
-            seq_limit: recovered.next_seq,
-            version_limit: recovered.next_version,
-            seq_reserve_ahead: options.seq_reserve_ahead.max(64),
-            version_reserve_ahead: options.version_reserve_ahead.max(64 * 1024),
-            segment_reserve_ahead: options.segment_reserve_ahead.max(4),
-            barrier_gen: 0,
-            synced_gen: 0,
-            counters: recovered.counters,
-            generation: root.generation,
-            roots: recovered.roots,
-            log_bytes_since_checkpoint: 0,
-            range_bytes_since_checkpoint: 0,
-            failed: None,
-            closing: false,
-        };
+        let record_key = RecordKey(root.superblock.uuid);
+        let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
+        let state = State::new(
+            media.clone(),
+            record_key,
+            logical_blocks,
+            options.write_batch_bytes,
+            recovered,
+        );
         let read_only = options.read_only;
-        let mut report = recovered.report;
-        let volume = Arc::new(Volume {
+        Volume {
             media,
             record_key,
             geometry,
-            superblock: root.superblock.clone(),
+            superblock: root.superblock,
             settings: root.settings,
             read_only,
             state: Mutex::new(state),
@@ -322,34 +245,17 @@ impl Volume {
                 .unwrap_or(1)
                 .min(8),
             options,
-        });
-        if !read_only {
-            // First mark the volume dirty and reserve numbers for this run,
-            // before anything is written.
-            volume.write_root(false, 0, 0)?;
-            if report.replayed_records > 0 || !report.clean {
-                // Fold the replayed log into a checkpoint, so the next start
-                // does not replay it again and its trims are safe to clean.
-                // If even cleaning cannot make room for the dump, the volume
-                // opens on the old checkpoint, marked dirty; a later
-                // checkpoint catches up.
-                match volume.checkpoint_making_room(false) {
-                    Ok(()) | Err(Error::NoSpace { .. }) => {}
-                    Err(other) => return Err(other),
-                }
-            }
         }
-        report.duration = started.elapsed();
-        *volume.open_report.lock().expect("report lock") = report;
-        if volume.options.background && !read_only {
-            let weak = Arc::downgrade(&volume);
-            let handle = std::thread::Builder::new()
-                .name("zdisk-maintenance".into())
-                .spawn(move || maintenance_loop(weak))
-                .map_err(|e| Error::io("starting the maintenance thread", e))?;
-            *volume.worker.lock().expect("worker lock") = Some(handle);
-        }
-        Ok(volume)
+    }
+
+    fn start_background(self: &Arc<Self>) -> Result<()> {
+        let weak = Arc::downgrade(self);
+        let handle = std::thread::Builder::new()
+            .name("zdisk-maintenance".into())
+            .spawn(move || maintenance_loop(weak))
+            .map_err(|e| Error::io("starting the maintenance thread", e))?;
+        *self.worker.lock().expect("worker lock") = Some(handle);
+        Ok(())
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -388,7 +294,7 @@ impl Volume {
         }
         let gen = {
             let mut state = self.lock();
-            state.counters.flushes += 1;
+            state.tally(state::Tally::Flush);
             state.barrier()?
         };
         self.sync_to(gen)
@@ -401,75 +307,13 @@ impl Volume {
         if *synced >= gen {
             return Ok(());
         }
-        let target = self.lock().barrier_gen;
+        let target = self.lock().space().barrier_gen();
         if let Err(error) = self.media.sync() {
-            let mut state = self.lock();
-            if state.failed.is_none() {
-                state.failed = Some(error.to_string());
-            }
+            self.lock().note_failure(&error);
             return Err(error);
         }
         *synced = target;
         self.lock().note_synced(target);
-        Ok(())
-    }
-
-    /// Writes a root that points at the newest checkpoint dump: to mark
-    /// the volume dirty when it opens, and to renew reservations (with at
-    /// least `min_segments` segments and `min_versions` versions). The
-    /// caller holds the maintenance lock or has the volume to itself.
-    fn write_root(&self, clean: bool, min_segments: u64, min_versions: u64) -> Result<()> {
-        let (root, retained, reservation) = {
-            let state = self.lock();
-            // Counted only once durable (see `checkpoint_locked`).
-            let generation = state.generation + 1;
-            let reservation = state.reservations_for_root(min_segments, min_versions);
-            let newest = state.newest_root().clone();
-            let retained = state::RetainedRoot {
-                generation,
-                ..newest
-            };
-            let root = Root {
-                generation,
-                superblock: self.superblock.clone(),
-                settings: self.settings,
-                checkpoint: CheckpointRoot {
-                    clean,
-                    seq_boundary: retained.boundary,
-                    next_seq: state.next_seq,
-                    next_version: state.next_version,
-                    seq_reserved: reservation.seq,
-                    version_reserved: reservation.version,
-                    reserved_segments: reservation.segments.clone(),
-                    open_segments: retained.open.clone(),
-                    dump: retained.dump.clone(),
-                    counters: state.counters,
-                },
-            };
-            (root, retained, reservation)
-        };
-        self.commit_root(&root)?;
-        let mut state = self.lock();
-        state.generation = root.generation;
-        state.commit_reservation(&reservation);
-        state.install_root(retained);
-        Ok(())
-    }
-
-    fn commit_root(&self, root: &Root) -> Result<()> {
-        let bytes = root.encode();
-        if bytes.len() > self.geometry.meta_slot_size_bytes as usize {
-            return Err(Error::CorruptImage(format!(
-                "checkpoint root of {} bytes exceeds the {}-byte metadata slot",
-                bytes.len(),
-                self.geometry.meta_slot_size_bytes
-            )));
-        }
-        self.media.write_meta_slot(root.slot(), &bytes)?;
-        self.media.sync()?;
-        let mut state = self.lock();
-        state.counters.meta_write_bytes += bytes.len() as u64;
-        state.counters.media_write_bytes += bytes.len() as u64;
         Ok(())
     }
 
@@ -481,28 +325,6 @@ impl Volume {
         self.checkpoint_making_room(false)
     }
 
-    fn checkpoint_with(&self, clean: bool) -> Result<()> {
-        let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        self.checkpoint_locked(clean)
-    }
-
-    /// Checkpoints, cleaning first if the medium has no room for the dump.
-    fn checkpoint_making_room(&self, clean: bool) -> Result<()> {
-        let mut last = Ok(());
-        for _ in 0..=self.geometry.segment_count {
-            last = self.checkpoint_with(clean);
-            if !matches!(last, Err(Error::NoSpace { .. })) {
-                return last;
-            }
-            if self.lock().reclaimable_count() > 0 {
-                self.flush()?;
-            } else if !self.clean_one(self.foreground_min_garbage())? {
-                break;
-            }
-        }
-        last
-    }
-
     /// Stops background work, writes a clean checkpoint and stops accepting writes.
     pub fn close(&self) -> Result<()> {
         self.stop_background();
@@ -511,10 +333,9 @@ impl Volume {
         }
         // Refuse new writes first: one acknowledged after the clean
         // checkpoint's snapshot would be lost, as recovery skips the log.
-        self.lock().closing = true;
+        self.lock().set_closing();
         self.checkpoint_making_room(true)?;
-        let mut state = self.lock();
-        state.failed = Some("the volume is closed".into());
+        self.lock().set_closed();
         Ok(())
     }
 
@@ -524,11 +345,7 @@ impl Volume {
     pub fn halt(&self) {
         self.stop_background();
         self.closed.store(true, Ordering::SeqCst);
-        let mut state = self.lock();
-        state.failed = Some("the volume was halted".into());
-        for stream in state.streams.iter_mut() {
-            stream.buf.clear();
-        }
+        self.lock().halt("the volume was halted");
     }
 
     fn stop_background(&self) {
@@ -546,78 +363,6 @@ impl Volume {
         self.wake.notify_all();
     }
 
-    /// Writes a root to renew the reservations of sequence numbers,
-    /// versions and segments, if they are low or short of `min_segments`
-    /// segments and `min_versions` versions.
-    pub(crate) fn renew_reservations(&self, min_segments: u64, min_versions: u64) -> Result<()> {
-        let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        let needed = self.lock().reservation_short(min_segments, min_versions);
-        if needed {
-            let exhausted = {
-                let state = self.lock();
-                state.next_version + min_versions > crate::map::VERSION_MAX + 1
-            };
-            if exhausted {
-                return Err(Error::InvalidArgument(
-                    "the volume has used up its 2^48 versions; copy its data to a new image".into(),
-                ));
-            }
-            self.write_root(false, min_segments, min_versions)?;
-        }
-        Ok(())
-    }
-
-    /// One round of background work; returns true if it did something.
-    pub fn maintenance_tick(&self) -> Result<bool> {
-        if self.read_only {
-            return Ok(false);
-        }
-        if self.lock().reservation_low() {
-            self.renew_reservations(0, 0)?;
-            return Ok(true);
-        }
-        let (free, reclaimable, checkpoint_due) = {
-            let state = self.lock();
-            // Trims kept for recovery, and segments parked until a
-            // checkpoint, hold space that only a checkpoint gives back.
-            let range_limit = (self.geometry.log_capacity_bytes() / 64)
-                .min(self.options.checkpoint_interval_bytes);
-            (
-                state.segments.free_count(),
-                state.reclaimable_count(),
-                state.log_bytes_since_checkpoint >= self.options.checkpoint_interval_bytes
-                    || state.range_bytes_since_checkpoint >= range_limit
-                    || state.segments.parked_count() > 0,
-            )
-        };
-        if checkpoint_due {
-            self.checkpoint()?;
-            return Ok(true);
-        }
-        let low = self
-            .gc_low_free_segments
-            .max(self.lock().reserved_segments() + 2);
-        let high = self.gc_high_free_segments.max(low + 1);
-        if free + reclaimable < low || (free + reclaimable < high && self.gc_active()) {
-            self.set_gc_active(true);
-            if free < low && reclaimable > 0 {
-                self.flush()?;
-                return Ok(true);
-            }
-            if !self.media.recycling_ready() {
-                // A rate-capped recycling engine is still busy.
-                return Ok(false);
-            }
-            let cleaned = self.clean_one(self.geometry.segment_size_bytes / 16)?;
-            if !cleaned {
-                self.set_gc_active(false);
-            }
-            return Ok(cleaned);
-        }
-        self.set_gc_active(false);
-        Ok(false)
-    }
-
     fn gc_active(&self) -> bool {
         self.gc_active.load(Ordering::Relaxed)
     }
@@ -631,16 +376,16 @@ impl Volume {
     #[doc(hidden)]
     pub fn describe_block(&self, lba: u64) -> String {
         let state = self.lock();
-        let entry = state.map.get(Lba(lba));
+        let entry = state.map().get(Lba(lba));
         let segment = match entry.slot() {
-            Slot::Data(loc) => format!("{:?}", state.segments.get(loc.segment)),
+            Slot::Data(loc) => format!("{:?}", state.space().segment(loc.segment)),
             _ => String::new(),
         };
         format!(
             "block {lba}: {:?} v{} {segment}; roots {:?}",
             entry.slot(),
             entry.version(),
-            state.roots
+            state.roots()
         )
     }
 
@@ -652,39 +397,21 @@ impl Volume {
     /// left is the space data and its garbage can use.
     pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
         let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
-        let dump = checkpoint::dump_segments_for(chunks, segment_count, segment_size);
-        2 + state::GC_RESERVE_SEGMENTS + dump + 2 * dump
+        let dump = crate::dump::dump_segments_for(chunks, segment_count, segment_size);
+        2 + space::GC_RESERVE_SEGMENTS + dump + 2 * dump
     }
 
     /// A snapshot of the volume's statistics.
     pub fn stats(&self) -> Stats {
         let state = self.lock();
-        let counts = state.map.counts();
+        let counts = state.map().counts();
         let segment_size = self.geometry.segment_size_bytes;
-        let mut used_segments_bytes = 0;
-        let mut by_state = crate::stats::SegmentCounts::default();
-        let mut histogram = [0u64; 11];
-        for (_, info) in state.segments.iter() {
-            use crate::segments::SegmentState;
-            if !matches!(info.state, SegmentState::Free) {
-                used_segments_bytes += info.fill_bytes.min(segment_size);
-            }
-            match info.state {
-                SegmentState::Free => by_state.free += 1,
-                SegmentState::Open => by_state.open += 1,
-                SegmentState::Sealed => {
-                    by_state.sealed += 1;
-                    histogram[(info.live_bytes * 10 / segment_size).min(10) as usize] += 1;
-                }
-                SegmentState::Dump => by_state.checkpoint += 1,
-                SegmentState::Reclaimable { .. } => by_state.reclaimable += 1,
-            }
-        }
+        let (by_state, histogram, used_segments_bytes) = segment_usage(&state, segment_size);
         let meta_bytes = self
             .media
             .physical_size_bytes()
             .saturating_sub(self.geometry.log_capacity_bytes());
-        let counters = state.counters;
+        let counters = state.counters();
         let ratio = |num: u64, den: u64| {
             if den == 0 {
                 None
@@ -707,7 +434,7 @@ impl Volume {
             write_amplification: ratio(counters.media_write_bytes, counters.host_write_bytes),
             gc_write_bytes: counters.gc_write_bytes,
             gc_read_bytes: counters.gc_read_bytes,
-            free_segments: state.segments.free_count(),
+            free_segments: state.space().free_count(),
             segments_cleaned: counters.segments_cleaned,
             segment_count: self.geometry.segment_count as u64,
             segment_size_bytes: segment_size,
@@ -715,7 +442,7 @@ impl Volume {
             codec: self.settings.codec.to_string(),
             gc_policy: self.settings.gc_policy.to_string(),
             damaged_blocks: counts.damaged_blocks,
-            map_memory_bytes: state.map.memory_bytes(),
+            map_memory_bytes: state.map().memory_bytes(),
             segments_by_state: by_state,
             sealed_utilization_histogram: histogram,
             counters,
@@ -742,6 +469,107 @@ impl Drop for Volume {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
     }
+}
+
+/// Recovers from the newest root; if its checkpoint cannot be read, from
+/// the older one, whose dump and log are kept for exactly this. Returns
+/// the root recovered from, the state to start from and what happened.
+fn recover_newest(
+    media: &dyn Media,
+    writable: bool,
+    ahead: Ahead,
+) -> Result<(Root, (Start, OpenReport))> {
+    let (roots, mut slot_problems) = read_roots(media)?;
+    let mut lost_checkpoints = Vec::new();
+    let geometry = media.geometry();
+    for (index, candidate) in roots.iter().enumerate() {
+        if candidate.superblock.geometry != geometry {
+            slot_problems.push(format!(
+                "generation {}: geometry {:?} does not match the medium {:?}",
+                candidate.generation, candidate.superblock.geometry, geometry
+            ));
+            continue;
+        }
+        let older = roots.get(index + 1).filter(|_| index == 0);
+        // A damaged slot may have held a newer root: then this root's
+        // clean flag says nothing about what came after it.
+        let trust_clean = slot_problems.is_empty() && index == 0;
+        match recovery::recover(media, candidate, older, trust_clean, writable) {
+            Ok(recovered) => {
+                let (start, mut report) = start_from(recovered, candidate, geometry, ahead);
+                report.slot_problems = slot_problems;
+                report.lost_checkpoints = lost_checkpoints;
+                return Ok((candidate.clone(), (start, report)));
+            }
+            Err(Error::CorruptImage(problem)) => {
+                let problem = format!("generation {}: {problem}", candidate.generation);
+                slot_problems.push(problem.clone());
+                lost_checkpoints.push(problem);
+            }
+            Err(other) => return Err(other),
+        }
+    }
+    Err(Error::CorruptImage(format!(
+        "no usable checkpoint: {}",
+        slot_problems.join("; ")
+    )))
+}
+
+/// What a state starts from after recovering from `root`.
+fn start_from(
+    recovered: Recovered,
+    root: &Root,
+    geometry: MediaGeometry,
+    ahead: Ahead,
+) -> (Start, OpenReport) {
+    let Recovered {
+        roots,
+        map,
+        segments,
+        next_seq,
+        next_version,
+        counters,
+        report,
+    } = recovered;
+    let space = Space::new(
+        segments,
+        geometry.segment_size_bytes,
+        next_seq,
+        next_version,
+        ahead,
+    );
+    let start = Start {
+        map,
+        space,
+        counters,
+        generation: root.generation,
+        roots,
+    };
+    (start, report)
+}
+
+/// Segments by state, the utilisation histogram of sealed ones, and the
+/// bytes written in segments that are not free.
+fn segment_usage(state: &State, segment_size: u64) -> (SegmentCounts, [u64; 11], u64) {
+    let mut by_state = SegmentCounts::default();
+    let mut histogram = [0u64; 11];
+    let mut used_bytes = 0;
+    for (_, info) in state.space().table().iter() {
+        if info.state != SegmentState::Free {
+            used_bytes += info.fill_bytes.min(segment_size);
+        }
+        match info.state {
+            SegmentState::Free => by_state.free += 1,
+            SegmentState::Open => by_state.open += 1,
+            SegmentState::Sealed => {
+                by_state.sealed += 1;
+                histogram[(info.live_bytes * 10 / segment_size).min(10) as usize] += 1;
+            }
+            SegmentState::Dump => by_state.checkpoint += 1,
+            SegmentState::Reclaimable { .. } => by_state.reclaimable += 1,
+        }
+    }
+    (by_state, histogram, used_bytes)
 }
 
 fn maintenance_loop(volume: Weak<Volume>) {
@@ -823,7 +651,7 @@ impl BlockDevice for Volume {
         let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
         let runs = self
             .lock()
-            .map
+            .map()
             .runs(Lba(first), end - first, max_extents.max(1));
         let mut extents = Vec::with_capacity(runs.len());
         let mut position = offset;

@@ -19,18 +19,17 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::dump::load_dump;
 use crate::error::Result;
 use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::Media;
-use crate::meta::Root;
+use crate::meta::{RetainedRoot, Root};
 use crate::record::{decode_record, range_count, RecordKey, RecordKind, HEADER_SIZE};
 use crate::segments::{SegmentInfo, SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
-use super::checkpoint::load_dump;
-use super::scan::scan_segment;
-use super::state::RetainedRoot;
+use super::scan::{scan_segment, Scanned};
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -43,8 +42,14 @@ pub struct OpenReport {
     /// Undecodable bytes found between valid records while replaying
     /// (damage; the replay skipped over them).
     pub replay_damage: Vec<String>,
-    /// Metadata slots that did not decode (a torn root write leaves one).
+    /// Metadata slots that did not decode (a torn root write leaves one),
+    /// and roots that could not be used.
     pub slot_problems: Vec<String>,
+    /// Roots that were durable (they decode) but whose checkpoint could
+    /// not be read, so that recovery started from an older one: whatever
+    /// only they recorded may be lost. A torn root write does not count:
+    /// that root never was durable.
+    pub lost_checkpoints: Vec<String>,
     /// Map entries that pointed outside the log and were marked damaged.
     pub dangling_entries: u64,
     /// Reserved segments erased because the crashed run may have left
@@ -79,13 +84,40 @@ fn seq_at_or_after(boundary: u64, seq32: u32) -> Option<u64> {
     (diff >= 0).then(|| boundary + diff as u64)
 }
 
-fn retained(root: &Root) -> RetainedRoot {
-    RetainedRoot {
-        generation: root.generation,
-        boundary: root.checkpoint.seq_boundary,
-        open: root.checkpoint.open_segments.clone(),
-        dump: root.checkpoint.dump.clone(),
-    }
+/// A range record replay applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct ReplayedRange {
+    seq: u64,
+    segment: SegmentId,
+    first: u64,
+    count: u64,
+    version: u64,
+}
+
+/// One segment to replay, from `start_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Planned {
+    seq: u64,
+    segment: SegmentId,
+    start_offset: u64,
+}
+
+/// Recovery in progress from one root.
+struct Recovery<'a> {
+    media: &'a dyn Media,
+    root: &'a Root,
+    key: RecordKey,
+    logical_blocks: u64,
+    map: Map,
+    infos: Vec<SegmentInfo>,
+    roots: [Option<RetainedRoot>; 2],
+    /// Segments of every retained dump: never replayed, never reused.
+    dump_segments: HashSet<SegmentId>,
+    counters: Counters,
+    next_seq: u64,
+    next_version: u64,
+    ranges: Vec<ReplayedRange>,
+    report: OpenReport,
 }
 
 /// Recovers from `root`. `older` is the root in the other slot, if it is
@@ -97,270 +129,362 @@ pub(crate) fn recover(
     trust_clean: bool,
     writable: bool,
 ) -> Result<Recovered> {
-    let geometry = media.geometry();
-    let segment_size = geometry.segment_size_bytes;
-    let page_size = geometry.page_size_bytes as u64;
-    let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
-    let key = RecordKey(root.superblock.uuid);
-    let checkpoint = &root.checkpoint;
-    let clean = checkpoint.clean && trust_clean;
-    let mut report = OpenReport {
-        clean,
-        root_generation: root.generation,
-        ..OpenReport::default()
-    };
-    let mut map = Map::new(true);
-    let dumped = match &checkpoint.dump {
-        Some(dump) => load_dump(media, &key, dump, dump.generation, logical_blocks, &mut map)?,
-        None => vec![None; geometry.segment_count as usize],
-    };
-    let mut roots: [Option<RetainedRoot>; 2] = [None, None];
-    roots[root.slot()] = Some(retained(root));
-    if let Some(older) = older.filter(|o| o.generation < root.generation && o.slot() != root.slot())
-    {
-        roots[older.slot()] = Some(retained(older));
+    let mut recovery = Recovery::load(media, root, older, trust_clean)?;
+    if !recovery.report.clean {
+        let plan = recovery.plan()?;
+        recovery.replay(plan)?;
     }
-    // Segments of every retained dump: never replayed, never reused.
-    let dump_segments: HashSet<SegmentId> = roots
-        .iter()
-        .flatten()
-        .filter_map(|r| r.dump.as_ref())
-        .flat_map(|d| d.segments())
-        .filter(|s| s.0 < geometry.segment_count)
-        .collect();
-    let mut infos: Vec<SegmentInfo> = dumped
-        .iter()
-        .map(|dumped| SegmentInfo {
-            state: SegmentState::Free,
-            seq: dumped.map_or(0, |d| d.seq),
-            live_bytes: 0,
-            fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
-            max_version: dumped.map_or(0, |d| d.max_version),
-            holds_ranges: false,
-            range_bytes: 0,
-            killed_gen: 0,
-        })
-        .collect();
-    let mut counters = checkpoint.counters;
-    // Continue past everything the crashed run may have written.
-    let mut next_seq = checkpoint.next_seq.max(checkpoint.seq_reserved);
-    let mut next_version = checkpoint.next_version.max(checkpoint.version_reserved);
-    let boundary = checkpoint.seq_boundary;
-    // Range records replayed: (segment seq, segment, first block, count, version).
-    let mut ranges: Vec<(u64, SegmentId, u64, u64, u64)> = Vec::new();
+    recovery.finish(writable)
+}
 
-    if !clean {
-        // Find the segments to replay: (seq, segment, start offset).
-        let mut plan: Vec<(u64, SegmentId, u64)> = Vec::new();
-        let mut head = vec![0u8; (HEADER_SIZE + 4096).min(segment_size as usize)];
+impl<'a> Recovery<'a> {
+    /// Loads the root's dump, and what the segment table said at its snapshot.
+    fn load(
+        media: &'a dyn Media,
+        root: &'a Root,
+        older: Option<&Root>,
+        trust_clean: bool,
+    ) -> Result<Recovery<'a>> {
+        let geometry = media.geometry();
+        let segment_size = geometry.segment_size_bytes;
+        let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
+        let key = RecordKey(root.superblock.uuid);
+        let checkpoint = &root.checkpoint;
+        let mut map = Map::new(true);
+        let dumped = match &checkpoint.dump {
+            Some(dump) => load_dump(media, &key, dump, logical_blocks, &mut map)?,
+            None => vec![None; geometry.segment_count as usize],
+        };
+        let mut roots: [Option<RetainedRoot>; 2] = [None, None];
+        roots[root.slot()] = Some(root.retained());
+        if let Some(older) =
+            older.filter(|o| o.generation < root.generation && o.slot() != root.slot())
+        {
+            roots[older.slot()] = Some(older.retained());
+        }
+        let dump_segments = roots
+            .iter()
+            .flatten()
+            .filter_map(|r| r.dump.as_ref())
+            .flat_map(|d| d.segments())
+            .filter(|s| s.0 < geometry.segment_count)
+            .collect();
+        let infos = dumped
+            .iter()
+            .map(|dumped| SegmentInfo {
+                seq: dumped.map_or(0, |d| d.seq),
+                fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
+                max_version: dumped.map_or(0, |d| d.max_version),
+                ..SegmentInfo::free()
+            })
+            .collect();
+        Ok(Recovery {
+            media,
+            root,
+            key,
+            logical_blocks,
+            map,
+            infos,
+            roots,
+            dump_segments,
+            counters: checkpoint.counters,
+            // Continue past everything the crashed run may have written.
+            next_seq: checkpoint.next_seq.max(checkpoint.seq_reserved),
+            next_version: checkpoint.next_version.max(checkpoint.version_reserved),
+            ranges: Vec::new(),
+            report: OpenReport {
+                clean: checkpoint.clean && trust_clean,
+                root_generation: root.generation,
+                ..OpenReport::default()
+            },
+        })
+    }
+
+    /// The incarnation a segment's records carry, from its first record
+    /// (or, if that is torn or damaged, the first valid one further in);
+    /// `None` if it holds none.
+    fn segment_seq(&self, segment: SegmentId, head: &mut [u8]) -> Result<Option<u32>> {
+        self.media.read(segment, 0, head)?;
+        match decode_record(head, &self.key, None) {
+            Ok((header, _)) => Ok(Some(header.seg_seq)),
+            // Never written, or erased.
+            Err(_) if crate::meta::is_blank(head) => Ok(None),
+            Err(_) => {
+                let segment_size = self.media.geometry().segment_size_bytes;
+                let mut bytes = vec![0u8; segment_size as usize];
+                self.media.read(segment, 0, &mut bytes)?;
+                Ok(first_record_seq(&bytes, &self.key))
+            }
+        }
+    }
+
+    /// The segments to replay, in sequence order: those opened after the
+    /// snapshot, whole, and those open at it, from the recorded offset.
+    fn plan(&self) -> Result<Vec<Planned>> {
+        let geometry = self.media.geometry();
+        let checkpoint = &self.root.checkpoint;
+        let mut plan = Vec::new();
+        let mut head = vec![0u8; (HEADER_SIZE + 4096).min(geometry.segment_size_bytes as usize)];
         for index in 0..geometry.segment_count {
             let segment = SegmentId(index);
-            if dump_segments.contains(&segment) {
+            if self.dump_segments.contains(&segment) {
                 continue;
             }
-            media.read(segment, 0, &mut head)?;
-            let seg_seq = match decode_record(&head, &key, None) {
-                Ok((header, _)) => header.seg_seq,
-                // Never written, or erased.
-                Err(_) if crate::meta::is_blank(&head) => continue,
-                // The first record is torn or damaged: look further in.
-                Err(_) => {
-                    let mut bytes = vec![0u8; segment_size as usize];
-                    media.read(segment, 0, &mut bytes)?;
-                    match first_record_seq(&bytes, &key) {
-                        Some(seq) => seq,
-                        None => continue,
-                    }
-                }
+            let Some(seg_seq) = self.segment_seq(segment, &mut head)? else {
+                continue;
             };
-            if let Some(open) = checkpoint
+            let open = checkpoint
                 .open_segments
                 .iter()
-                .find(|open| open.segment == segment && open.seq as u32 == seg_seq)
-            {
-                plan.push((open.seq, segment, open.offset_bytes));
-            } else if let Some(seq) = seq_at_or_after(boundary, seg_seq) {
-                plan.push((seq, segment, 0));
+                .find(|open| open.segment == segment && open.seq as u32 == seg_seq);
+            if let Some(open) = open {
+                plan.push(Planned {
+                    seq: open.seq,
+                    segment,
+                    start_offset: open.offset_bytes,
+                });
+            } else if let Some(seq) = seq_at_or_after(checkpoint.seq_boundary, seg_seq) {
+                plan.push(Planned {
+                    seq,
+                    segment,
+                    start_offset: 0,
+                });
             }
         }
         plan.sort();
+        Ok(plan)
+    }
+
+    /// Replays the planned segments in order: each record wins if its
+    /// version is at least the map's.
+    fn replay(&mut self, plan: Vec<Planned>) -> Result<()> {
+        let geometry = self.media.geometry();
+        let page_size = geometry.page_size_bytes as u64;
         let mut versions_seen = HashSet::new();
-        let mut bytes = vec![0u8; segment_size as usize];
-        for (seq, segment, start) in plan {
-            media.read(segment, 0, &mut bytes)?;
-            let scan = scan_segment(&bytes, start, seq as u32, page_size, &key);
+        let mut bytes = vec![0u8; geometry.segment_size_bytes as usize];
+        for Planned {
+            seq,
+            segment,
+            start_offset,
+        } in plan
+        {
+            self.media.read(segment, 0, &mut bytes)?;
+            let scan = scan_segment(&bytes, start_offset, seq as u32, page_size, &self.key);
             for (offset, error) in &scan.damaged {
-                report.replay_damage.push(format!(
+                self.report.replay_damage.push(format!(
                     "segment {segment} (seq {seq}) at offset {offset}: {error}"
                 ));
             }
-            report.replayed_segments += 1;
-            let info = &mut infos[segment.index()];
+            self.report.replayed_segments += 1;
+            let info = &mut self.infos[segment.index()];
             info.seq = seq;
-            info.fill_bytes = scan.end_offset.max(start);
-            counters.media_write_bytes += scan.end_offset.saturating_sub(start);
-            next_seq = next_seq.max(seq + 1);
+            info.fill_bytes = scan.end_offset.max(start_offset);
+            self.counters.media_write_bytes += scan.end_offset.saturating_sub(start_offset);
+            self.next_seq = self.next_seq.max(seq + 1);
             for record in &scan.records {
-                let header = record.header;
                 let payload = &bytes[record.payload.clone()];
-                if header.version > crate::map::VERSION_MAX {
-                    // Only damage or a forgery gets past the checksum
-                    // with this; the map cannot hold it.
-                    report.replay_damage.push(format!(
-                        "segment {segment} (seq {seq}) at offset {}: version {} out of range",
-                        record.offset, header.version
-                    ));
-                    continue;
-                }
-                next_version = next_version.max(header.version + 1);
-                let info = &mut infos[segment.index()];
-                info.max_version = info.max_version.max(header.version);
-                match header.kind {
-                    RecordKind::Data => {
-                        if header.lba >= logical_blocks {
-                            continue;
-                        }
-                        report.replayed_records += 1;
-                        let loc = Location {
-                            segment,
-                            offset: record.offset as u32,
-                            len: header.record_len() as u32,
-                        };
-                        map.set_if_newer(Lba(header.lba), Slot::Data(loc), header.version);
-                        if header.version >= checkpoint.next_version
-                            && versions_seen.insert(header.version)
-                        {
-                            counters.host_write_bytes += BLOCK_SIZE_U64;
-                        }
-                    }
-                    RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
-                        let count = range_count(payload);
-                        if count == 0
-                            || header
-                                .lba
-                                .checked_add(count)
-                                .is_none_or(|end| end > logical_blocks)
-                        {
-                            continue;
-                        }
-                        report.replayed_records += 1;
-                        ranges.push((seq, segment, header.lba, count, header.version));
-                        let state = match header.kind {
-                            RecordKind::Trim => RangeState::Hole,
-                            RecordKind::Zero => RangeState::Zero,
-                            _ => RangeState::Damaged,
-                        };
-                        map.set_range(
-                            Lba(header.lba),
-                            count,
-                            state,
-                            header.version,
-                            true,
-                            &mut |_| {},
-                        );
-                    }
-                    RecordKind::MapChunk => {}
-                }
+                self.replay_record(seq, segment, record, payload, &mut versions_seen);
             }
         }
-        if report.replayed_records > 0 {
-            counters.recoveries += 1;
+        if self.report.replayed_records > 0 {
+            self.counters.recoveries += 1;
         }
+        Ok(())
     }
-    // Until the next checkpoint is durable, a replay from the current one
-    // needs every range record that still determines some block. Keep the
-    // segments holding one copy of each (the cleaner may have left stale
-    // copies behind in segments it had already freed).
-    let mut holds_ranges: HashSet<SegmentId> = HashSet::new();
-    let mut kept_versions: HashSet<u64> = HashSet::new();
-    ranges.sort_by(|a, b| b.cmp(a));
-    for &(_, segment, first, count, version) in &ranges {
-        if kept_versions.contains(&version) && !holds_ranges.contains(&segment) {
-            continue;
-        }
-        if map.any_at_version(Lba(first), count, version) {
-            holds_ranges.insert(segment);
-            kept_versions.insert(version);
-        }
-    }
-    map.compact();
 
-    // Rebuild live bytes from the map; entries that point nowhere valid
-    // (only possible on a damaged image) become damaged markers.
-    let mut dangling = Vec::new();
-    map.for_each_data(|lba, loc, _| {
-        let valid = (loc.segment.0 as usize) < infos.len()
-            && !dump_segments.contains(&loc.segment)
-            && loc.offset as u64 + loc.len as u64 <= segment_size;
-        if valid {
-            infos[loc.segment.index()].live_bytes += loc.len as u64;
-        } else {
-            dangling.push(lba);
+    fn replay_record(
+        &mut self,
+        seq: u64,
+        segment: SegmentId,
+        record: &Scanned,
+        payload: &[u8],
+        versions_seen: &mut HashSet<u64>,
+    ) {
+        let header = record.header;
+        if header.version > crate::map::VERSION_MAX {
+            // Only damage or a forgery gets past the checksum with this;
+            // the map cannot hold it.
+            self.report.replay_damage.push(format!(
+                "segment {segment} (seq {seq}) at offset {}: version {} out of range",
+                record.offset, header.version
+            ));
+            return;
         }
-    });
-    for lba in &dangling {
-        let version = map.get(*lba).version();
-        map.set(*lba, Slot::Damaged, version);
-    }
-    report.dangling_entries = dangling.len() as u64;
-
-    for (index, info) in infos.iter_mut().enumerate() {
-        let segment = SegmentId(index as u32);
-        info.state = if dump_segments.contains(&segment) {
-            SegmentState::Dump
-        } else if info.live_bytes > 0 || holds_ranges.contains(&segment) {
-            // A replayed segment's trims are needed until the next
-            // checkpoint; the cleaner relocates them if it gets there first.
-            // Dead data records are not needed: whatever superseded them is
-            // live or is such a trim.
-            SegmentState::Sealed
-        } else {
-            SegmentState::Free
-        };
-        info.holds_ranges = holds_ranges.contains(&segment);
-        if info.state == SegmentState::Sealed && info.fill_bytes == 0 {
-            info.fill_bytes = segment_size;
-        }
-        next_seq = next_seq.max(info.seq + 1);
-        next_version = next_version.max(info.max_version + 1);
-    }
-    // Segments the crashed run was allowed to allocate but that recovery
-    // did not adopt may hold half-written leftovers: erase them, durably,
-    // before anything else happens, so no later recovery can replay them.
-    if writable && !clean {
-        let mut erased = 0;
-        for &segment in &checkpoint.reserved_segments {
-            if segment.0 < geometry.segment_count
-                && infos[segment.index()].state == SegmentState::Free
-            {
-                media.erase_segment(segment)?;
-                infos[segment.index()] = SegmentInfo {
-                    state: SegmentState::Free,
-                    seq: 0,
-                    live_bytes: 0,
-                    fill_bytes: 0,
-                    max_version: 0,
-                    holds_ranges: false,
-                    range_bytes: 0,
-                    killed_gen: 0,
+        self.next_version = self.next_version.max(header.version + 1);
+        let info = &mut self.infos[segment.index()];
+        info.max_version = info.max_version.max(header.version);
+        match header.kind {
+            RecordKind::Data => {
+                if header.lba >= self.logical_blocks {
+                    return;
+                }
+                self.report.replayed_records += 1;
+                let loc = Location {
+                    segment,
+                    offset: record.offset as u32,
+                    len: header.record_len() as u32,
                 };
+                self.map
+                    .set_if_newer(Lba(header.lba), Slot::Data(loc), header.version);
+                if header.version >= self.root.checkpoint.next_version
+                    && versions_seen.insert(header.version)
+                {
+                    self.counters.host_write_bytes += BLOCK_SIZE_U64;
+                }
+            }
+            RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
+                let count = range_count(payload);
+                let beyond = header
+                    .lba
+                    .checked_add(count)
+                    .is_none_or(|end| end > self.logical_blocks);
+                if count == 0 || beyond {
+                    return;
+                }
+                self.report.replayed_records += 1;
+                self.ranges.push(ReplayedRange {
+                    seq,
+                    segment,
+                    first: header.lba,
+                    count,
+                    version: header.version,
+                });
+                let state = match header.kind {
+                    RecordKind::Trim => RangeState::Hole,
+                    RecordKind::Zero => RangeState::Zero,
+                    _ => RangeState::Damaged,
+                };
+                self.map.set_range(
+                    Lba(header.lba),
+                    count,
+                    state,
+                    header.version,
+                    true,
+                    &mut |_| {},
+                );
+            }
+            RecordKind::MapChunk => {}
+        }
+    }
+
+    /// Until the next checkpoint is durable, a replay from the current one
+    /// needs every range record that still determines some block: the
+    /// segments holding one copy of each (the cleaner may have left stale
+    /// copies behind in segments it had already freed).
+    fn segments_holding_needed_ranges(&mut self) -> HashSet<SegmentId> {
+        let mut holds_ranges: HashSet<SegmentId> = HashSet::new();
+        let mut kept_versions: HashSet<u64> = HashSet::new();
+        self.ranges.sort_by(|a, b| b.cmp(a));
+        for range in &self.ranges {
+            if kept_versions.contains(&range.version) && !holds_ranges.contains(&range.segment) {
+                continue;
+            }
+            if self
+                .map
+                .any_at_version(Lba(range.first), range.count, range.version)
+            {
+                holds_ranges.insert(range.segment);
+                kept_versions.insert(range.version);
+            }
+        }
+        holds_ranges
+    }
+
+    /// Rebuilds live bytes from the map; entries that point nowhere valid
+    /// (only possible on a damaged image) become damaged markers.
+    fn count_live_bytes(&mut self) {
+        let segment_size = self.media.geometry().segment_size_bytes;
+        let mut dangling = Vec::new();
+        let Recovery {
+            map,
+            infos,
+            dump_segments,
+            ..
+        } = self;
+        map.for_each_data(|lba, loc, _| {
+            let valid = (loc.segment.0 as usize) < infos.len()
+                && !dump_segments.contains(&loc.segment)
+                && loc.offset as u64 + loc.len as u64 <= segment_size;
+            if valid {
+                infos[loc.segment.index()].live_bytes += loc.len as u64;
+            } else {
+                dangling.push(lba);
+            }
+        });
+        for lba in &dangling {
+            let version = self.map.get(*lba).version();
+            self.map.set(*lba, Slot::Damaged, version);
+        }
+        self.report.dangling_entries = dangling.len() as u64;
+    }
+
+    /// Segments the crashed run was allowed to allocate but that recovery
+    /// did not adopt may hold half-written leftovers: erases them, durably,
+    /// before anything else happens, so no later recovery can replay them.
+    fn erase_leftovers(&mut self) -> Result<()> {
+        let segment_count = self.media.geometry().segment_count;
+        let mut erased = 0;
+        for &segment in &self.root.checkpoint.reserved_segments {
+            if segment.0 < segment_count && self.infos[segment.index()].state == SegmentState::Free
+            {
+                self.media.erase_segment(segment)?;
+                self.infos[segment.index()] = SegmentInfo::free();
                 erased += 1;
             }
         }
         if erased > 0 {
-            media.sync()?;
+            self.media.sync()?;
         }
-        report.leftover_segments_erased = erased;
+        self.report.leftover_segments_erased = erased;
+        Ok(())
     }
-    let mut segments = SegmentTable::from_infos(infos);
-    map.for_each_data(|lba, loc, _| segments.add_member(loc.segment, lba.0));
-    Ok(Recovered {
-        roots,
-        map,
-        segments,
-        next_seq,
-        next_version,
-        counters,
-        report,
-    })
+
+    /// Settles every segment's state from the map and what replay kept.
+    fn finish(mut self, writable: bool) -> Result<Recovered> {
+        let segment_size = self.media.geometry().segment_size_bytes;
+        let holds_ranges = self.segments_holding_needed_ranges();
+        self.map.compact();
+        self.count_live_bytes();
+        for (index, info) in self.infos.iter_mut().enumerate() {
+            let segment = SegmentId(index as u32);
+            info.state = if self.dump_segments.contains(&segment) {
+                SegmentState::Dump
+            } else if info.live_bytes > 0 || holds_ranges.contains(&segment) {
+                // A replayed segment's trims are needed until the next
+                // checkpoint; the cleaner relocates them if it gets there
+                // first. Dead data records are not needed: whatever
+                // superseded them is live or is such a trim.
+                SegmentState::Sealed
+            } else {
+                SegmentState::Free
+            };
+            info.holds_ranges = holds_ranges.contains(&segment);
+            if info.state == SegmentState::Sealed && info.fill_bytes == 0 {
+                info.fill_bytes = segment_size;
+            }
+            self.next_seq = self.next_seq.max(info.seq + 1);
+            self.next_version = self.next_version.max(info.max_version + 1);
+        }
+        debug_assert!(
+            self.infos
+                .iter()
+                .all(|info| info.live_bytes <= info.fill_bytes && info.seq < self.next_seq),
+            "recovered segments outgrow what was written, or numbering would repeat"
+        );
+        if writable && !self.report.clean {
+            self.erase_leftovers()?;
+        }
+        let mut segments = SegmentTable::from_infos(self.infos);
+        self.map
+            .for_each_data(|lba, loc, _| segments.add_member(loc.segment, lba.0));
+        Ok(Recovered {
+            roots: self.roots,
+            map: self.map,
+            segments,
+            next_seq: self.next_seq,
+            next_version: self.next_version,
+            counters: self.counters,
+            report: self.report,
+        })
+    }
 }

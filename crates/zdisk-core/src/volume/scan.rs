@@ -15,14 +15,14 @@ use std::ops::Range;
 use crate::record::{decode_record, RecordError, RecordHeader, RecordKey, HEADER_SIZE};
 
 #[derive(Debug, Clone)]
-pub struct Scanned {
+pub(crate) struct Scanned {
     pub offset: u64,
     pub header: RecordHeader,
     pub payload: Range<usize>,
 }
 
 #[derive(Debug, Clone)]
-pub struct ScanResult {
+pub(crate) struct ScanResult {
     pub records: Vec<Scanned>,
     /// End of the last valid record, rounded up to a page.
     pub end_offset: u64,
@@ -35,7 +35,7 @@ pub struct ScanResult {
 
 /// Parses the records of one segment incarnation (`seq32`) in `bytes`,
 /// starting at `start`.
-pub fn scan_segment(
+pub(crate) fn scan_segment(
     bytes: &[u8],
     start: u64,
     seq32: u32,

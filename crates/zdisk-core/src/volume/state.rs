@@ -1,64 +1,52 @@
-//! The engine's mutable state and the log writer streams.
+//! The engine's mutable state, and the only code that changes it.
 //!
-//! Everything here runs under the volume's state mutex. Two streams append
-//! records: the host stream (new writes, trims, zeroes) and the GC stream
-//! (relocated records), each into its own open segment, so that data the
-//! cleaner has already proven cold does not mix with fresh writes.
+//! Everything here runs under the volume's state mutex. [`State`]'s fields
+//! are private: the map, the segments' live bytes ([`Space`]) and the
+//! counters change together, in a few mutation methods that keep them
+//! consistent and assert it:
 //!
-//! A stream buffers the tail of its segment in RAM. Whole pages go to the
-//! medium in batches; a barrier pads the last partial page with zeros and
-//! writes it too, so the medium only ever sees whole pages written in order
-//! (see `media/mod.rs`). Padding is counted, as a real SSD's would be.
+//! - [`State::apply_write`]: append a host data record and repoint its
+//!   block, killing the old location;
+//! - [`State::apply_range`]: a trim, zero or damaged range;
+//! - [`State::relocate`] and [`State::relocate_range`]: the cleaner's
+//!   unchanged copies;
+//! - [`State::mark_damaged`]: a live record that failed verification.
+//!
+//! Two streams append records: the host stream (new writes, trims, zeroes)
+//! and the GC stream (relocated records), each into its own open segment,
+//! so that data the cleaner has already proven cold does not mix with
+//! fresh writes. A stream buffers the tail of its segment in RAM. Whole
+//! pages go to the medium in batches; a barrier pads the last partial page
+//! with zeros and writes it too, so the medium only ever sees whole pages
+//! written in order (see `media/mod.rs`). Padding is counted, as a real
+//! SSD's would be.
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::map::{Location, Map};
+use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::{Media, MediaGeometry};
-use crate::meta::{DumpRef, OpenSegmentPos};
-
-use crate::record::{encode_record, RecordHeader, RecordKey, RAW_RECORD_LEN};
-use crate::segments::{SegmentState, SegmentTable};
+use crate::meta::{OpenSegmentPos, RetainedRoot};
+use crate::record::{
+    encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
+    RAW_RECORD_LEN,
+};
+use crate::segments::SegmentState;
 use crate::stats::Counters;
-use crate::units::{PageIndex, SegmentId};
+use crate::units::{Lba, PageIndex, SegmentId};
+
+use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamKind {
+pub(crate) enum StreamKind {
     Host = 0,
     Gc = 1,
 }
 
-/// How far ahead of use a root reserves sequence numbers and versions by
-/// default; reservations are renewed once a quarter of that is left.
-pub const SEQ_RESERVE_AHEAD: u64 = 1 << 16;
-pub const VERSION_RESERVE_AHEAD: u64 = 1 << 26;
-
-/// Segments kept back for the cleaner, beyond those a checkpoint needs.
-pub const GC_RESERVE_SEGMENTS: u64 = 2;
-
-/// What a root in a metadata slot needs kept for recovery to start from it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RetainedRoot {
-    pub generation: u64,
-    /// Segments with a sequence number at least this are replayed.
-    pub boundary: u64,
-    /// Segments open at its snapshot, replayed from the recorded offset.
-    pub open: Vec<OpenSegmentPos>,
-    pub dump: Option<DumpRef>,
-}
-
-/// Numbers and segments a root reserves for the run that writes it.
-#[derive(Debug, Clone)]
-pub struct Reservation {
-    pub seq: u64,
-    pub version: u64,
-    pub segments: Vec<SegmentId>,
-}
-
 /// An open segment being filled.
 #[derive(Debug, Default)]
-pub struct Stream {
+pub(crate) struct Stream {
     pub segment: Option<SegmentId>,
     pub seq: u64,
     /// Segment offset of `buf[0]`; always a page multiple.
@@ -73,48 +61,122 @@ impl Stream {
     }
 }
 
-pub struct State {
-    pub media: Arc<dyn Media>,
-    pub geometry: MediaGeometry,
+/// Counter events outside the mutation methods (which count their own).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Tally {
+    /// A host WRITE request of this many bytes was served.
+    HostWrite(u64),
+    HostRead(u64),
+    HostTrim(u64),
+    HostZero(u64),
+    /// Bytes read from the medium for host reads.
+    MediaRead(u64),
+    /// Bytes the cleaner read from a victim.
+    GcRead(u64),
+    Flush,
+    /// A root of this many bytes was written to a metadata slot.
+    RootWritten(u64),
+    /// A checkpoint's dump of this many bytes was written.
+    DumpWritten(u64),
+    /// A read found a block damaged.
+    DamageFound,
+}
+
+/// The mutable half of a volume. See the module documentation.
+pub(crate) struct State {
+    media: Arc<dyn Media>,
+    geometry: MediaGeometry,
     /// Mixed into every record checksum (see `RecordKey`).
-    pub key: RecordKey,
-    pub write_batch_bytes: usize,
-    pub map: Map,
-    pub segments: SegmentTable,
-    pub streams: [Stream; 2],
-    pub next_version: u64,
-    pub next_seq: u64,
-    /// Sequence numbers and versions below these are covered by the
-    /// reservation in a durable root (see `CheckpointRoot::seq_reserved`).
-    pub seq_limit: u64,
-    pub version_limit: u64,
-    pub seq_reserve_ahead: u64,
-    pub version_reserve_ahead: u64,
-    pub segment_reserve_ahead: u64,
-    /// Barriers issued; a barrier writes every buffered byte to the medium.
-    pub barrier_gen: u64,
-    /// Highest barrier generation known to be durable.
-    pub synced_gen: u64,
-    pub counters: Counters,
+    key: RecordKey,
+    logical_blocks: u64,
+    write_batch_bytes: usize,
+    map: Map,
+    space: Space,
+    streams: [Stream; 2],
+    counters: Counters,
     /// Generation of the newest root written.
-    pub generation: u64,
+    generation: u64,
     /// The roots in the two metadata slots (by slot). Recovery may start
     /// from either: the newest, or the older one if the newest is damaged.
-    pub roots: [Option<RetainedRoot>; 2],
-    /// Log bytes appended since the last checkpoint.
-    pub log_bytes_since_checkpoint: u64,
-    /// Of those, bytes of trim, zero and damaged records, which the
-    /// cleaner must keep until a checkpoint.
-    pub range_bytes_since_checkpoint: u64,
+    roots: [Option<RetainedRoot>; 2],
     /// Set after a failed medium write: the log may have a hole, so no more writes.
-    pub failed: Option<String>,
+    failed: Option<String>,
     /// Set when `close` starts: no new host writes, so that none can land
     /// after the clean checkpoint's snapshot.
-    pub closing: bool,
+    closing: bool,
+}
+
+/// What a State starts from: recovery's findings.
+pub(crate) struct Start {
+    pub map: Map,
+    pub space: Space,
+    pub counters: Counters,
+    pub generation: u64,
+    pub roots: [Option<RetainedRoot>; 2],
 }
 
 impl State {
-    pub fn segment_size(&self) -> u64 {
+    pub(crate) fn new(
+        media: Arc<dyn Media>,
+        key: RecordKey,
+        logical_blocks: u64,
+        write_batch_bytes: usize,
+        start: Start,
+    ) -> State {
+        let geometry = media.geometry();
+        assert!(
+            start.roots.iter().any(Option::is_some),
+            "a volume has a root"
+        );
+        State {
+            media,
+            geometry,
+            key,
+            logical_blocks,
+            write_batch_bytes: write_batch_bytes.max(geometry.page_size_bytes as usize),
+            map: start.map,
+            space: start.space,
+            streams: [Stream::default(), Stream::default()],
+            counters: start.counters,
+            generation: start.generation,
+            roots: start.roots,
+            failed: None,
+            closing: false,
+        }
+    }
+
+    // --- Reading.
+
+    pub(crate) fn map(&self) -> &Map {
+        &self.map
+    }
+
+    pub(crate) fn space(&self) -> &Space {
+        &self.space
+    }
+
+    pub(crate) fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub(crate) fn streams(&self) -> &[Stream; 2] {
+        &self.streams
+    }
+
+    pub(crate) fn roots(&self) -> &[Option<RetainedRoot>; 2] {
+        &self.roots
+    }
+
+    /// Generation of the newest root written.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing
+    }
+
+    pub(crate) fn segment_size_bytes(&self) -> u64 {
         self.geometry.segment_size_bytes
     }
 
@@ -122,7 +184,7 @@ impl State {
         self.geometry.page_size_bytes as u64
     }
 
-    pub fn check_writable(&self) -> Result<()> {
+    pub(crate) fn check_writable(&self) -> Result<()> {
         match &self.failed {
             None => Ok(()),
             Some(why) => Err(Error::io(
@@ -134,297 +196,55 @@ impl State {
         }
     }
 
-    fn fail<T>(&mut self, error: Error) -> Result<T> {
-        if self.failed.is_none() {
-            self.failed = Some(error.to_string());
-        }
-        Err(error)
-    }
-
-    /// Segments the next checkpoint's two dump copies need.
-    pub fn dump_reserve_segments(&self) -> u64 {
-        self.dump_reserve_segments_for(0)
-    }
-
-    /// Segments the next checkpoint's dump needs once `extra_blocks` more
-    /// blocks may have been mapped (a write grows the map as it goes).
-    pub fn dump_reserve_segments_for(&self, extra_blocks: u64) -> u64 {
-        let extra_chunks = extra_blocks.div_ceil(crate::map::CHUNK_BLOCKS) + 1;
-        crate::volume::checkpoint::dump_segments_for(
-            self.map.chunk_count() as u64 + extra_chunks,
-            self.segments.len() as u64,
-            self.segment_size(),
-        )
-    }
-
-    /// Free segments the cleaner keeps: the checkpoint's reserve less one.
-    /// Cleaning borrows at most that one (see [`State::gc_has_room`]), and
-    /// returns it once its victim is released, so a checkpoint is delayed
-    /// at worst, never prevented.
-    pub fn gc_floor_segments(&self) -> u64 {
-        self.dump_reserve_segments().saturating_sub(1)
-    }
-
-    /// True if the cleaner may take `needed` free segments to relocate a
-    /// victim. It keeps its floor for the next checkpoint, but it may
-    /// always take one segment, since releasing the victim gives one back:
-    /// a cleaning that takes no more than it returns can run at any fill.
-    /// Without that, a checkpoint that leaves fewer free segments than the
-    /// floor (the first one, with no older dump to release) would wedge a
-    /// full volume for good.
-    pub fn gc_has_room(&self, needed: u64) -> bool {
-        let free = self.segments.free_count();
-        needed == 0 || free >= needed + self.gc_floor_segments() || (needed == 1 && free >= 1)
-    }
-
-    /// Segments that host writes may not take: the cleaner's reserve plus
-    /// room for the next checkpoint. The cleaner may use its reserve but
-    /// not the checkpoint's; only trims, zeroes and dumps may use everything.
-    pub fn reserved_segments(&self) -> u64 {
-        self.reserved_segments_for(0)
-    }
-
-    /// [`State::reserved_segments`] after a write of `extra_blocks` blocks.
-    pub fn reserved_segments_for(&self, extra_blocks: u64) -> u64 {
-        GC_RESERVE_SEGMENTS + self.dump_reserve_segments_for(extra_blocks)
-    }
-
     /// Bytes left in a stream's open segment.
-    pub fn stream_room(&self, kind: StreamKind) -> u64 {
+    pub(crate) fn stream_room(&self, kind: StreamKind) -> u64 {
         let stream = &self.streams[kind as usize];
         match stream.segment {
-            Some(_) => self.segment_size() - stream.write_offset(),
+            Some(_) => self.segment_size_bytes() - stream.write_offset(),
             None => 0,
         }
     }
 
-    /// Segments a host append of `bytes` would need beyond the open one.
-    pub fn segments_needed(&self, kind: StreamKind, bytes: u64) -> u64 {
+    /// Segments an append of `bytes` to a stream would open beyond its
+    /// current one.
+    pub(crate) fn segments_needed(&self, kind: StreamKind, bytes: u64) -> u64 {
         let room = self.stream_room(kind).saturating_sub(RAW_RECORD_LEN);
         if bytes <= room {
             return 0;
         }
-        (bytes - room).div_ceil(self.segment_size() - RAW_RECORD_LEN)
+        (bytes - room).div_ceil(self.segment_size_bytes() - RAW_RECORD_LEN)
     }
 
-    /// True if the host stream can take `bytes` more while keeping `floor`
-    /// segments free.
-    pub fn host_has_room(&self, bytes: u64, floor: u64) -> bool {
-        let needed = self.segments_needed(StreamKind::Host, bytes);
-        needed == 0
-            || (self.segments.free_count() >= floor + needed
-                && self.segments.reserved_count() >= needed)
+    /// Free segments `writer` must leave untouched.
+    pub(crate) fn floor(&self, writer: Writer) -> u64 {
+        self.space.floor(writer, self.map.chunk_count() as u64)
     }
 
-    /// Appends one record to a stream and returns where it landed, keeping
-    /// `floor` segments free if a new segment must be opened.
-    /// `header.seg_seq` and `header.crc` are filled in here.
-    pub fn append(
-        &mut self,
-        kind: StreamKind,
-        mut header: RecordHeader,
-        payload: &[u8],
-        payload_crc: u32,
-        floor: u64,
-    ) -> Result<Location> {
-        self.check_writable()?;
-        let len = header.record_len();
-        debug_assert!(len <= self.segment_size());
-        if self.stream_room(kind) < len {
-            self.open_segment(kind, floor)?;
-        }
-        let segment_size = self.segment_size();
-        let stream = &mut self.streams[kind as usize];
-        let segment = stream.segment.expect("stream has an open segment");
-        let offset = stream.write_offset();
-        assert!(
-            offset + len <= segment_size,
-            "record overruns segment {segment}"
-        );
-        header.seg_seq = stream.seq as u32;
-        let start = stream.buf.len();
-        stream.buf.resize(start + len as usize, 0);
-        encode_record(
-            &mut stream.buf[start..],
-            header,
-            payload,
-            payload_crc,
-            &self.key,
-        );
-        let info = self.segments.get_mut(segment);
-        info.max_version = info.max_version.max(header.version);
-        info.fill_bytes = offset + len;
-        if header.kind.is_range() {
-            info.holds_ranges = true;
-            info.range_bytes += len;
-            self.range_bytes_since_checkpoint += len;
-        }
-        if header.kind == crate::record::RecordKind::Data {
-            self.segments.add_member(segment, header.lba);
-        }
-        self.log_bytes_since_checkpoint += len;
-        if self.streams[kind as usize].buf.len() >= self.write_batch_bytes {
-            self.write_whole_pages(kind)?;
-        }
-        Ok(Location {
-            segment,
-            offset: offset as u32,
-            len: len as u32,
-        })
-    }
-
-    /// Writes the complete pages buffered in a stream, keeping the partial tail.
-    fn write_whole_pages(&mut self, kind: StreamKind) -> Result<()> {
-        let page = self.page_size() as usize;
-        let stream = &mut self.streams[kind as usize];
-        let whole = stream.buf.len() / page * page;
-        if whole == 0 {
-            return Ok(());
-        }
-        let segment = stream.segment.expect("stream has an open segment");
-        let first_page = PageIndex((stream.base_offset / page as u64) as u32);
-        let result = self
-            .media
-            .write_pages(segment, first_page, &stream.buf[..whole]);
-        if let Err(error) = result {
-            return self.fail(error);
-        }
-        stream.buf.drain(..whole);
-        stream.base_offset += whole as u64;
-        self.counters.media_write_bytes += whole as u64;
-        Ok(())
-    }
-
-    /// Writes everything buffered in a stream, padding the last page (a
-    /// flush's padding).
-    pub fn pad_and_write(&mut self, kind: StreamKind) -> Result<()> {
-        self.pad_and_write_as(kind, false)
-    }
-
-    /// `segment_end`: the padding completes a segment's last page because
-    /// the next record does not fit; it is counted apart from flush padding.
-    fn pad_and_write_as(&mut self, kind: StreamKind, segment_end: bool) -> Result<()> {
-        let page = self.page_size() as usize;
-        let stream = &mut self.streams[kind as usize];
-        if stream.buf.is_empty() {
-            return Ok(());
-        }
-        let padded = stream.buf.len().div_ceil(page) * page;
-        let padding = (padded - stream.buf.len()) as u64;
-        stream.buf.resize(padded, 0);
-        if segment_end {
-            self.counters.segment_tail_bytes += padding;
-        } else {
-            self.counters.padding_bytes += padding;
-        }
-        self.write_whole_pages(kind)?;
-        let stream = &self.streams[kind as usize];
-        let segment = stream.segment.expect("stream has an open segment");
-        self.segments.get_mut(segment).fill_bytes = stream.base_offset;
-        if stream.base_offset >= self.segment_size() {
-            self.seal(kind)?;
-        }
-        Ok(())
-    }
-
-    /// Closes a stream's segment: writes its tail and marks it sealed.
-    pub fn seal(&mut self, kind: StreamKind) -> Result<()> {
-        if self.streams[kind as usize].segment.is_none() {
-            return Ok(());
-        }
-        if !self.streams[kind as usize].buf.is_empty() {
-            self.pad_and_write_as(kind, true)?;
-            if self.streams[kind as usize].segment.is_none() {
-                return Ok(()); // pad_and_write sealed a full segment
-            }
-        }
-        let stream = &mut self.streams[kind as usize];
-        let segment = stream.segment.take().expect("checked above");
-        let info = self.segments.get_mut(segment);
-        info.fill_bytes = stream.base_offset;
-        info.state = SegmentState::Sealed;
-        *stream = Stream::default();
-        Ok(())
-    }
-
-    /// Seals a stream's segment and opens a fresh one, keeping `floor`
-    /// segments free.
-    pub fn open_segment(&mut self, kind: StreamKind, floor: u64) -> Result<()> {
-        self.seal(kind)?;
-        if self.segments.free_count() <= floor {
-            return Err(Error::NoSpace {
-                free_segments: self.segments.free_count(),
-                reserved_segments: floor,
-            });
-        }
-        let segment = self.allocate_segment()?;
-        let stream = &mut self.streams[kind as usize];
-        stream.segment = Some(segment);
-        stream.seq = self.segments.get(segment).seq;
-        stream.base_offset = 0;
-        stream.buf.clear();
-        Ok(())
-    }
-
-    /// Takes a free segment, gives it a new incarnation and has the medium
-    /// ready it for writing from page 0 (flash erases it; a file does not).
-    pub fn allocate_segment(&mut self) -> Result<SegmentId> {
-        let seq = self.next_seq;
-        assert!(
-            seq < self.seq_limit,
-            "sequence reservation {} exhausted",
-            self.seq_limit
-        );
-        let segment = self.segments.allocate(seq).ok_or(Error::NoSpace {
-            free_segments: self.segments.free_count(),
-            reserved_segments: 0,
-        })?;
-        self.next_seq += 1;
-        if let Err(error) = self.media.prepare_segment(segment) {
-            return self.fail(error);
-        }
-        Ok(segment)
-    }
-
-    /// Writes every buffered byte of both streams (padding partial pages)
-    /// and returns the barrier generation that a sync must reach to make
-    /// all of it durable.
-    pub fn barrier(&mut self) -> Result<u64> {
-        self.check_writable()?;
-        for kind in [StreamKind::Host, StreamKind::Gc] {
-            if self.media.has_power_loss_protection() {
-                self.stage_tail(kind)?;
-            } else {
-                self.pad_and_write(kind)?;
-            }
-        }
-        self.barrier_gen += 1;
-        Ok(self.barrier_gen)
-    }
-
-    /// With power-loss protection: writes a stream's whole pages and hands
-    /// the partial last page to the medium's non-volatile buffer, instead
-    /// of padding and programming it. The page is programmed later, whole.
-    fn stage_tail(&mut self, kind: StreamKind) -> Result<()> {
-        self.write_whole_pages(kind)?;
-        let page = self.page_size();
-        let stream = &self.streams[kind as usize];
-        let (Some(segment), false) = (stream.segment, stream.buf.is_empty()) else {
-            return Ok(());
+    /// The ladder's next rung for `need` (see `Space::next_rung`).
+    pub(crate) fn next_rung(
+        &self,
+        need: &Need,
+        reach: Reach,
+        climbed: &Climbed,
+        checkpoint_interval_bytes: u64,
+    ) -> Option<Rung> {
+        let stream = match need.writer {
+            Writer::Cleaner => StreamKind::Gc,
+            _ => StreamKind::Host,
         };
-        debug_assert!((stream.buf.len() as u64) < page);
-        let first_page = PageIndex((stream.base_offset / page) as u32);
-        let result = self
-            .media
-            .stage_partial_page(segment, first_page, &stream.buf);
-        if let Err(error) = result {
-            return self.fail(error);
-        }
-        Ok(())
+        let background = matches!(need.writer, Writer::Background { .. });
+        let outlook = Outlook {
+            map_chunks: self.map.chunk_count() as u64,
+            stream_room: self.stream_room(stream),
+            checkpoint_interval_bytes,
+            // Only the background thread waits for a recycling engine.
+            recycling_ready: !background || self.media.recycling_ready(),
+        };
+        self.space.next_rung(need, &outlook, reach, climbed)
     }
 
     /// The bytes of a record that is still (partly) in a stream buffer.
-    pub fn read_buffered(&self, loc: Location) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn read_buffered(&self, loc: Location) -> Result<Option<Vec<u8>>> {
         for stream in &self.streams {
             if stream.segment != Some(loc.segment) {
                 continue;
@@ -455,7 +275,7 @@ impl State {
     }
 
     /// The root with the highest generation.
-    pub fn newest_root(&self) -> &RetainedRoot {
+    pub(crate) fn newest_root(&self) -> &RetainedRoot {
         self.roots
             .iter()
             .flatten()
@@ -465,41 +285,16 @@ impl State {
 
     /// True if a recovery from either retained root could replay records
     /// of `segment` (so trims in it must survive cleaning).
-    pub fn needed_by_recovery(&self, segment: SegmentId) -> bool {
-        let info = self.segments.get(segment);
-        self.roots.iter().flatten().any(|root| {
-            info.seq >= root.boundary
-                || root
-                    .open
-                    .iter()
-                    .any(|open| open.segment == segment && open.seq == info.seq)
-        })
-    }
-
-    /// Records that `root` is now durable in its slot, replacing the root
-    /// written there two generations ago, and frees the dump segments no
-    /// remaining root refers to.
-    pub fn install_root(&mut self, root: RetainedRoot) {
-        let slot = (root.generation % 2) as usize;
-        let replaced = self.roots[slot].replace(root);
-        let Some(replaced) = replaced else { return };
-        let Some(old_dump) = replaced.dump else {
-            return;
-        };
-        let still_used = self.roots.iter().flatten().any(|root| {
-            root.dump
-                .as_ref()
-                .is_some_and(|d| d.generation == old_dump.generation)
-        });
-        if !still_used {
-            for segment in old_dump.segments() {
-                self.segments.release(segment);
-            }
-        }
+    pub(crate) fn needed_by_recovery(&self, segment: SegmentId) -> bool {
+        let info = self.space.segment(segment);
+        self.roots
+            .iter()
+            .flatten()
+            .any(|root| root.replays(segment, info.seq))
     }
 
     /// Positions of the open streams, for a checkpoint root.
-    pub fn open_positions(&self) -> Vec<OpenSegmentPos> {
+    pub(crate) fn open_positions(&self) -> Vec<OpenSegmentPos> {
         self.streams
             .iter()
             .filter_map(|stream| {
@@ -512,87 +307,522 @@ impl State {
             .collect()
     }
 
-    /// Records that a map entry moved away from `loc` (overwritten, trimmed or relocated).
-    pub fn release_location(&mut self, loc: Location) {
-        self.segments.sub_live(loc.segment, loc.len as u64);
-        // The record that replaced this one is in a stream buffer; the next
-        // barrier writes it out.
-        let info = self.segments.get_mut(loc.segment);
-        info.killed_gen = info.killed_gen.max(self.barrier_gen + 1);
+    // --- The mutation methods: map, live bytes and counters in step.
+
+    /// Appends host data for block `lba` (`payload` compressed with
+    /// `codec`, `payload_crc` its CRC32C) under a new version, and points
+    /// the block at it; the record it replaces dies. Keeps `floor` free
+    /// segments if a new one must be opened.
+    pub(crate) fn apply_write(
+        &mut self,
+        lba: Lba,
+        codec: u8,
+        payload: &[u8],
+        payload_crc: u32,
+        floor: u64,
+    ) -> Result<()> {
+        debug_assert!(lba.0 < self.logical_blocks, "block {lba} beyond the volume");
+        let version = self.space.take_version();
+        let header = RecordHeader {
+            kind: RecordKind::Data,
+            codec,
+            seg_seq: 0,
+            lba: lba.0,
+            version,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let loc = self.append(StreamKind::Host, header, payload, payload_crc, floor)?;
+        debug_assert_eq!(loc.len as u64, record_len_for_payload(payload.len()));
+        self.repoint(lba, loc, version);
+        Ok(())
     }
 
-    pub fn take_version(&mut self) -> u64 {
-        let version = self.next_version;
-        // Admission (`numbering_room`) checked this before the caller
-        // started; running out here is a bug, not an operating error.
-        assert!(
-            version < self.version_limit,
-            "version reservation {} exhausted",
-            self.version_limit
+    /// Appends a trim, zero or damaged record for `count` blocks from
+    /// `first` under a new version, and applies it to the map. Keeps
+    /// `floor` free segments if a new one must be opened.
+    pub(crate) fn apply_range(
+        &mut self,
+        kind: RecordKind,
+        first: Lba,
+        count: u64,
+        floor: u64,
+    ) -> Result<()> {
+        let state = match kind {
+            RecordKind::Trim => RangeState::Hole,
+            RecordKind::Zero => RangeState::Zero,
+            RecordKind::Damaged => RangeState::Damaged,
+            other => panic!("{other:?} is not a range record"),
+        };
+        assert!(count > 0, "an empty range");
+        debug_assert!(
+            first.0 + count <= self.logical_blocks,
+            "range {first}+{count} beyond the volume"
         );
-        self.next_version += 1;
-        version
+        let version = self.space.take_version();
+        let payload = count.to_le_bytes();
+        let header = RecordHeader {
+            kind,
+            codec: 0,
+            seg_seq: 0,
+            lba: first.0,
+            version,
+            payload_len: RANGE_PAYLOAD_LEN,
+            crc: 0,
+        };
+        self.append(
+            StreamKind::Host,
+            header,
+            &payload,
+            crc32c::crc32c(&payload),
+            floor,
+        )?;
+        let State { map, space, .. } = self;
+        map.set_range(first, count, state, version, false, &mut |loc| {
+            space.kill(loc.segment, loc.len as u64)
+        });
+        debug_assert!(
+            state == RangeState::Hole || self.map.get(first).slot() == state.slot(),
+            "block {first} after a {kind:?} range"
+        );
+        Ok(())
     }
 
-    /// True if `segments` more segments and `versions` more versions can
-    /// be numbered under the current reservation.
-    pub fn numbering_room(&self, segments: u64, versions: u64) -> bool {
-        self.next_seq + segments <= self.seq_limit
-            && self.next_version + versions <= self.version_limit
+    /// Moves the live data record `header` of its block, read back from
+    /// `from`, to the GC stream unchanged (same payload, codec and
+    /// version), and points the block at the copy.
+    pub(crate) fn relocate(
+        &mut self,
+        from: Location,
+        header: RecordHeader,
+        payload: &[u8],
+    ) -> Result<()> {
+        let lba = Lba(header.lba);
+        let entry = self.map.get(lba);
+        assert_eq!(
+            entry.slot(),
+            Slot::Data(from),
+            "relocating block {lba}, which no longer lives there"
+        );
+        assert_eq!(entry.version(), header.version, "relocating block {lba}");
+        let moved = self.append_gc(header, payload)?;
+        debug_assert_ne!(moved.segment, from.segment, "relocated into its victim");
+        debug_assert_eq!(moved.len, from.len, "a relocated record keeps its length");
+        self.repoint(lba, moved, header.version);
+        Ok(())
     }
 
-    /// True when a root should be written to renew the reservations.
-    pub fn reservation_low(&self) -> bool {
-        let segments_low = self.segments.reserved_count() < self.segment_reserve_ahead / 2
-            && self.segments.free_count() > self.segments.reserved_count();
-        segments_low
-            || self.next_seq + self.seq_reserve_ahead / 4 > self.seq_limit
-            || self.next_version + self.version_reserve_ahead / 4 > self.version_limit
+    /// Copies a range record recovery from the durable checkpoint still
+    /// needs to the GC stream, unchanged.
+    pub(crate) fn relocate_range(&mut self, header: RecordHeader, payload: &[u8]) -> Result<()> {
+        assert!(
+            header.kind.is_range(),
+            "{:?} is not a range record",
+            header.kind
+        );
+        self.append_gc(header, payload)?;
+        Ok(())
     }
 
-    /// True when a root must be written before `segments` segments and
-    /// `versions` versions can be used (or the reservations are low).
-    pub fn reservation_short(&self, segments: u64, versions: u64) -> bool {
-        self.reservation_low()
-            || self.segments.reserved_count() < segments
-            || !self.numbering_room(segments, versions)
+    /// Replaces a live block whose record failed verification with a
+    /// `Damaged` entry, logged (in the GC stream) so that it survives
+    /// restarts.
+    pub(crate) fn mark_damaged(&mut self, lba: Lba) -> Result<()> {
+        let version = self.space.take_version();
+        let payload = 1u64.to_le_bytes();
+        let header = RecordHeader {
+            kind: RecordKind::Damaged,
+            codec: 0,
+            seg_seq: 0,
+            lba: lba.0,
+            version,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        self.append(
+            StreamKind::Gc,
+            header,
+            &payload,
+            crc32c::crc32c(&payload),
+            0,
+        )?;
+        let old = self.map.set(lba, Slot::Damaged, version);
+        debug_assert!(old.version() < version, "block {lba} went back in time");
+        if let Slot::Data(loc) = old.slot() {
+            self.space.kill(loc.segment, loc.len as u64);
+        }
+        self.counters.damaged_blocks_found += 1;
+        Ok(())
     }
 
-    /// The reservations a root written now should carry, with at least
-    /// `min_segments` segments.
-    /// `min_segments` segments (and twice that many sequence numbers) and
-    /// twice `min_versions` versions.
-    pub fn reservations_for_root(&self, min_segments: u64, min_versions: u64) -> Reservation {
-        let segments = self.segment_reserve_ahead.max(min_segments) as usize;
-        let seq_ahead = self.seq_reserve_ahead.max(2 * min_segments);
-        let version_ahead = self.version_reserve_ahead.max(2 * min_versions);
-        let version_end = crate::map::VERSION_MAX + 1;
-        Reservation {
-            seq: (self.next_seq + seq_ahead).max(self.seq_limit),
-            version: (self.next_version + version_ahead)
-                .min(version_end)
-                .max(self.version_limit),
-            segments: self.segments.propose_reservation(segments),
+    /// Points `lba` at the live record `loc` (version `version`), and the
+    /// record it pointed at dies.
+    fn repoint(&mut self, lba: Lba, loc: Location, version: u64) {
+        self.space.add_live(loc.segment, loc.len as u64);
+        let old = self.map.set(lba, Slot::Data(loc), version);
+        debug_assert!(
+            old.version() <= version,
+            "block {lba}: version {} replaced by older {version}",
+            old.version()
+        );
+        if let Slot::Data(old_loc) = old.slot() {
+            debug_assert_ne!(old_loc, loc, "block {lba} repointed at itself");
+            self.space.kill(old_loc.segment, old_loc.len as u64);
+        }
+        debug_assert_eq!(self.map.get(lba).slot(), Slot::Data(loc));
+    }
+
+    fn append_gc(&mut self, header: RecordHeader, payload: &[u8]) -> Result<Location> {
+        let loc = self.append(StreamKind::Gc, header, payload, crc32c::crc32c(payload), 0)?;
+        self.counters.gc_write_bytes += loc.len as u64;
+        Ok(loc)
+    }
+
+    /// Appends one record to a stream and returns where it landed, keeping
+    /// `floor` segments free if a new segment must be opened.
+    /// `header.seg_seq` and `header.crc` are filled in here.
+    fn append(
+        &mut self,
+        kind: StreamKind,
+        mut header: RecordHeader,
+        payload: &[u8],
+        payload_crc: u32,
+        floor: u64,
+    ) -> Result<Location> {
+        self.check_writable()?;
+        let len = header.record_len();
+        debug_assert!(len <= self.segment_size_bytes());
+        if self.stream_room(kind) < len {
+            self.open_segment(kind, floor)?;
+        }
+        let segment_size = self.segment_size_bytes();
+        let stream = &mut self.streams[kind as usize];
+        let segment = stream.segment.expect("stream has an open segment");
+        let offset = stream.write_offset();
+        assert!(
+            offset + len <= segment_size,
+            "record overruns segment {segment}"
+        );
+        header.seg_seq = stream.seq as u32;
+        let start = stream.buf.len();
+        stream.buf.resize(start + len as usize, 0);
+        encode_record(
+            &mut stream.buf[start..],
+            header,
+            payload,
+            payload_crc,
+            &self.key,
+        );
+        self.space.note_append(segment, &header, offset + len);
+        if self.streams[kind as usize].buf.len() >= self.write_batch_bytes {
+            self.write_whole_pages(kind)?;
+        }
+        Ok(Location {
+            segment,
+            offset: offset as u32,
+            len: len as u32,
+        })
+    }
+
+    // --- Streams and barriers.
+
+    fn fail<T>(&mut self, error: Error) -> Result<T> {
+        self.note_failure(&error);
+        Err(error)
+    }
+
+    /// Stops all writing after a medium error: the log may have a hole.
+    pub(crate) fn note_failure(&mut self, error: &Error) {
+        if self.failed.is_none() {
+            self.failed = Some(error.to_string());
         }
     }
 
-    /// Makes a reservation usable once the root carrying it is durable.
-    pub fn commit_reservation(&mut self, reservation: &Reservation) {
-        self.seq_limit = self.seq_limit.max(reservation.seq);
-        self.version_limit = self.version_limit.max(reservation.version);
-        self.segments.commit_reservation(&reservation.segments);
-    }
-
-    /// Frees reclaimable segments once `synced_gen` covers their barrier.
-    pub fn note_synced(&mut self, gen: u64) {
-        if gen > self.synced_gen {
-            self.synced_gen = gen;
+    /// Writes the complete pages buffered in a stream, keeping the partial tail.
+    fn write_whole_pages(&mut self, kind: StreamKind) -> Result<()> {
+        let page = self.page_size() as usize;
+        let stream = &mut self.streams[kind as usize];
+        let whole = stream.buf.len() / page * page;
+        if whole == 0 {
+            return Ok(());
         }
-        self.segments.release_reclaimable(self.synced_gen);
+        let segment = stream.segment.expect("stream has an open segment");
+        let first_page = PageIndex((stream.base_offset / page as u64) as u32);
+        let result = self
+            .media
+            .write_pages(segment, first_page, &stream.buf[..whole]);
+        if let Err(error) = result {
+            return self.fail(error);
+        }
+        stream.buf.drain(..whole);
+        stream.base_offset += whole as u64;
+        self.counters.media_write_bytes += whole as u64;
+        Ok(())
     }
 
-    /// Segments waiting only for a barrier to become free.
-    pub fn reclaimable_count(&self) -> u64 {
-        self.segments.reclaimable_count()
+    /// Writes everything buffered in a stream, padding the last page.
+    /// `segment_end`: the padding completes a segment's last page because
+    /// the next record does not fit; it is counted apart from a flush's.
+    fn pad_and_write(&mut self, kind: StreamKind, segment_end: bool) -> Result<()> {
+        let page = self.page_size() as usize;
+        let stream = &mut self.streams[kind as usize];
+        if stream.buf.is_empty() {
+            return Ok(());
+        }
+        let padded = stream.buf.len().div_ceil(page) * page;
+        let padding = (padded - stream.buf.len()) as u64;
+        stream.buf.resize(padded, 0);
+        if segment_end {
+            self.counters.segment_tail_bytes += padding;
+        } else {
+            self.counters.padding_bytes += padding;
+        }
+        self.write_whole_pages(kind)?;
+        let stream = &self.streams[kind as usize];
+        debug_assert!(stream.buf.is_empty(), "padding left a partial page");
+        let segment = stream.segment.expect("stream has an open segment");
+        let written = stream.base_offset;
+        self.space.set_fill(segment, written);
+        if written >= self.segment_size_bytes() {
+            self.seal(kind)?;
+        }
+        Ok(())
+    }
+
+    /// Closes a stream's segment: writes its tail and marks it sealed.
+    fn seal(&mut self, kind: StreamKind) -> Result<()> {
+        if self.streams[kind as usize].segment.is_none() {
+            return Ok(());
+        }
+        if !self.streams[kind as usize].buf.is_empty() {
+            self.pad_and_write(kind, true)?;
+            if self.streams[kind as usize].segment.is_none() {
+                return Ok(()); // pad_and_write sealed a full segment
+            }
+        }
+        let stream = std::mem::take(&mut self.streams[kind as usize]);
+        let segment = stream.segment.expect("checked above");
+        self.space.seal(segment, stream.base_offset);
+        Ok(())
+    }
+
+    /// Seals a stream's segment and opens a fresh one, keeping `floor`
+    /// segments free.
+    fn open_segment(&mut self, kind: StreamKind, floor: u64) -> Result<()> {
+        self.seal(kind)?;
+        if self.space.free_count() <= floor {
+            return Err(Error::NoSpace {
+                free_segments: self.space.free_count(),
+                reserved_segments: floor,
+            });
+        }
+        let segment = self.acquire(SegmentState::Open)?;
+        let seq = self.space.segment(segment).seq;
+        self.streams[kind as usize] = Stream {
+            segment: Some(segment),
+            seq,
+            base_offset: 0,
+            buf: Vec::new(),
+        };
+        Ok(())
+    }
+
+    /// Takes a reserved free segment as a new incarnation and has the
+    /// medium ready it for writing from page 0 (flash erases it; a file
+    /// does not).
+    fn acquire(&mut self, state: SegmentState) -> Result<SegmentId> {
+        let segment = self.space.acquire(state).ok_or(Error::NoSpace {
+            free_segments: self.space.free_count(),
+            reserved_segments: 0,
+        })?;
+        if let Err(error) = self.media.prepare_segment(segment) {
+            return self.fail(error);
+        }
+        Ok(segment)
+    }
+
+    /// Writes every buffered byte of both streams (padding partial pages)
+    /// and returns the barrier generation that a sync must reach to make
+    /// all of it durable.
+    pub(crate) fn barrier(&mut self) -> Result<u64> {
+        self.check_writable()?;
+        for kind in [StreamKind::Host, StreamKind::Gc] {
+            if self.media.has_power_loss_protection() {
+                self.stage_tail(kind)?;
+            } else {
+                self.pad_and_write(kind, false)?;
+            }
+        }
+        Ok(self.space.note_barrier())
+    }
+
+    /// With power-loss protection: writes a stream's whole pages and hands
+    /// the partial last page to the medium's non-volatile buffer, instead
+    /// of padding and programming it. The page is programmed later, whole.
+    fn stage_tail(&mut self, kind: StreamKind) -> Result<()> {
+        self.write_whole_pages(kind)?;
+        let page = self.page_size();
+        let stream = &self.streams[kind as usize];
+        let (Some(segment), false) = (stream.segment, stream.buf.is_empty()) else {
+            return Ok(());
+        };
+        debug_assert!((stream.buf.len() as u64) < page);
+        let first_page = PageIndex((stream.base_offset / page) as u32);
+        let result = self
+            .media
+            .stage_partial_page(segment, first_page, &stream.buf);
+        if let Err(error) = result {
+            return self.fail(error);
+        }
+        Ok(())
+    }
+
+    /// Frees reclaimable segments once barrier `gen` is durable.
+    pub(crate) fn note_synced(&mut self, gen: u64) {
+        self.space.note_synced(gen);
+    }
+
+    /// A cleaned victim (see `Space::retire`).
+    pub(crate) fn retire(
+        &mut self,
+        victim: SegmentId,
+        relocated_bytes: u64,
+        after_checkpoint: bool,
+    ) {
+        debug_assert!(
+            self.streams.iter().all(|s| s.segment != Some(victim)),
+            "victim {victim} is open"
+        );
+        self.space.retire(victim, relocated_bytes, after_checkpoint);
+        self.counters.segments_cleaned += 1;
+    }
+
+    /// Drops everything buffered, as a power cut would (for `Volume::halt`).
+    pub(crate) fn halt(&mut self, why: &str) {
+        self.failed = Some(why.into());
+        for stream in self.streams.iter_mut() {
+            stream.buf.clear();
+        }
+    }
+
+    /// `close` has begun: no new host writes.
+    pub(crate) fn set_closing(&mut self) {
+        self.closing = true;
+    }
+
+    /// After the clean checkpoint of `close`: nothing more is written.
+    pub(crate) fn set_closed(&mut self) {
+        self.failed = Some("the volume is closed".into());
+    }
+
+    pub(crate) fn tally(&mut self, tally: Tally) {
+        let counters = &mut self.counters;
+        match tally {
+            Tally::HostWrite(bytes) => {
+                counters.host_write_bytes += bytes;
+                counters.host_write_requests += 1;
+            }
+            Tally::HostRead(bytes) => counters.host_read_bytes += bytes,
+            Tally::HostTrim(bytes) => counters.host_trim_bytes += bytes,
+            Tally::HostZero(bytes) => counters.host_zero_bytes += bytes,
+            Tally::MediaRead(bytes) => counters.media_read_bytes += bytes,
+            Tally::GcRead(bytes) => counters.gc_read_bytes += bytes,
+            Tally::Flush => counters.flushes += 1,
+            Tally::RootWritten(bytes) => {
+                counters.meta_write_bytes += bytes;
+                counters.media_write_bytes += bytes;
+            }
+            Tally::DumpWritten(bytes) => {
+                counters.meta_write_bytes += bytes;
+                counters.media_write_bytes += bytes;
+                counters.checkpoints += 1;
+            }
+            Tally::DamageFound => counters.damaged_blocks_found += 1,
+        }
+    }
+
+    // --- Roots and checkpoints.
+
+    /// The reservations a root written now should carry.
+    pub(crate) fn propose_reservation(&self, min_segments: u64, min_versions: u64) -> Reservation {
+        self.space.propose_reservation(min_segments, min_versions)
+    }
+
+    /// Records that `root`, carrying `reservation`, is durable in its slot:
+    /// the reservation becomes usable, the root replaces the one written
+    /// there two generations ago, and the dump segments no remaining root
+    /// refers to are freed.
+    pub(crate) fn install_root(&mut self, root: RetainedRoot, reservation: &Reservation) {
+        assert_eq!(
+            root.generation,
+            self.generation + 1,
+            "roots are installed in generation order"
+        );
+        self.generation = root.generation;
+        self.space.commit_reservation(reservation);
+        let slot = root.slot();
+        let replaced = self.roots[slot].replace(root);
+        if let Some(dump) = replaced.and_then(|replaced| replaced.dump) {
+            self.release_dump_unless_retained(&dump);
+        }
+    }
+
+    /// A checkpoint is about to overwrite the root in the slot of the next
+    /// generation: that root stops being a fallback as soon as the write
+    /// starts, so its dump can make room for the new one (a checkpoint
+    /// never needs more than one dump's worth of free space).
+    pub(crate) fn release_replaced_root(&mut self) {
+        let replaced = ((self.generation + 1) % 2) as usize;
+        if let Some(dump) = self.roots[replaced].take().and_then(|root| root.dump) {
+            self.release_dump_unless_retained(&dump);
+        }
+    }
+
+    fn release_dump_unless_retained(&mut self, dump: &crate::meta::DumpRef) {
+        let still_used = self.roots.iter().flatten().any(|root| {
+            root.dump
+                .as_ref()
+                .is_some_and(|d| d.generation == dump.generation)
+        });
+        if !still_used {
+            for segment in dump.segments() {
+                self.space.release(segment);
+            }
+        }
+    }
+
+    /// Takes `count` reserved segments for a checkpoint's dump, as
+    /// (segment, seq); on failure none is taken.
+    pub(crate) fn acquire_dump_segments(&mut self, count: usize) -> Result<Vec<(SegmentId, u64)>> {
+        let mut taken: Vec<(SegmentId, u64)> = Vec::with_capacity(count);
+        while taken.len() < count {
+            match self.acquire(SegmentState::Dump) {
+                Ok(segment) => taken.push((segment, self.space.segment(segment).seq)),
+                Err(error) => {
+                    self.forfeit_dump_segments(&taken);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Gives back the segments of a dump no root will name.
+    pub(crate) fn forfeit_dump_segments(&mut self, segments: &[(SegmentId, u64)]) {
+        for &(segment, _) in segments.iter().rev() {
+            self.space.forfeit(segment);
+        }
+    }
+
+    /// `bytes` of a dump were written into `segment`.
+    pub(crate) fn note_dump_segment(&mut self, segment: SegmentId, bytes: u64) {
+        debug_assert_eq!(self.space.segment(segment).state, SegmentState::Dump);
+        self.space.set_fill(segment, bytes);
+    }
+
+    /// A checkpoint's root is durable: its log and range records since
+    /// the last one are covered.
+    pub(crate) fn note_checkpoint(&mut self) {
+        self.space.note_checkpoint();
     }
 }

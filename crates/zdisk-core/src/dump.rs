@@ -1,0 +1,569 @@
+//! The checkpoint dump's byte format: the map and the segment table as
+//! map-chunk records, written twice.
+//!
+//! A dump is a stream of tagged items (map chunks, then segments), cut into
+//! payloads of at most [`chunk_target_bytes`] uncompressed bytes, each
+//! compressed with LZ4 into one `MapChunk` record: header `lba` = record
+//! index, `version` = the generation of the root that wrote it. Both copies
+//! place the records identically ([`layout`]), each in its own segments, so
+//! that a chunk damaged in one copy is read from the other ([`load_dump`]).
+//! docs/format.md gives the layout; `volume/checkpoint.rs` is the procedure
+//! that writes one.
+//!
+//! Decoding trusts nothing read from the medium: every length, index,
+//! segment and version is checked before use.
+
+use crate::bytes::{ByteReader, ByteWriter};
+use crate::codec::{lz4_compress, lz4_decompress, CodecId};
+use crate::error::{Error, Result};
+use crate::map::{Chunk, Entry, Location, Map, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX};
+use crate::media::Media;
+use crate::meta::DumpRef;
+use crate::record::{
+    decode_record, encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
+    MAP_CHUNK_PAYLOAD_MAX,
+};
+use crate::units::SegmentId;
+
+const ITEM_END: u8 = 0;
+const ITEM_CHUNK: u8 = 1;
+const ITEM_SEGMENT: u8 = 2;
+
+const FORM_UNIFORM: u8 = 0;
+const FORM_MIXED: u8 = 1;
+
+const TAG_HOLE: u8 = 0;
+const TAG_ZERO: u8 = 1;
+const TAG_DATA: u8 = 2;
+const TAG_DAMAGED: u8 = 3;
+
+/// The most one map entry takes in a dump: a tag, zigzag varints of a
+/// segment delta (33 bits: 5 bytes) and an offset delta (5 bytes), a
+/// length (13 bits: 2 bytes) and a version delta (49 bits: 7 bytes).
+const ENTRY_MAX_BYTES: u64 = 1 + 5 + 5 + 2 + 7;
+
+/// The largest uncompressed payload a chunk record may claim.
+const RAW_CHUNK_MAX_BYTES: usize = 64 * MAP_CHUNK_PAYLOAD_MAX as usize;
+
+/// Uncompressed bytes per checkpoint chunk record.
+pub(crate) fn chunk_target_bytes(segment_size: u64) -> usize {
+    (segment_size / 4).min(64 * 1024) as usize
+}
+
+/// The most a chunk record can occupy: a full target plus one item,
+/// LZ4's worst-case expansion and the record header.
+fn chunk_record_max_bytes(segment_size: u64) -> u64 {
+    let raw = chunk_target_bytes(segment_size) as u64 + 16 + CHUNK_BLOCKS * ENTRY_MAX_BYTES + 1;
+    raw + raw / 255 + 16 + 4 + 48
+}
+
+/// Segments a checkpoint's two dump copies need, at most, for a map of
+/// `chunks` chunks on `segment_count` segments of `segment_size` bytes.
+pub(crate) fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u64) -> u64 {
+    let usable = segment_size
+        .saturating_sub(chunk_record_max_bytes(segment_size))
+        .max(1);
+    let segments = 2 * dump_size_for(chunks, segment_count).div_ceil(usable).max(1);
+    debug_assert!(
+        segments.is_multiple_of(2),
+        "both copies take the same segments"
+    );
+    segments
+}
+
+/// Upper bound of one dump copy's bytes for `chunks` map chunks and `segments` segments.
+fn dump_size_for(chunks: u64, segments: u64) -> u64 {
+    let raw = chunks * (16 + CHUNK_BLOCKS * ENTRY_MAX_BYTES) + segments * 40 + 64;
+    // LZ4 worst case plus per-record headers.
+    raw + raw / 255 + 16 + (raw / (16 * 1024) + 1) * 64
+}
+
+fn put_varint(out: &mut ByteWriter, mut value: u64) {
+    while value >= 0x80 {
+        out.u8((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.u8(value as u8);
+}
+
+fn get_varint(input: &mut ByteReader) -> Result<u64, String> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = input.u8()?;
+        value |= ((byte & 0x7F) as u64) << shift;
+        if byte & 0x80 == 0 {
+            return Ok(value);
+        }
+    }
+    Err("varint longer than 64 bits".into())
+}
+
+/// A version read from the medium, checked against the map's 48 bits.
+fn get_version(input: &mut ByteReader, what: &str) -> Result<u64, String> {
+    let version = get_varint(input)?;
+    if version > VERSION_MAX {
+        return Err(format!("version {version} out of range in {what}"));
+    }
+    Ok(version)
+}
+
+fn zigzag(delta: i64) -> u64 {
+    ((delta << 1) ^ (delta >> 63)) as u64
+}
+
+fn unzigzag(value: u64) -> i64 {
+    ((value >> 1) as i64) ^ -((value & 1) as i64)
+}
+
+fn range_tag(state: RangeState) -> u8 {
+    match state {
+        RangeState::Hole => TAG_HOLE,
+        RangeState::Zero => TAG_ZERO,
+        RangeState::Damaged => TAG_DAMAGED,
+    }
+}
+
+fn tag_range(tag: u8) -> Result<RangeState, String> {
+    match tag {
+        TAG_HOLE => Ok(RangeState::Hole),
+        TAG_ZERO => Ok(RangeState::Zero),
+        TAG_DAMAGED => Ok(RangeState::Damaged),
+        other => Err(format!("bad range tag {other}")),
+    }
+}
+
+/// What a dump records about one segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DumpedSegment {
+    pub seq: u64,
+    pub fill_bytes: u64,
+    pub max_version: u64,
+}
+
+/// Cuts the item stream into LZ4-compressed chunk payloads.
+struct Payloads {
+    target_bytes: usize,
+    raw: ByteWriter,
+    done: Vec<Vec<u8>>,
+}
+
+impl Payloads {
+    /// Ends the current payload once it reaches the target (or, with
+    /// `force`, if it holds anything).
+    fn cut(&mut self, force: bool) {
+        let raw = &mut self.raw;
+        let full = raw.buf.len() >= self.target_bytes;
+        if !full && (!force || raw.buf.is_empty()) {
+            return;
+        }
+        raw.u8(ITEM_END);
+        let mut payload = ByteWriter::new();
+        payload.u32(raw.buf.len() as u32);
+        payload.bytes(&lz4_compress(&raw.buf));
+        assert!(
+            payload.buf.len() as u32 <= MAP_CHUNK_PAYLOAD_MAX,
+            "a dump chunk of {} bytes exceeds the record limit",
+            payload.buf.len()
+        );
+        self.done.push(payload.buf);
+        raw.buf.clear();
+    }
+}
+
+fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
+    out.u8(ITEM_CHUNK);
+    out.u64(index);
+    match chunk {
+        Chunk::Uniform { state, version } => {
+            out.u8(FORM_UNIFORM);
+            out.u8(range_tag(*state));
+            put_varint(out, *version);
+        }
+        Chunk::Mixed(entries) => {
+            out.u8(FORM_MIXED);
+            let (mut segment, mut offset, mut version) = (0i64, 0i64, 0i64);
+            for entry in entries.iter() {
+                match entry.slot() {
+                    Slot::Hole => out.u8(TAG_HOLE),
+                    Slot::Zero => {
+                        out.u8(TAG_ZERO);
+                        put_varint(out, entry.version());
+                    }
+                    Slot::Damaged => {
+                        out.u8(TAG_DAMAGED);
+                        put_varint(out, entry.version());
+                    }
+                    Slot::Data(loc) => {
+                        out.u8(TAG_DATA);
+                        put_varint(out, zigzag(loc.segment.0 as i64 - segment));
+                        put_varint(out, zigzag(loc.offset as i64 - offset));
+                        put_varint(out, loc.len as u64);
+                        put_varint(out, zigzag(entry.version() as i64 - version));
+                        segment = loc.segment.0 as i64;
+                        offset = loc.offset as i64 + loc.len as i64;
+                        version = entry.version() as i64;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Serialises `map` and `segments` (every segment that is not free and
+/// never used) into chunk payloads of at most `target_bytes` uncompressed
+/// bytes each.
+pub(crate) fn encode_dump(
+    map: &Map,
+    segments: impl Iterator<Item = (SegmentId, DumpedSegment)>,
+    target_bytes: usize,
+) -> Vec<Vec<u8>> {
+    let mut payloads = Payloads {
+        target_bytes,
+        raw: ByteWriter::new(),
+        done: Vec::new(),
+    };
+    for (index, chunk) in map.chunks() {
+        encode_chunk(&mut payloads.raw, index, chunk);
+        payloads.cut(false);
+    }
+    for (segment, dumped) in segments {
+        let out = &mut payloads.raw;
+        out.u8(ITEM_SEGMENT);
+        out.u32(segment.0);
+        out.u64(dumped.seq);
+        out.u64(dumped.fill_bytes);
+        out.u64(dumped.max_version);
+        payloads.cut(false);
+    }
+    payloads.cut(true);
+    payloads.done
+}
+
+/// Decodes a data entry of a mixed chunk, relative to the previous one.
+fn decode_data_entry(
+    input: &mut ByteReader,
+    index: u64,
+    segment_count: usize,
+    previous: &mut (i64, i64, i64),
+) -> Result<Entry, String> {
+    let (segment, offset, version) = previous;
+    *segment += unzigzag(get_varint(input)?);
+    *offset += unzigzag(get_varint(input)?);
+    let len = get_varint(input)?;
+    *version += unzigzag(get_varint(input)?);
+    if !(0..segment_count as i64).contains(segment)
+        || !(0..u32::MAX as i64).contains(offset)
+        || !(1..=8191).contains(&len)
+        || !(0..=VERSION_MAX as i64).contains(version)
+    {
+        return Err(format!(
+            "bad data entry in chunk {index}: segment {segment} offset {offset} len {len}"
+        ));
+    }
+    let entry = Entry::new(
+        Slot::Data(Location {
+            segment: SegmentId(*segment as u32),
+            offset: *offset as u32,
+            len: len as u32,
+        }),
+        *version as u64,
+    );
+    *offset += len as i64;
+    Ok(entry)
+}
+
+fn decode_chunk(input: &mut ByteReader, index: u64, segment_count: usize) -> Result<Chunk, String> {
+    match input.u8()? {
+        FORM_UNIFORM => {
+            let state = tag_range(input.u8()?)?;
+            let version = get_version(input, &format!("chunk {index}"))?;
+            Ok(Chunk::Uniform { state, version })
+        }
+        FORM_MIXED => {
+            let mut entries = Box::new([Entry::default(); CHUNK_BLOCKS as usize]);
+            let mut previous = (0i64, 0i64, 0i64);
+            for entry in entries.iter_mut() {
+                *entry = match input.u8()? {
+                    TAG_HOLE => Entry::default(),
+                    tag @ (TAG_ZERO | TAG_DAMAGED) => {
+                        let version = get_version(input, &format!("chunk {index}"))?;
+                        Entry::new(tag_range(tag)?.slot(), version)
+                    }
+                    TAG_DATA => decode_data_entry(input, index, segment_count, &mut previous)?,
+                    other => return Err(format!("bad entry tag {other}")),
+                };
+            }
+            Ok(Chunk::Mixed(entries))
+        }
+        other => Err(format!("bad chunk form {other}")),
+    }
+}
+
+/// Decodes one chunk record's payload into `map` and `segments` (indexed
+/// by segment; its length is the medium's segment count).
+pub(crate) fn decode_chunk_payload(
+    payload: &[u8],
+    map: &mut Map,
+    segments: &mut [Option<DumpedSegment>],
+    logical_blocks: u64,
+) -> Result<(), String> {
+    let mut head = ByteReader::new(payload);
+    let raw_len = head.u32()? as usize;
+    if raw_len > RAW_CHUNK_MAX_BYTES {
+        return Err(format!("chunk claims {raw_len} uncompressed bytes"));
+    }
+    let raw = lz4_decompress(&payload[4..], raw_len)?;
+    let mut input = ByteReader::new(&raw);
+    let chunk_limit = logical_blocks.div_ceil(CHUNK_BLOCKS);
+    loop {
+        match input.u8()? {
+            ITEM_END => return Ok(()),
+            ITEM_CHUNK => {
+                let index = input.u64()?;
+                if index >= chunk_limit {
+                    return Err(format!("map chunk {index} lies beyond the volume"));
+                }
+                let chunk = decode_chunk(&mut input, index, segments.len())?;
+                map.insert_chunk(index, chunk)?;
+            }
+            ITEM_SEGMENT => {
+                let segment = input.u32()? as usize;
+                let dumped = DumpedSegment {
+                    seq: input.u64()?,
+                    fill_bytes: input.u64()?,
+                    max_version: input.u64()?,
+                };
+                if dumped.max_version > VERSION_MAX {
+                    return Err(format!(
+                        "segment {segment}: version {} out of range",
+                        dumped.max_version
+                    ));
+                }
+                let slot = segments
+                    .get_mut(segment)
+                    .ok_or_else(|| format!("segment {segment} lies beyond the medium"))?;
+                *slot = Some(dumped);
+            }
+            other => return Err(format!("bad item tag {other}")),
+        }
+    }
+}
+
+/// Places chunk payloads into segments: returns, per segment, the payload
+/// indices it holds. Both copies use this same layout.
+pub(crate) fn layout(payloads: &[Vec<u8>], segment_size: u64) -> Vec<Vec<usize>> {
+    let mut segments: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut offset = 0u64;
+    for (index, payload) in payloads.iter().enumerate() {
+        let len = record_len_for_payload(payload.len());
+        assert!(len <= segment_size, "chunk record larger than a segment");
+        if offset + len > segment_size {
+            segments.push(Vec::new());
+            offset = 0;
+        }
+        segments.last_mut().expect("one segment").push(index);
+        offset += len;
+    }
+    segments
+}
+
+/// Builds the image of one dump segment: its records with `seq`, padded to whole pages.
+pub(crate) fn build_segment(
+    payloads: &[Vec<u8>],
+    indices: &[usize],
+    seq: u64,
+    generation: u64,
+    page_size: u64,
+    key: &RecordKey,
+) -> Vec<u8> {
+    let mut image = Vec::new();
+    for &index in indices {
+        let payload = &payloads[index];
+        let header = RecordHeader {
+            kind: RecordKind::MapChunk,
+            codec: CodecId::Lz4 as u8,
+            seg_seq: seq as u32,
+            lba: index as u64,
+            version: generation,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let start = image.len();
+        image.resize(start + record_len_for_payload(payload.len()) as usize, 0);
+        encode_record(
+            &mut image[start..],
+            header,
+            payload,
+            crc32c::crc32c(payload),
+            key,
+        );
+    }
+    let padded = (image.len() as u64).div_ceil(page_size) * page_size;
+    image.resize(padded.max(page_size) as usize, 0);
+    debug_assert!((image.len() as u64).is_multiple_of(page_size));
+    image
+}
+
+/// Reads a dump back into a map and per-segment facts. A chunk damaged in
+/// one copy is taken from the other; damage in both is an error.
+pub(crate) fn load_dump(
+    media: &dyn Media,
+    key: &RecordKey,
+    dump: &DumpRef,
+    logical_blocks: u64,
+    map: &mut Map,
+) -> Result<Vec<Option<DumpedSegment>>> {
+    let geometry = media.geometry();
+    let mut segments = vec![None; geometry.segment_count as usize];
+    if dump.copies[0].len() != dump.copies[1].len() {
+        return Err(Error::CorruptImage(
+            "the two checkpoint copies differ in length".into(),
+        ));
+    }
+    let read_segment = |segment: SegmentId| -> Result<Vec<u8>> {
+        if segment.0 >= geometry.segment_count {
+            return Err(Error::CorruptImage(format!(
+                "checkpoint names segment {segment} beyond the medium"
+            )));
+        }
+        let mut bytes = vec![0u8; geometry.segment_size_bytes as usize];
+        media.read(segment, 0, &mut bytes)?;
+        Ok(bytes)
+    };
+    let mut expected = 0u64;
+    let mut problems = Vec::new();
+    for (position, (&first, &second)) in
+        dump.copies[0].iter().zip(dump.copies[1].iter()).enumerate()
+    {
+        let copies = [read_segment(first)?, read_segment(second)?];
+        let mut offset = 0usize;
+        while expected < dump.record_count && offset < copies[0].len() {
+            let mut decoded = None;
+            for (copy, bytes) in copies.iter().enumerate() {
+                match decode_record(&bytes[offset..], key, None) {
+                    Ok((header, payload))
+                        if header.kind == RecordKind::MapChunk
+                            && header.version == dump.generation
+                            && header.lba == expected =>
+                    {
+                        decoded = Some((header, payload));
+                        break;
+                    }
+                    Ok((header, _)) => problems.push(format!(
+                        "copy {copy} segment #{position} offset {offset}: unexpected record {:?} #{} gen {}",
+                        header.kind, header.lba, header.version
+                    )),
+                    Err(e) => problems.push(format!("copy {copy} segment #{position} offset {offset}: {e}")),
+                }
+            }
+            let Some((header, payload)) = decoded else {
+                break; // end of this segment's records, or damage in both copies
+            };
+            decode_chunk_payload(payload, map, &mut segments, logical_blocks).map_err(|e| {
+                Error::CorruptImage(format!("checkpoint chunk {expected} is malformed: {e}"))
+            })?;
+            expected += 1;
+            offset += header.record_len() as usize;
+        }
+    }
+    if expected != dump.record_count {
+        return Err(Error::CorruptImage(format!(
+            "checkpoint unreadable: chunk {expected} of {} is missing or damaged in both copies ({})",
+            dump.record_count,
+            problems.last().cloned().unwrap_or_default()
+        )));
+    }
+    Ok(segments)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints_and_zigzag_round_trip() {
+        for value in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX] {
+            let mut out = ByteWriter::new();
+            put_varint(&mut out, value);
+            assert_eq!(get_varint(&mut ByteReader::new(&out.buf)), Ok(value));
+        }
+        for delta in [0i64, 1, -1, 1000, -1000, i64::MAX, i64::MIN] {
+            assert_eq!(unzigzag(zigzag(delta)), delta);
+        }
+        assert!(get_varint(&mut ByteReader::new(&[0xFF; 11])).is_err());
+    }
+
+    /// A map chunk with an out-of-range uniform version is a decode error.
+    #[test]
+    fn a_chunk_with_an_impossible_version_is_rejected() {
+        let mut raw = ByteWriter::new();
+        raw.u8(ITEM_CHUNK);
+        raw.u64(0);
+        raw.u8(FORM_UNIFORM);
+        raw.u8(TAG_ZERO);
+        put_varint(&mut raw, 1 << 60);
+        raw.u8(ITEM_END);
+        let mut payload = ByteWriter::new();
+        payload.u32(raw.buf.len() as u32);
+        payload.bytes(&lz4_compress(&raw.buf));
+        let mut map = Map::new(true);
+        let mut segments = vec![None; 16];
+        let decoded = decode_chunk_payload(&payload.buf, &mut map, &mut segments, 1 << 20);
+        assert!(decoded.is_err(), "{decoded:?}");
+    }
+
+    /// A dump of a map with every kind of entry decodes to the same map
+    /// and segment facts, across several payloads.
+    #[test]
+    fn dumps_round_trip() {
+        let mut map = Map::new(false);
+        for lba in 0..3000u64 {
+            let slot = match lba % 5 {
+                0 => Slot::Zero,
+                1 => Slot::Damaged,
+                2 => Slot::Hole,
+                _ => Slot::Data(Location {
+                    segment: SegmentId((lba % 7) as u32),
+                    offset: (lba * 48 % 60_000) as u32,
+                    len: 48 + (lba % 3) as u32 * 16,
+                }),
+            };
+            map.set(crate::units::Lba(lba * 3), slot, lba + 1);
+        }
+        map.set_range(
+            crate::units::Lba(20_480),
+            CHUNK_BLOCKS,
+            RangeState::Zero,
+            9,
+            false,
+            &mut |_| {},
+        );
+        let dumped = |i: u32| DumpedSegment {
+            seq: 10 + i as u64,
+            fill_bytes: 4096 * i as u64,
+            max_version: 100 + i as u64,
+        };
+        let payloads = encode_dump(&map, (0..7).map(|i| (SegmentId(i), dumped(i))), 4096);
+        assert!(payloads.len() > 1, "small targets cut several payloads");
+        let mut decoded = Map::new(true);
+        let mut segments = vec![None; 8];
+        for payload in &payloads {
+            decode_chunk_payload(payload, &mut decoded, &mut segments, 1 << 20).unwrap();
+        }
+        decoded.compact();
+        assert_eq!(decoded.counts(), map.counts());
+        for lba in 0..30_000u64 {
+            let lba = crate::units::Lba(lba);
+            let (want, got) = (map.get(lba), decoded.get(lba));
+            assert_eq!(got.slot(), want.slot(), "block {lba}");
+            if want.slot() != Slot::Hole {
+                // A hole keeps no version in a dump.
+                assert_eq!(got.version(), want.version(), "block {lba}");
+            }
+        }
+        for i in 0..7 {
+            assert_eq!(segments[i as usize], Some(dumped(i)));
+        }
+        assert_eq!(segments[7], None);
+    }
+}
