@@ -14,6 +14,8 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
     let options = OpenOptions {
         read_only: !args.repair,
         background: false,
+        // Repair is how an operator accepts a lost checkpoint.
+        accept_lost_checkpoint: args.repair,
         ..OpenOptions::default()
     };
     let volume = crate::image::open(&args.image, options)?;
@@ -57,7 +59,10 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
             say!("invariant violated: {error}")?;
         }
         for lost in &report.lost {
-            println!("lost: {lost}");
+            say!("lost: {lost}")?;
+        }
+        for lost in &report.accepted_lost {
+            say!("repaired: accepted the loss of {lost}; a new checkpoint replaces it")?;
         }
         if !report.damaged_blocks.is_empty() {
             say!(
@@ -73,13 +78,14 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
                 list(&report.repaired_blocks)
             )?;
         }
-        if report.is_clean() && report.repaired_blocks.is_empty() {
+        if report.is_clean() && report.repaired_blocks.is_empty() && report.accepted_lost.is_empty()
+        {
             say!("{}: clean", args.image.display())?;
         }
     }
     Ok(if !report.is_clean() {
         ExitCode::from(4)
-    } else if !report.repaired_blocks.is_empty() {
+    } else if !report.repaired_blocks.is_empty() || !report.accepted_lost.is_empty() {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS

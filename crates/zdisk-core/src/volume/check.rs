@@ -60,6 +60,8 @@ pub struct CheckReport {
     pub bytes_verified: u64,
     /// Blocks whose entries repair dropped (they now read as zeros).
     pub repaired_blocks: Vec<u64>,
+    /// Lost checkpoints repair accepted: its new root replaces them.
+    pub accepted_lost: Vec<String>,
 }
 
 impl CheckReport {
@@ -136,6 +138,14 @@ impl Volume {
     /// `repaired_blocks` filled in; the change is durable when this returns.
     pub fn repair(&self) -> Result<CheckReport> {
         let mut report = self.check(true)?;
+        if !self.read_only && !report.lost.is_empty() {
+            // The checkpoint below replaces the lost root: from then on
+            // the volume is what recovery found, consistently.
+            report.accepted_lost = std::mem::take(&mut report.lost);
+            if report.damaged_blocks.is_empty() {
+                self.checkpoint()?;
+            }
+        }
         if self.read_only || report.damaged_blocks.is_empty() {
             return Ok(report);
         }

@@ -160,7 +160,12 @@ impl Volume {
             version: options.version_reserve_ahead,
             segments: options.segment_reserve_ahead,
         };
-        let (mut root, recovered) = recover_newest(media.as_ref(), !options.read_only, ahead)?;
+        let (mut root, recovered) = recover_newest(
+            media.as_ref(),
+            !options.read_only,
+            options.accept_lost_checkpoint,
+            ahead,
+        )?;
         if let Some(codec) = options.codec {
             root.settings.codec = codec;
         }
@@ -477,6 +482,7 @@ impl Drop for Volume {
 fn recover_newest(
     media: &dyn Media,
     writable: bool,
+    accept_lost: bool,
     ahead: Ahead,
 ) -> Result<(Root, (Start, OpenReport))> {
     let (roots, mut slot_problems) = read_roots(media)?;
@@ -503,6 +509,16 @@ fn recover_newest(
             }
             Err(Error::CorruptImage(problem)) => {
                 let problem = format!("generation {}: {problem}", candidate.generation);
+                if writable && !accept_lost {
+                    // Recovering from the older root for writing would
+                    // erase what it did not reserve, and the next root
+                    // would hide the loss: stop before touching anything.
+                    return Err(Error::CorruptImage(format!(
+                        "{problem}; blocks written before that checkpoint may be lost. \
+                         `zdisk check` lists what remains; serve it --read-only to copy data \
+                         out, or `zdisk check --repair` to accept the loss"
+                    )));
+                }
                 slot_problems.push(problem.clone());
                 lost_checkpoints.push(problem);
             }

@@ -73,6 +73,11 @@ pub struct OpenOptions {
     /// Where the engine draws random numbers: a new volume's UUID, which
     /// keys every record checksum.
     pub random: Random,
+    /// Open for writing even if the newest durable root's checkpoint cannot
+    /// be read (recovery then starts from the older root, and blocks
+    /// written in between may be lost). Off, such an image opens read-only
+    /// only: writing would replace the lost root and hide the loss.
+    pub accept_lost_checkpoint: bool,
 }
 
 impl Default for OpenOptions {
@@ -91,6 +96,7 @@ impl Default for OpenOptions {
             segment_reserve_ahead: space::SEGMENT_RESERVE_AHEAD,
             clock: Arc::new(SystemClock::new()),
             random: Random::from_entropy(),
+            accept_lost_checkpoint: false,
         }
     }
 }
