@@ -196,12 +196,9 @@ impl Volume {
                 self.lock().note_dump_segment(segment, image.len() as u64);
             }
         }
-        if let Err(error) = self.media.sync() {
-            // A failed sync may also have dropped data written since the
-            // last one: stop writing, as a failed flush does.
-            self.lock().note_failure(&error);
-            return Err(error);
-        }
+        // A failed sync stops all writing, as a failed flush does: it may
+        // also have dropped data written since the last one.
+        self.sync_media()?;
 
         let dump = DumpRef {
             copies: [

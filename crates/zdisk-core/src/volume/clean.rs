@@ -20,8 +20,6 @@
 //! a live record that fails verification becomes a `Damaged` map entry
 //! (reads fail with EIO) backed by a `Damaged` record in the log.
 
-use std::sync::MutexGuard;
-
 use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
@@ -30,6 +28,7 @@ use crate::record::{decode_record, range_count, RecordHeader, RecordKey, RecordK
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
+use super::guard::StateGuard;
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -163,7 +162,7 @@ enum Contents {
 
 /// What relocation left to the release.
 struct Relocated<'a> {
-    state: MutexGuard<'a, State>,
+    state: StateGuard<'a>,
     relocated_bytes: u64,
     /// Range records lost to damage could not be relocated: only a
     /// checkpoint makes them unnecessary.
@@ -200,7 +199,7 @@ impl Volume {
         &self,
         victim: SegmentId,
         extra_bytes: u64,
-    ) -> Result<Option<MutexGuard<'_, State>>> {
+    ) -> Result<Option<StateGuard<'_>>> {
         match self.make_room(Reach::Nested, |state| {
             relocation_need(state, victim, extra_bytes)
         }) {
@@ -280,6 +279,8 @@ impl Volume {
     /// scanned, otherwise its live records, merged into few requests.
     fn read_victim(&self, victim: &Victim) -> Result<Contents> {
         let segment = victim.segment;
+        // Its last pages may still be queued: they must be on the medium.
+        self.wait_all_written();
         if victim.full_scan() {
             let mut bytes = vec![0u8; victim.fill_bytes as usize];
             self.media.read(segment, 0, &mut bytes)?;
@@ -385,7 +386,8 @@ impl Volume {
 
     /// Finds the victim's remaining live records through the map and
     /// verifies them one by one; returns the state lock.
-    fn relocate_stragglers(&self, victim: &Victim) -> Result<MutexGuard<'_, State>> {
+    fn relocate_stragglers(&self, victim: &Victim) -> Result<StateGuard<'_>> {
+        self.wait_all_written();
         let stragglers = self.live_extents(victim.segment);
         let mut state = self.lock();
         for extent @ (lba, loc, _) in stragglers {

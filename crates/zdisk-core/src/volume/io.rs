@@ -14,7 +14,8 @@
 //! lose each other's bytes.
 
 use std::ops::Range;
-use std::sync::MutexGuard;
+
+use rayon::prelude::*;
 
 use crate::codec::{compress_block, decompress_block, CodecId};
 use crate::error::{Error, Result};
@@ -25,12 +26,11 @@ use crate::record::{
 };
 use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
+use super::guard::StateGuard;
 use super::space::{Need, Reach, Writer};
-use super::state::{State, StreamKind, Tally};
+use super::state::{StreamKind, Tally};
 use super::Volume;
 
-/// Requests at least this many blocks long compress on several threads.
-const PARALLEL_MIN_BLOCKS: usize = 32;
 /// Adjacent extents are read from the medium in one request up to this size.
 const READ_COALESCE_BYTES: u64 = 1 << 20;
 
@@ -362,22 +362,15 @@ impl Volume {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
         let count = data.len() / BLOCK_SIZE;
-        let threads = self.compress_threads;
-        let batches: Vec<Batch> = if count >= PARALLEL_MIN_BLOCKS && threads > 1 {
-            let per = count.div_ceil(threads) * BLOCK_SIZE;
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = data
-                    .chunks(per)
-                    .map(|part| scope.spawn(move || prepare(codec, part)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("compression thread panicked"))
-                    .collect()
-            })
-        } else {
-            vec![prepare(codec, data)]
-        };
+        let batches = self.compressors.compress(count, |parts| {
+            if parts == 1 {
+                return vec![prepare(codec, data)];
+            }
+            let per = count.div_ceil(parts) * BLOCK_SIZE;
+            data.par_chunks(per)
+                .map(|part| prepare(codec, part))
+                .collect()
+        });
         let mut needed = 0u64;
         for batch in &batches {
             for block in &batch.blocks {
@@ -438,7 +431,7 @@ impl Volume {
         writer: Writer,
         bytes: u64,
         versions: u64,
-    ) -> Result<(MutexGuard<'_, State>, u64)> {
+    ) -> Result<(StateGuard<'_>, u64)> {
         self.make_room(Reach::All, |state| Need {
             writer,
             segments: state.segments_needed(StreamKind::Host, bytes),

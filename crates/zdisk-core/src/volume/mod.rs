@@ -17,8 +17,11 @@
 mod check;
 mod checkpoint;
 mod clean;
+mod compressors;
+mod guard;
 mod io;
 mod options;
+mod outbound;
 mod recovery;
 mod room;
 mod roots;
@@ -33,7 +36,7 @@ pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, SystemC
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -70,6 +73,8 @@ pub struct Volume {
     stripes: Vec<Mutex<()>>,
     wake: Condvar,
     wake_lock: Mutex<bool>,
+    /// Signalled (with the state lock) when queued pages were written.
+    page_written: Condvar,
     stop: AtomicBool,
     closed: AtomicBool,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -77,9 +82,8 @@ pub struct Volume {
     gc_active: AtomicBool,
     gc_low_free_segments: u64,
     gc_high_free_segments: u64,
-    /// Threads a large write compresses on (the CPUs, up to 8; asked once,
-    /// as the query reads cgroup files on Linux).
-    compress_threads: usize,
+    /// Whether a large write may spread its compression over idle cores.
+    compressors: compressors::Compressors,
 }
 
 impl Volume {
@@ -238,6 +242,7 @@ impl Volume {
             stripes: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             wake: Condvar::new(),
             wake_lock: Mutex::new(false),
+            page_written: Condvar::new(),
             stop: AtomicBool::new(false),
             closed: AtomicBool::new(read_only),
             worker: Mutex::new(None),
@@ -245,10 +250,7 @@ impl Volume {
             gc_active: AtomicBool::new(false),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
-            compress_threads: std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-                .min(8),
+            compressors: compressors::Compressors::default(),
             options,
         }
     }
@@ -261,10 +263,6 @@ impl Volume {
             .map_err(|e| Error::io("starting the maintenance thread", e))?;
         *self.worker.lock().expect("worker lock") = Some(handle);
         Ok(())
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("volume state lock poisoned")
     }
 
     pub fn superblock(&self) -> &Superblock {
@@ -313,10 +311,7 @@ impl Volume {
             return Ok(());
         }
         let target = self.lock().space().barrier_gen();
-        if let Err(error) = self.media.sync() {
-            self.lock().note_failure(&error);
-            return Err(error);
-        }
+        self.sync_media()?;
         *synced = target;
         self.lock().note_synced(target);
         Ok(())

@@ -8,10 +8,9 @@
 //! same ladder per tick ([`Volume::maintenance_tick`]). The decisions are
 //! `space.rs`'s; this file only carries them out.
 
-use std::sync::MutexGuard;
-
 use crate::error::{Error, Result};
 
+use super::guard::StateGuard;
 use super::space::{Climbed, Need, Reach, Rung, Writer};
 use super::state::State;
 use super::Volume;
@@ -27,7 +26,7 @@ impl Volume {
         &self,
         reach: Reach,
         need_of: impl Fn(&State) -> Need,
-    ) -> Result<(MutexGuard<'_, State>, u64)> {
+    ) -> Result<(StateGuard<'_>, u64)> {
         let mut climbed = Climbed::default();
         let rungs_max = 4 * self.geometry.segment_count as u64 + 16;
         loop {

@@ -35,6 +35,7 @@ use crate::segments::SegmentState;
 use crate::stats::Counters;
 use crate::units::{Lba, PageIndex, SegmentId};
 
+use super::outbound::{Outbound, PageWrite, WriteKind};
 use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
 
 /// Which writer a record goes through.
@@ -93,6 +94,8 @@ pub(crate) struct State {
     map: Map,
     space: Space,
     streams: [Stream; 2],
+    /// Whole pages appended and not yet on the medium (see `outbound.rs`).
+    outbound: Outbound,
     counters: Counters,
     /// Generation of the newest root written.
     generation: u64,
@@ -137,6 +140,7 @@ impl State {
             map: start.map,
             space: start.space,
             streams: [Stream::default(), Stream::default()],
+            outbound: Outbound::default(),
             counters: start.counters,
             generation: start.generation,
             roots: start.roots,
@@ -243,35 +247,67 @@ impl State {
         self.space.next_rung(need, &outlook, reach, climbed)
     }
 
-    /// The bytes of a record that is still (partly) in a stream buffer.
+    /// The bytes of a record that is not (all) on the medium yet: still in
+    /// a stream buffer, or in pages queued for writing. `None` if it is
+    /// all on the medium.
     pub(crate) fn read_buffered(&self, loc: Location) -> Result<Option<Vec<u8>>> {
-        for stream in &self.streams {
-            if stream.segment != Some(loc.segment) {
-                continue;
-            }
-            let start = loc.offset as u64;
-            let end = start + loc.len as u64;
-            if end <= stream.base_offset {
-                return Ok(None);
-            }
-            let mut bytes = vec![0u8; loc.len as usize];
-            let split = stream.base_offset.max(start);
-            if start < split {
-                self.media
-                    .read(loc.segment, start, &mut bytes[..(split - start) as usize])?;
-            }
-            let from = (split - stream.base_offset) as usize;
-            let to = (end - stream.base_offset) as usize;
-            if to > stream.buf.len() {
-                return Err(Error::CorruptImage(format!(
-                    "record at segment {} offset {} lies beyond the write pointer",
-                    loc.segment, loc.offset
-                )));
-            }
-            bytes[(split - start) as usize..].copy_from_slice(&stream.buf[from..to]);
-            return Ok(Some(bytes));
+        let segment = loc.segment;
+        let start = loc.offset as u64;
+        let end = start + loc.len as u64;
+        let stream = self.streams.iter().find(|s| s.segment == Some(segment));
+        // Everything below the first queued page, or the stream's buffer,
+        // is on the medium.
+        let unwritten_from = self
+            .outbound
+            .of_segment(segment)
+            .next()
+            .map(|write| write.offset)
+            .or(stream.map(|s| s.base_offset));
+        let Some(unwritten_from) = unwritten_from else {
+            return Ok(None);
+        };
+        if end <= unwritten_from {
+            return Ok(None);
         }
-        Ok(None)
+        let known_end = stream.map_or_else(
+            || {
+                self.outbound
+                    .of_segment(segment)
+                    .map(PageWrite::end_offset)
+                    .max()
+                    .unwrap_or(0)
+            },
+            |s| s.write_offset(),
+        );
+        if end > known_end {
+            return Err(Error::CorruptImage(format!(
+                "record at segment {segment} offset {} lies beyond the write pointer",
+                loc.offset
+            )));
+        }
+        let mut bytes = vec![0u8; loc.len as usize];
+        if start < unwritten_from {
+            self.media.read(
+                segment,
+                start,
+                &mut bytes[..(unwritten_from - start) as usize],
+            )?;
+        }
+        let mut overlay = |from: u64, data: &[u8]| {
+            let lo = from.max(start);
+            let hi = (from + data.len() as u64).min(end);
+            if lo < hi {
+                bytes[(lo - start) as usize..(hi - start) as usize]
+                    .copy_from_slice(&data[(lo - from) as usize..(hi - from) as usize]);
+            }
+        };
+        for write in self.outbound.of_segment(segment) {
+            overlay(write.offset, &write.bytes);
+        }
+        if let Some(stream) = stream {
+            overlay(stream.base_offset, &stream.buf);
+        }
+        Ok(Some(bytes))
     }
 
     /// The root with the highest generation.
@@ -538,7 +574,9 @@ impl State {
         }
     }
 
-    /// Writes the complete pages buffered in a stream, keeping the partial tail.
+    /// Queues the complete pages buffered in a stream for writing (after
+    /// the state lock is released: see `outbound.rs`), keeping the
+    /// partial tail.
     fn write_whole_pages(&mut self, kind: StreamKind) -> Result<()> {
         let page = self.page_size() as usize;
         let stream = &mut self.streams[kind as usize];
@@ -548,16 +586,56 @@ impl State {
         }
         let segment = stream.segment.expect("stream has an open segment");
         let first_page = PageIndex((stream.base_offset / page as u64) as u32);
-        let result = self
-            .media
-            .write_pages(segment, first_page, &stream.buf[..whole]);
-        if let Err(error) = result {
-            return self.fail(error);
-        }
-        stream.buf.drain(..whole);
+        let tail = stream.buf[whole..].to_vec();
+        let mut pages = std::mem::replace(&mut stream.buf, tail);
+        pages.truncate(whole);
+        let offset = stream.base_offset;
         stream.base_offset += whole as u64;
+        self.outbound
+            .push(WriteKind::Pages, segment, first_page, offset, pages);
         self.counters.media_write_bytes += whole as u64;
         Ok(())
+    }
+
+    // --- The page writer (driven by `volume/guard.rs`).
+
+    /// Queued page writes nobody is writing yet.
+    pub(crate) fn page_writes_unclaimed(&self) -> bool {
+        self.outbound.unclaimed()
+    }
+
+    /// More is queued than the bound allows: the queuer should wait.
+    pub(crate) fn page_writes_over_limit(&self) -> bool {
+        self.outbound.over_limit()
+    }
+
+    /// Makes the caller the page writer, with everything queued now.
+    pub(crate) fn claim_page_writes(&mut self) -> Option<Vec<PageWrite>> {
+        self.outbound.claim()
+    }
+
+    /// The page writer wrote through `ticket`; `failure`, if the next
+    /// write failed (the log may then have a hole: writing stops).
+    pub(crate) fn page_writes_done(&mut self, ticket: u64, failure: Option<&Error>) {
+        self.outbound.written(ticket);
+        if let Some(error) = failure {
+            self.note_failure(error);
+            // Nothing queued after a hole may reach the medium.
+            self.outbound.discard();
+        }
+    }
+
+    /// The ticket of the last page write queued.
+    pub(crate) fn last_page_ticket(&self) -> u64 {
+        self.outbound.last_ticket()
+    }
+
+    pub(crate) fn pages_written_through(&self) -> u64 {
+        self.outbound.written_through()
+    }
+
+    pub(crate) fn page_writer_busy(&self) -> bool {
+        self.outbound.is_busy()
     }
 
     /// Writes everything buffered in a stream, padding the last page.
@@ -668,12 +746,11 @@ impl State {
         };
         debug_assert!((stream.buf.len() as u64) < page);
         let first_page = PageIndex((stream.base_offset / page) as u32);
-        let result = self
-            .media
-            .stage_partial_page(segment, first_page, &stream.buf);
-        if let Err(error) = result {
-            return self.fail(error);
-        }
+        // After the whole pages queued before it, which the medium wants
+        // programmed first.
+        let (offset, bytes) = (stream.base_offset, stream.buf.clone());
+        self.outbound
+            .push(WriteKind::Stage, segment, first_page, offset, bytes);
         Ok(())
     }
 
@@ -703,6 +780,7 @@ impl State {
         for stream in self.streams.iter_mut() {
             stream.buf.clear();
         }
+        self.outbound.discard();
     }
 
     /// `close` has begun: no new host writes.
