@@ -66,6 +66,8 @@ class Export:
 
     def __init__(self, args, sock):
         self.sock = sock
+        if os.path.exists(sock):
+            os.remove(sock)  # left by an earlier run: it must not look ready
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_socket(sock, self.proc)
         self.uri = f"nbd+unix:///?socket={sock}"

@@ -216,6 +216,7 @@ impl Drive for ImageDrive {
             logical_size_bytes: options.logical_bytes.unwrap_or(self.logical_bytes),
             codec: options.codec.unwrap_or(self.codec),
             gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
+            unit_blocks: zdisk_core::meta::DEFAULT_UNIT_BLOCKS,
             media_kind: MediaKind::File,
             media_params: Vec::new(),
         };
@@ -373,6 +374,8 @@ impl Drive for NandDrive {
             logical_size_bytes: logical,
             codec,
             gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
+            // The drive's controller compresses each 4 KiB block alone.
+            unit_blocks: 1,
             media_kind: MediaKind::Nand,
             media_params: params.encode_params(),
         };

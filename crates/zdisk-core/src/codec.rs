@@ -1,7 +1,10 @@
-//! Per-block compression.
+//! Compression of blocks and of units.
 //!
-//! Every 4 KiB block is compressed on its own, so any block can be read
-//! without touching its neighbours. The codec that produced an extent is
+//! A block written alone is compressed on its own, so it can be read
+//! without touching its neighbours. A run of consecutive blocks written
+//! together may be compressed as one unit ([`compress_unit`]), which
+//! finds more redundancy across the larger window; a read of one of its
+//! blocks then decompresses the unit. The codec that produced an extent is
 //! recorded in the extent's header ([`CodecId`]), so a volume can switch
 //! codecs between runs without rewriting old data.
 //!
@@ -249,29 +252,7 @@ pub fn compress_block_with(
     probe: bool,
 ) -> CodecId {
     assert_eq!(input.len(), BLOCK_SIZE, "compress_block takes one block");
-    let used = CONTEXTS.with(|contexts| {
-        let mut contexts = contexts.borrow_mut();
-        let contexts = &mut *contexts;
-        match codec {
-            Codec::None => None,
-            Codec::Lz4 => lz4_into(input, output, COMPRESSED_PAYLOAD_MAX).map(|len| {
-                output.truncate(len);
-                CodecId::Lz4
-            }),
-            Codec::Zstd { .. } | Codec::Deflate { .. } => {
-                if probe && entropy_bits_per_byte(input) >= ENTROPY_RANDOM_BITS {
-                    let probe_limit = ((1.0 - PROBE_MIN_SAVING) * BLOCK_SIZE as f64) as usize;
-                    lz4_into(input, &mut contexts.probe, probe_limit)?;
-                }
-                match codec {
-                    Codec::Zstd { level } => compress_zstd(contexts, level, input, output),
-                    Codec::Deflate { level } => compress_deflate(contexts, level, input, output),
-                    _ => unreachable!(),
-                }
-            }
-        }
-    });
-    match used {
+    match compress_limited(codec, input, output, COMPRESSED_PAYLOAD_MAX, probe) {
         Some(id) => {
             debug_assert!(output.len() <= COMPRESSED_PAYLOAD_MAX);
             id
@@ -284,11 +265,65 @@ pub fn compress_block_with(
     }
 }
 
+/// Compresses a unit of several consecutive blocks as one input, for the
+/// better ratio a larger window gives. Returns `None` (and leaves
+/// `output` unspecified) if it does not save at least a sixteenth: such
+/// data is stored block by block, raw, so that a read of one block never
+/// has to fetch its neighbours for nothing.
+pub fn compress_unit(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> Option<CodecId> {
+    assert!(
+        input.len() >= 2 * BLOCK_SIZE && input.len().is_multiple_of(BLOCK_SIZE),
+        "a unit is two blocks or more"
+    );
+    let limit = input.len() - input.len() / 16;
+    let used = compress_limited(codec, input, output, limit, true)?;
+    debug_assert!(output.len() <= limit);
+    Some(used)
+}
+
+/// Compresses `input` with `codec` into `output` if the result is at most
+/// `limit` bytes. With `probe`, a zstd or DEFLATE pass is skipped when the
+/// first block looks random and a fast LZ4 probe finds nothing to save.
+fn compress_limited(
+    codec: Codec,
+    input: &[u8],
+    output: &mut Vec<u8>,
+    limit: usize,
+    probe: bool,
+) -> Option<CodecId> {
+    CONTEXTS.with(|contexts| {
+        let mut contexts = contexts.borrow_mut();
+        let contexts = &mut *contexts;
+        match codec {
+            Codec::None => None,
+            Codec::Lz4 => lz4_into(input, output, limit).map(|len| {
+                output.truncate(len);
+                CodecId::Lz4
+            }),
+            Codec::Zstd { .. } | Codec::Deflate { .. } => {
+                let sample = &input[..BLOCK_SIZE];
+                if probe && entropy_bits_per_byte(sample) >= ENTROPY_RANDOM_BITS {
+                    let probe_limit = ((1.0 - PROBE_MIN_SAVING) * BLOCK_SIZE as f64) as usize;
+                    lz4_into(sample, &mut contexts.probe, probe_limit)?;
+                }
+                match codec {
+                    Codec::Zstd { level } => compress_zstd(contexts, level, input, output, limit),
+                    Codec::Deflate { level } => {
+                        compress_deflate(contexts, level, input, output, limit)
+                    }
+                    _ => unreachable!(),
+                }
+            }
+        }
+    })
+}
+
 fn compress_zstd(
     contexts: &mut Contexts,
     level: i32,
     input: &[u8],
     output: &mut Vec<u8>,
+    limit: usize,
 ) -> Option<CodecId> {
     if contexts.zstd.as_ref().map(|(l, _)| *l) != Some(level) {
         let compressor = zstd::bulk::Compressor::new(level).ok()?;
@@ -296,9 +331,9 @@ fn compress_zstd(
     }
     let (_, compressor) = contexts.zstd.as_mut()?;
     output.clear();
-    output.reserve(COMPRESSED_PAYLOAD_MAX);
+    output.reserve(limit);
     match compressor.compress_to_buffer(input, output) {
-        Ok(len) if len <= COMPRESSED_PAYLOAD_MAX => Some(CodecId::Zstd),
+        Ok(len) if len <= limit => Some(CodecId::Zstd),
         _ => None,
     }
 }
@@ -308,13 +343,14 @@ fn compress_deflate(
     level: i32,
     input: &[u8],
     output: &mut Vec<u8>,
+    limit: usize,
 ) -> Option<CodecId> {
     if contexts.deflate.as_ref().map(|(l, _)| *l) != Some(level) {
         let lvl = libdeflater::CompressionLvl::new(level).ok()?;
         contexts.deflate = Some((level, libdeflater::Compressor::new(lvl)));
     }
     let (_, compressor) = contexts.deflate.as_mut()?;
-    output.resize(COMPRESSED_PAYLOAD_MAX, 0);
+    output.resize(limit, 0);
     match compressor.deflate_compress(input, output) {
         Ok(len) => {
             output.truncate(len);
@@ -327,13 +363,20 @@ fn compress_deflate(
 /// Decompresses one block's payload into `output` (exactly one block).
 pub fn decompress_block(id: CodecId, payload: &[u8], output: &mut [u8]) -> Result<(), String> {
     assert_eq!(output.len(), BLOCK_SIZE, "decompress_block fills one block");
+    decompress_exact(id, payload, output)
+}
+
+/// Decompresses a payload into `output`, which it must fill exactly (one
+/// block, or a unit of several).
+pub fn decompress_exact(id: CodecId, payload: &[u8], output: &mut [u8]) -> Result<(), String> {
+    let size = output.len();
     let produced = match id {
         CodecId::Raw => {
-            if payload.len() != BLOCK_SIZE {
+            if payload.len() != size {
                 return Err(format!("raw payload has {} bytes", payload.len()));
             }
             output.copy_from_slice(payload);
-            BLOCK_SIZE
+            size
         }
         CodecId::Lz4 => {
             lz4_flex::block::decompress_into(payload, output).map_err(|e| format!("lz4: {e}"))?
@@ -359,9 +402,9 @@ pub fn decompress_block(id: CodecId, payload: &[u8], output: &mut [u8]) -> Resul
                 .map_err(|e| format!("deflate: {e:?}"))
         })?,
     };
-    if produced != BLOCK_SIZE {
+    if produced != size {
         return Err(format!(
-            "{} produced {produced} bytes, not a block",
+            "{} produced {produced} bytes, expected {size}",
             id.name()
         ));
     }

@@ -21,7 +21,7 @@ use crate::media::Media;
 use crate::meta::DumpRef;
 use crate::record::{
     decode_record, encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
-    MAP_CHUNK_PAYLOAD_MAX,
+    MAP_CHUNK_PAYLOAD_MAX, RECORD_ALIGN, UNIT_BLOCKS_MAX, UNIT_PAYLOAD_MAX,
 };
 use crate::units::SegmentId;
 
@@ -36,6 +36,9 @@ const TAG_HOLE: u8 = 0;
 const TAG_ZERO: u8 = 1;
 const TAG_DATA: u8 = 2;
 const TAG_DAMAGED: u8 = 3;
+/// A block of a unit record (format 2): a data entry plus its place in
+/// the unit.
+const TAG_UNIT_MEMBER: u8 = 4;
 
 /// The most one map entry takes in a dump: a tag, zigzag varints of a
 /// segment delta (33 bits: 5 bytes) and an offset delta (5 bytes), a
@@ -194,10 +197,18 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
                         put_varint(out, entry.version());
                     }
                     Slot::Data(loc) => {
-                        out.u8(TAG_DATA);
+                        out.u8(if loc.members > 1 {
+                            TAG_UNIT_MEMBER
+                        } else {
+                            TAG_DATA
+                        });
                         put_varint(out, zigzag(loc.segment.0 as i64 - segment));
                         put_varint(out, zigzag(loc.offset as i64 - offset));
                         put_varint(out, loc.len as u64);
+                        if loc.members > 1 {
+                            out.u8(loc.member);
+                            out.u8(loc.members);
+                        }
                         put_varint(out, zigzag(entry.version() as i64 - version));
                         segment = loc.segment.0 as i64;
                         offset = loc.offset as i64 + loc.len as i64;
@@ -239,35 +250,48 @@ pub(crate) fn encode_dump(
     payloads.done
 }
 
-/// Decodes a data entry of a mixed chunk, relative to the previous one.
+/// Decodes a data entry (or, with `unit`, a unit member) of a mixed
+/// chunk, relative to the previous one.
 fn decode_data_entry(
     input: &mut ByteReader,
     index: u64,
     segment_count: usize,
     previous: &mut (i64, i64, i64),
+    unit: bool,
 ) -> Result<Entry, String> {
     let (segment, offset, version) = previous;
     *segment += unzigzag(get_varint(input)?);
     *offset += unzigzag(get_varint(input)?);
     let len = get_varint(input)?;
+    let (member, members) = if unit {
+        (input.u8()?, input.u8()?)
+    } else {
+        (0, 1)
+    };
     *version += unzigzag(get_varint(input)?);
+    let len_max = record_len_for_payload(UNIT_PAYLOAD_MAX as usize) as i64;
     if !(0..segment_count as i64).contains(segment)
         || !(0..u32::MAX as i64).contains(offset)
-        || !(1..=8191).contains(&len)
+        || *offset % RECORD_ALIGN as i64 != 0
+        || !(16..=len_max).contains(&(len as i64))
+        || len % RECORD_ALIGN != 0
         || !(0..=VERSION_MAX as i64).contains(version)
+        || (unit && !(2..=UNIT_BLOCKS_MAX as u8).contains(&members))
+        || member >= members
     {
         return Err(format!(
-            "bad data entry in chunk {index}: segment {segment} offset {offset} len {len}"
+            "bad data entry in chunk {index}: segment {segment} offset {offset} len {len} \
+             member {member} of {members}"
         ));
     }
-    let entry = Entry::new(
-        Slot::Data(Location {
-            segment: SegmentId(*segment as u32),
-            offset: *offset as u32,
-            len: len as u32,
-        }),
-        *version as u64,
+    let loc = Location::unit_member(
+        SegmentId(*segment as u32),
+        *offset as u32,
+        len as u32,
+        member,
+        members,
     );
+    let entry = Entry::new(Slot::Data(loc), *version as u64);
     *offset += len as i64;
     Ok(entry)
 }
@@ -289,7 +313,13 @@ fn decode_chunk(input: &mut ByteReader, index: u64, segment_count: usize) -> Res
                         let version = get_version(input, &format!("chunk {index}"))?;
                         Entry::new(tag_range(tag)?.slot(), version)
                     }
-                    TAG_DATA => decode_data_entry(input, index, segment_count, &mut previous)?,
+                    tag @ (TAG_DATA | TAG_UNIT_MEMBER) => decode_data_entry(
+                        input,
+                        index,
+                        segment_count,
+                        &mut previous,
+                        tag == TAG_UNIT_MEMBER,
+                    )?,
                     other => return Err(format!("bad entry tag {other}")),
                 };
             }
@@ -522,11 +552,18 @@ mod tests {
                 0 => Slot::Zero,
                 1 => Slot::Damaged,
                 2 => Slot::Hole,
-                _ => Slot::Data(Location {
-                    segment: SegmentId((lba % 7) as u32),
-                    offset: (lba * 48 % 60_000) as u32,
-                    len: 48 + (lba % 3) as u32 * 16,
-                }),
+                3 => Slot::Data(Location::record(
+                    SegmentId((lba % 7) as u32),
+                    (lba * 48 % 60_000) as u32,
+                    48 + (lba % 3) as u32 * 16,
+                )),
+                _ => Slot::Data(Location::unit_member(
+                    SegmentId((lba % 5) as u32),
+                    (lba * 64 % 60_000) as u32,
+                    32_768,
+                    (lba % 8) as u8,
+                    8,
+                )),
             };
             map.set(crate::units::Lba(lba * 3), slot, lba + 1);
         }

@@ -27,14 +27,67 @@ pub(crate) const CHUNK_SHIFT: u32 = 8;
 pub(crate) const CHUNK_BLOCKS: u64 = 1 << CHUNK_SHIFT;
 const CHUNK_MASK: u64 = CHUNK_BLOCKS - 1;
 
-/// Where a block's record lives.
+/// Where a block's record lives, and which of the record's blocks it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Location {
     pub segment: SegmentId,
-    /// Byte offset of the record within the segment.
+    /// Byte offset of the record within the segment (a multiple of 16).
     pub offset: u32,
-    /// Bytes the record occupies, alignment included.
+    /// Bytes the record occupies, alignment included (a multiple of 16).
     pub len: u32,
+    /// The block's place among the record's blocks: 0 of 1 for a data
+    /// record; `i` of `n` for block `lba + i` of a unit of `n`.
+    pub member: u8,
+    pub members: u8,
+}
+
+impl Location {
+    /// A one-block record.
+    pub(crate) fn record(segment: SegmentId, offset: u32, len: u32) -> Location {
+        Location {
+            segment,
+            offset,
+            len,
+            member: 0,
+            members: 1,
+        }
+    }
+
+    /// Block `member` of a unit of `members` blocks.
+    pub(crate) fn unit_member(
+        segment: SegmentId,
+        offset: u32,
+        len: u32,
+        member: u8,
+        members: u8,
+    ) -> Location {
+        debug_assert!(member < members, "member {member} of {members}");
+        Location {
+            segment,
+            offset,
+            len,
+            member,
+            members,
+        }
+    }
+
+    /// The record's bytes this block accounts for in live and stored
+    /// bytes: all of a one-block record; an equal share of a unit (the
+    /// shares of a unit's blocks add up to its length exactly).
+    pub(crate) fn share(self) -> u64 {
+        let (len, member, members) = (self.len as u64, self.member as u64, self.members as u64);
+        len * (member + 1) / members - len * member / members
+    }
+
+    /// Block `member` of `members` of the record here.
+    pub(crate) fn with_member_of(self, member: u8, members: u8) -> Location {
+        Location::unit_member(self.segment, self.offset, self.len, member, members)
+    }
+
+    /// Where the record starts: the same for all of a unit's blocks.
+    pub(crate) fn record_key(self) -> (SegmentId, u32) {
+        (self.segment, self.offset)
+    }
 }
 
 /// The state of one block.
@@ -73,10 +126,16 @@ const STATE_DATA: u64 = 2;
 const STATE_DAMAGED: u64 = 3;
 /// Versions are stored in 48 bits.
 pub(crate) const VERSION_MAX: u64 = (1 << 48) - 1;
-const LEN_MAX: u32 = (1 << 13) - 1;
+/// Segments an entry can name: 24 bits (`MediaGeometry` enforces it).
+pub(crate) const SEGMENTS_MAX: u32 = 1 << 24;
+/// Records are at most this long: 14 bits of 16-byte units.
+const LEN_MAX: u32 = ((1 << 14) - 1) * 16;
+/// Offsets within a segment: 30 bits of 16-byte units.
+const OFFSET_UNITS_MAX: u64 = (1 << 30) - 1;
 
 /// One packed entry: 16 bytes.
-/// `w0` = segment << 32 | offset; `w1` = version << 16 | len << 2 | state.
+/// `w0` = segment(24) << 40 | (members − 1)(5) << 35 | member(5) << 30 |
+/// offset/16 (30); `w1` = version(48) << 16 | len/16 (14) << 2 | state(2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Entry {
     pub w0: u64,
@@ -109,13 +168,32 @@ impl Entry {
             },
             Slot::Data(loc) => {
                 assert!(
-                    loc.len > 0 && loc.len <= LEN_MAX,
+                    loc.len > 0 && loc.len <= LEN_MAX && loc.len.is_multiple_of(16),
                     "record length {} out of range",
                     loc.len
                 );
+                assert!(
+                    loc.segment.0 < SEGMENTS_MAX,
+                    "segment {} beyond 24 bits",
+                    loc.segment
+                );
+                assert!(
+                    loc.offset.is_multiple_of(16) && (loc.offset as u64 / 16) <= OFFSET_UNITS_MAX,
+                    "record offset {} out of range",
+                    loc.offset
+                );
+                assert!(
+                    (1..=32).contains(&loc.members) && loc.member < loc.members,
+                    "member {} of {}",
+                    loc.member,
+                    loc.members
+                );
                 Entry {
-                    w0: (loc.segment.0 as u64) << 32 | loc.offset as u64,
-                    w1: version << 16 | (loc.len as u64) << 2 | STATE_DATA,
+                    w0: ((loc.segment.0 as u64) << 40)
+                        | (((loc.members - 1) as u64) << 35)
+                        | ((loc.member as u64) << 30)
+                        | (loc.offset as u64 / 16),
+                    w1: version << 16 | (loc.len as u64 / 16) << 2 | STATE_DATA,
                 }
             }
         }
@@ -127,9 +205,11 @@ impl Entry {
             STATE_ZERO => Slot::Zero,
             STATE_DAMAGED => Slot::Damaged,
             _ => Slot::Data(Location {
-                segment: SegmentId((self.w0 >> 32) as u32),
-                offset: self.w0 as u32,
-                len: ((self.w1 >> 2) & LEN_MAX as u64) as u32,
+                segment: SegmentId((self.w0 >> 40) as u32),
+                offset: ((self.w0 & OFFSET_UNITS_MAX) * 16) as u32,
+                len: (((self.w1 >> 2) & 0x3FFF) * 16) as u32,
+                member: ((self.w0 >> 30) & 31) as u8,
+                members: ((self.w0 >> 35) & 31) as u8 + 1,
             }),
         }
     }
@@ -142,8 +222,10 @@ impl Entry {
     fn is_well_formed(self) -> bool {
         match self.w1 & 3 {
             STATE_DATA => {
-                let len = ((self.w1 >> 2) & LEN_MAX as u64) as u32;
-                len > 0 && self.w1 & 0x8000 == 0
+                let len_units = (self.w1 >> 2) & 0x3FFF;
+                let member = (self.w0 >> 30) & 31;
+                let members = ((self.w0 >> 35) & 31) + 1;
+                len_units > 0 && member < members
             }
             _ => self.w0 == 0 && (self.w1 >> 2) & 0x3FFF == 0,
         }
@@ -178,7 +260,7 @@ impl MapCounts {
             Slot::Damaged => self.damaged_blocks += count,
             Slot::Data(loc) => {
                 self.data_blocks += count;
-                self.stored_bytes += loc.len as u64 * count;
+                self.stored_bytes += loc.share() * count;
             }
         }
     }
@@ -190,7 +272,7 @@ impl MapCounts {
             Slot::Damaged => self.damaged_blocks -= count,
             Slot::Data(loc) => {
                 self.data_blocks -= count;
-                self.stored_bytes -= loc.len as u64 * count;
+                self.stored_bytes -= loc.share() * count;
             }
         }
     }
@@ -405,11 +487,7 @@ impl Map {
         let mut runs: Vec<(Slot, u64)> = Vec::new();
         let push = |runs: &mut Vec<(Slot, u64)>, slot: Slot, blocks: u64| {
             let kind = match slot {
-                Slot::Data(_) => Slot::Data(Location {
-                    segment: SegmentId(0),
-                    offset: 0,
-                    len: 1,
-                }),
+                Slot::Data(_) => Slot::Data(Location::record(SegmentId(0), 0, 16)),
                 other => other,
             };
             match runs.last_mut() {
@@ -574,11 +652,7 @@ mod tests {
     use super::*;
 
     fn loc(segment: u32, offset: u32, len: u32) -> Slot {
-        Slot::Data(Location {
-            segment: SegmentId(segment),
-            offset,
-            len,
-        })
+        Slot::Data(Location::record(SegmentId(segment), offset, len))
     }
 
     #[test]
@@ -588,12 +662,30 @@ mod tests {
             Slot::Zero,
             Slot::Damaged,
             loc(7, 123_456, 4128),
-            loc(u32::MAX - 1, u32::MAX - 15, 48),
+            loc(SEGMENTS_MAX - 1, u32::MAX - 15, 48),
+            Slot::Data(Location::unit_member(
+                SegmentId(3),
+                1 << 20,
+                LEN_MAX,
+                31,
+                32,
+            )),
+            Slot::Data(Location::unit_member(SegmentId(0), 0, 16, 0, 2)),
         ] {
             let entry = Entry::new(slot, VERSION_MAX);
             assert_eq!(entry.slot(), slot);
             assert_eq!(entry.version(), VERSION_MAX);
             assert!(entry.is_well_formed());
+        }
+    }
+
+    #[test]
+    fn unit_shares_add_up_to_the_record() {
+        for (len, members) in [(4128u32, 1u8), (16, 2), (30_000, 7), (LEN_MAX, 32)] {
+            let total: u64 = (0..members)
+                .map(|m| Location::unit_member(SegmentId(1), 0, len, m, members).share())
+                .sum();
+            assert_eq!(total, len as u64, "{len} bytes over {members}");
         }
     }
 
@@ -608,10 +700,10 @@ mod tests {
     #[test]
     fn set_and_trim_keep_counts_and_free_chunks() {
         let mut map = Map::new(false);
-        map.set(Lba(5), loc(1, 0, 100), 1);
+        map.set(Lba(5), loc(1, 0, 112), 1);
         map.set(Lba(6), Slot::Zero, 2);
         assert_eq!(map.counts().data_blocks, 1);
-        assert_eq!(map.counts().stored_bytes, 100);
+        assert_eq!(map.counts().stored_bytes, 112);
         assert_eq!(map.counts().zero_blocks, 1);
         let mut freed = Vec::new();
         map.set_range(Lba(0), 10, RangeState::Hole, 3, false, &mut |l| {

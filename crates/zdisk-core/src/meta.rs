@@ -18,7 +18,9 @@ use crate::stats::Counters;
 use crate::units::SegmentId;
 
 pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format this code still opens (and upgrades on its first root).
+pub const FORMAT_VERSION_MIN: u32 = 1;
 
 /// What kind of medium an image lives on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +59,13 @@ pub struct Superblock {
 pub struct Settings {
     pub codec: Codec,
     pub gc_policy: GcPolicy,
+    /// Most blocks a write compresses together as one unit (1: every block
+    /// alone). Format 1 roots have none: they read as the default.
+    pub unit_blocks: u8,
 }
+
+/// Blocks per compression unit unless a volume says otherwise (32 KiB).
+pub const DEFAULT_UNIT_BLOCKS: u8 = 8;
 
 /// Where an open segment's records stood when a checkpoint was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +194,7 @@ impl Root {
         out.u8(codec_id as u8);
         out.i32(codec_level);
         out.u8(self.settings.gc_policy.to_u8());
+        out.u8(self.settings.unit_blocks);
 
         let cp = &self.checkpoint;
         out.u8(cp.clean as u8);
@@ -234,9 +243,9 @@ impl Root {
             return Err("no zdisk metadata magic".into());
         }
         let version = header.u32()?;
-        if version != FORMAT_VERSION {
+        if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&version) {
             return Err(format!(
-                "format version {version}, this zdisk reads version {FORMAT_VERSION}"
+                "format version {version}, this zdisk reads versions {FORMAT_VERSION_MIN} to {FORMAT_VERSION}"
             ));
         }
         let total = header.u32()? as usize;
@@ -274,6 +283,15 @@ impl Root {
         let codec = Codec::from_parts(codec_id, codec_level)
             .ok_or_else(|| format!("unknown codec {codec_id} level {codec_level}"))?;
         let gc_policy = GcPolicy::from_u8(input.u8()?).ok_or("unknown GC policy")?;
+        let unit_blocks = if version >= 2 {
+            let blocks = input.u8()?;
+            if !(1..=crate::record::UNIT_BLOCKS_MAX as u8).contains(&blocks) {
+                return Err(format!("compression units of {blocks} blocks"));
+            }
+            blocks
+        } else {
+            DEFAULT_UNIT_BLOCKS
+        };
 
         let clean = input.u8()? != 0;
         let seq_boundary = input.u64()?;
@@ -344,7 +362,11 @@ impl Root {
                 media_params,
                 created_unix_secs,
             },
-            settings: Settings { codec, gc_policy },
+            settings: Settings {
+                codec,
+                gc_policy,
+                unit_blocks,
+            },
             checkpoint: CheckpointRoot {
                 clean,
                 seq_boundary,
@@ -435,6 +457,7 @@ pub(crate) mod tests_support {
             settings: Settings {
                 codec: Codec::Zstd { level: -3 },
                 gc_policy: GcPolicy::Greedy,
+                unit_blocks: 16,
             },
             checkpoint: CheckpointRoot {
                 clean: true,

@@ -24,6 +24,40 @@ pub const MAP_CHUNK_PAYLOAD_MAX: u32 = 1 << 20;
 pub const RANGE_PAYLOAD_LEN: u32 = 8;
 /// On-disk size of a raw (uncompressed) data record.
 pub const RAW_RECORD_LEN: u64 = (HEADER_SIZE + BLOCK_SIZE) as u64;
+/// Most blocks one unit record holds (128 KiB).
+pub const UNIT_BLOCKS_MAX: usize = 32;
+/// Bytes before a unit's compressed data: block count u8, flags u8, 2
+/// reserved bytes.
+pub const UNIT_PREFIX_LEN: usize = 4;
+/// Unit flag: block `i`'s version is `header.version - (count - 1) + i`,
+/// so no version list follows the prefix.
+pub const UNIT_CONSECUTIVE_VERSIONS: u8 = 1;
+/// Blocks a unit may hold on a medium of `segment_size_bytes` segments:
+/// a record never spans segments, and one that does not fit what is left
+/// of the open segment leaves that rest unused, so units stay at most a
+/// sixteenth of a segment (and at most [`UNIT_BLOCKS_MAX`]): 4 blocks in
+/// 256 KiB segments, 32 in 2 MiB and up.
+pub fn unit_blocks_for_segment(segment_size_bytes: u64) -> u8 {
+    (segment_size_bytes / 16 / BLOCK_SIZE as u64).clamp(1, UNIT_BLOCKS_MAX as u64) as u8
+}
+
+/// The longest record a volume with `segment_size_bytes` segments can
+/// hold: a raw block, or a unit as large as it may be (units must save a
+/// sixteenth, see `codec::compress_unit`; a rewritten unit keeps its
+/// versions, a u64 each).
+pub fn max_record_len(segment_size_bytes: u64) -> u64 {
+    let blocks = unit_blocks_for_segment(segment_size_bytes) as usize;
+    if blocks < 2 {
+        return RAW_RECORD_LEN;
+    }
+    let data = blocks * BLOCK_SIZE - blocks * BLOCK_SIZE / 16;
+    RAW_RECORD_LEN.max(record_len_for_payload(UNIT_PREFIX_LEN + blocks * 8 + data))
+}
+
+/// Largest payload of a unit record: the prefix, a version per block, and
+/// its compressed data (which is smaller than the blocks raw).
+pub const UNIT_PAYLOAD_MAX: u32 =
+    (UNIT_PREFIX_LEN + UNIT_BLOCKS_MAX * 8 + UNIT_BLOCKS_MAX * BLOCK_SIZE) as u32;
 
 /// What a record describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,6 +73,8 @@ pub enum RecordKind {
     MapChunk = 4,
     /// A run of blocks whose data was found damaged and can no longer be read.
     Damaged = 5,
+    /// Several consecutive blocks' contents, compressed together (a unit).
+    Unit = 6,
 }
 
 impl RecordKind {
@@ -49,6 +85,7 @@ impl RecordKind {
             3 => Some(RecordKind::Zero),
             4 => Some(RecordKind::MapChunk),
             5 => Some(RecordKind::Damaged),
+            6 => Some(RecordKind::Unit),
             _ => None,
         }
     }
@@ -164,6 +201,9 @@ impl RecordHeader {
                 payload_len == RANGE_PAYLOAD_LEN
             }
             RecordKind::MapChunk => (1..=MAP_CHUNK_PAYLOAD_MAX).contains(&payload_len),
+            RecordKind::Unit => {
+                (UNIT_PREFIX_LEN as u32 + 1..=UNIT_PAYLOAD_MAX).contains(&payload_len)
+            }
         };
         if !length_ok {
             return Err(RecordError::BadLength(payload_len));
@@ -250,6 +290,95 @@ pub fn decode_record<'a>(
         });
     }
     Ok((header, payload))
+}
+
+/// A unit record's payload, decoded: which blocks it holds at which
+/// versions, and their compressed data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitPayload<'a> {
+    /// Version of block `header.lba + i`.
+    pub versions: Vec<u64>,
+    /// The blocks, compressed with the header's codec.
+    pub data: &'a [u8],
+}
+
+impl UnitPayload<'_> {
+    pub fn count(&self) -> usize {
+        self.versions.len()
+    }
+}
+
+/// Encodes a unit's prefix (and version list, unless the versions are
+/// consecutive up to the highest, which goes in the header) for blocks at
+/// `versions`. Returns the bytes to put before the compressed data.
+pub fn encode_unit_prefix(versions: &[u64]) -> Vec<u8> {
+    let count = versions.len();
+    assert!(
+        (2..=UNIT_BLOCKS_MAX).contains(&count),
+        "a unit holds 2 to {UNIT_BLOCKS_MAX} blocks, not {count}"
+    );
+    let consecutive = versions.windows(2).all(|pair| pair[1] == pair[0] + 1);
+    let mut out = Vec::with_capacity(UNIT_PREFIX_LEN + if consecutive { 0 } else { count * 8 });
+    out.push(count as u8);
+    out.push(if consecutive {
+        UNIT_CONSECUTIVE_VERSIONS
+    } else {
+        0
+    });
+    out.extend_from_slice(&[0, 0]);
+    if !consecutive {
+        for version in versions {
+            out.extend_from_slice(&version.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The version a unit record's header carries: the highest of its blocks'.
+pub fn unit_header_version(versions: &[u64]) -> u64 {
+    versions.iter().copied().max().expect("a unit has blocks")
+}
+
+/// Decodes a unit record's payload, checking every length against the
+/// payload and every version against the header's.
+pub fn decode_unit<'a>(
+    header: &RecordHeader,
+    payload: &'a [u8],
+) -> Result<UnitPayload<'a>, String> {
+    if header.kind != RecordKind::Unit {
+        return Err(format!("a {:?} record is not a unit", header.kind));
+    }
+    let (&count, rest) = payload.split_first().ok_or("empty unit payload")?;
+    let count = count as usize;
+    if !(2..=UNIT_BLOCKS_MAX).contains(&count) {
+        return Err(format!("unit of {count} blocks"));
+    }
+    let (&flags, rest) = rest.split_first().ok_or("unit prefix truncated")?;
+    if flags & !UNIT_CONSECUTIVE_VERSIONS != 0 {
+        return Err(format!("unknown unit flags {flags:#x}"));
+    }
+    let rest = rest.get(2..).ok_or("unit prefix truncated")?;
+    let (versions, data) = if flags & UNIT_CONSECUTIVE_VERSIONS != 0 {
+        let first = header
+            .version
+            .checked_sub(count as u64 - 1)
+            .ok_or("unit versions below zero")?;
+        ((first..=header.version).collect::<Vec<u64>>(), rest)
+    } else {
+        let list = rest.get(..count * 8).ok_or("unit version list truncated")?;
+        let versions: Vec<u64> = list
+            .chunks_exact(8)
+            .map(|v| u64::from_le_bytes(v.try_into().expect("8 bytes")))
+            .collect();
+        if unit_header_version(&versions) != header.version {
+            return Err("unit versions disagree with its header".into());
+        }
+        (versions, &rest[count * 8..])
+    };
+    if data.is_empty() {
+        return Err("unit without data".into());
+    }
+    Ok(UnitPayload { versions, data })
 }
 
 /// The block count carried by a range record's payload; 0 (which no valid
@@ -339,6 +468,48 @@ mod tests {
             decode_record(&bytes[..20], &KEY, None),
             Err(RecordError::Truncated)
         );
+    }
+
+    #[test]
+    fn unit_prefixes_round_trip_with_and_without_a_version_list() {
+        for versions in [vec![7, 8, 9, 10], vec![40, 3, 41]] {
+            let mut payload = encode_unit_prefix(&versions);
+            let consecutive = payload[1] == UNIT_CONSECUTIVE_VERSIONS;
+            assert_eq!(consecutive, versions == [7, 8, 9, 10]);
+            payload.extend_from_slice(b"compressed");
+            let header = RecordHeader {
+                kind: RecordKind::Unit,
+                codec: 1,
+                seg_seq: 1,
+                lba: 100,
+                version: unit_header_version(&versions),
+                payload_len: payload.len() as u32,
+                crc: 0,
+            };
+            let unit = decode_unit(&header, &payload).unwrap();
+            assert_eq!(unit.versions, versions);
+            assert_eq!(unit.data, b"compressed");
+        }
+        let header = RecordHeader {
+            kind: RecordKind::Unit,
+            codec: 1,
+            seg_seq: 1,
+            lba: 0,
+            version: 5,
+            payload_len: 8,
+            crc: 0,
+        };
+        for (bad, why) in [
+            (vec![1, 1, 0, 0, 9], "unit of 1"),
+            (vec![33, 1, 0, 0, 9], "unit of 33"),
+            (vec![2, 4, 0, 0, 9], "flags"),
+            (vec![2, 0, 0, 0, 9], "truncated"),
+            (vec![2, 1, 0, 0], "without data"),
+            (vec![9, 1, 0, 0, 1], "below zero"),
+        ] {
+            let error = decode_unit(&header, &bad).unwrap_err();
+            assert!(error.contains(why), "{bad:?}: {error}");
+        }
     }
 
     #[test]

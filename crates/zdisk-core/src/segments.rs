@@ -204,10 +204,12 @@ impl SegmentTable {
 
     /// Records that `header`'s record was appended to `segment`, ending at
     /// `end_offset`.
+    /// A record of `blocks` data blocks (0 for other kinds) was appended.
     pub(crate) fn note_append(
         &mut self,
         segment: SegmentId,
         header: &RecordHeader,
+        blocks: u64,
         end_offset: u64,
     ) {
         let info = &mut self.infos[segment.index()];
@@ -223,8 +225,9 @@ impl SegmentTable {
             info.holds_ranges = true;
             info.range_bytes += header.record_len();
         }
-        if header.kind == RecordKind::Data {
-            self.members[segment.index()].push(header.lba);
+        if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {
+            debug_assert!(blocks >= 1, "a data record without blocks");
+            self.members[segment.index()].extend(header.lba..header.lba + blocks);
         }
     }
 

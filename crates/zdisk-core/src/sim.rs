@@ -264,6 +264,9 @@ impl SimConfig {
     /// A configuration chosen by the seed, so that seeds cover several shapes.
     pub fn for_seed(seed: u64) -> SimConfig {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x5EED_C0F1);
+        if rng.gen_bool(0.25) {
+            return SimConfig::units_shape(&mut rng);
+        }
         let big_pages = rng.gen_bool(0.3);
         let page = if big_pages { 16 * 1024 } else { 4096 };
         let big = rng.gen_bool(0.2);
@@ -287,6 +290,28 @@ impl SimConfig {
                 flip_bit: rng.gen_bool(0.3),
             },
             big,
+            reuse_in_place: rng.gen_bool(0.5),
+        }
+    }
+}
+
+impl SimConfig {
+    /// Segments large enough for compression units of 8 to 16 blocks
+    /// (units stay a sixteenth of a segment), few enough that the cleaner
+    /// runs, and requests long enough to fill units.
+    fn units_shape(rng: &mut SmallRng) -> SimConfig {
+        SimConfig {
+            page_size_bytes: 4096,
+            segment_size_bytes: 4096 * rng.gen_range(128..=256),
+            segment_count: rng.gen_range(12..=18),
+            logical_blocks: rng.gen_range(300..=1200),
+            operations: rng.gen_range(150..=400),
+            crash: CrashConfig {
+                keep_probability: rng.gen_range(0.0..=1.0),
+                tear: rng.gen_bool(0.8),
+                flip_bit: rng.gen_bool(0.3),
+            },
+            big: true,
             reuse_in_place: rng.gen_bool(0.5),
         }
     }
@@ -335,7 +360,12 @@ impl fmt::Display for SimFailure {
             self.step, self.message
         )?;
         writeln!(f, "last operations:")?;
-        for line in self.trace.iter().rev().take(25).rev() {
+        let shown = if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
+            usize::MAX
+        } else {
+            25
+        };
+        for line in self.trace.iter().rev().take(shown).rev() {
             writeln!(f, "  {line}")?;
         }
         match self.origin {
@@ -774,10 +804,13 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
     } else {
         GcPolicy::CostBenefit
     };
+    // Units of every size, from blocks alone to the largest.
+    let unit_blocks = [1u8, 2, 4, 8, 32][rng.gen_range(0..5)];
     let create = CreateOptions {
         logical_size_bytes: config.logical_blocks * BLOCK_SIZE_U64,
         codec,
         gc_policy: policy,
+        unit_blocks,
         media_kind: MediaKind::Memory,
         media_params: Vec::new(),
     };

@@ -34,6 +34,7 @@ fn create(path: &std::path::Path, params: &NandParams) -> (Arc<NandMedia>, Arc<V
     let create = CreateOptions {
         logical_size_bytes: profile.logical_size_bytes(),
         codec: Codec::parse(&profile.codec).unwrap(),
+        unit_blocks: 1,
         media_kind: MediaKind::Nand,
         media_params: params.encode_params(),
         ..CreateOptions::new(profile.logical_size_bytes())

@@ -22,6 +22,20 @@ pub fn policy_arg(text: &str) -> Result<GcPolicy, String> {
     GcPolicy::parse(text)
 }
 
+/// A compression unit size (4K to 128K, whole blocks) as a block count.
+pub fn unit_arg(text: &str) -> Result<u8, String> {
+    let bytes = parse_size(text)?;
+    let block = zdisk_core::units::BLOCK_SIZE_U64;
+    let blocks_max = zdisk_core::record::UNIT_BLOCKS_MAX as u64;
+    if bytes == 0 || !bytes.is_multiple_of(block) || bytes / block > blocks_max {
+        return Err(format!(
+            "{text:?} is not a unit size: 4K to {}K in whole 4 KiB blocks",
+            blocks_max * 4
+        ));
+    }
+    Ok((bytes / block) as u8)
+}
+
 fn tls_mode_arg(text: &str) -> Result<TlsMode, String> {
     TlsMode::parse(text)
 }
@@ -68,6 +82,10 @@ pub struct CreateArgs {
     /// Cleaner victim policy: greedy or cost-benefit.
     #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
     pub gc_policy: GcPolicy,
+    /// Compress up to this much of a write's consecutive blocks together
+    /// (4K: every block alone; default 32K; at most 128K).
+    #[arg(long, value_parser = unit_arg)]
+    pub unit_max: Option<u8>,
     /// Overwrite an existing image file.
     #[arg(long)]
     pub force: bool,
@@ -99,6 +117,9 @@ pub struct ServeArgs {
     /// Cleaner victim policy (remembered in the image).
     #[arg(long, value_parser = policy_arg)]
     pub gc_policy: Option<GcPolicy>,
+    /// Largest compression unit for new writes (remembered in the image).
+    #[arg(long, value_parser = unit_arg)]
+    pub unit_max: Option<u8>,
     /// Serve read-only: write requests fail with EPERM.
     #[arg(long)]
     pub read_only: bool,

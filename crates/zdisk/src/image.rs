@@ -17,11 +17,14 @@ pub const DEFAULT_LOGICAL_BYTES: u64 = 8 << 30;
 /// Physical size of such an image (a sparse file: it takes space as written).
 pub const DEFAULT_PHYSICAL_BYTES: u64 = 4 << 30;
 
-/// Segment size for a medium: about 1/512 of it, between 256 KiB and 4 MiB.
+/// Segment size for a medium: about 1/512 of it, between 256 KiB and 4 MiB,
+/// and larger on media over 64 TiB, which would otherwise need more
+/// segments than the engine can number (16 Mi).
 pub fn default_segment_size(physical_bytes: u64) -> u64 {
     let target = (physical_bytes / 512).max(1);
     let power = 1u64 << (63 - target.leading_zeros());
-    power.clamp(256 << 10, 4 << 20)
+    let fewest = (physical_bytes / ((1 << 24) - 1)).next_power_of_two();
+    power.clamp(256 << 10, 4 << 20).max(fewest)
 }
 
 /// Creates an image file (or initialises a block device) and opens it.
@@ -30,6 +33,7 @@ pub fn create(
     layout: &LayoutArgs,
     codec: Codec,
     gc_policy: GcPolicy,
+    unit_blocks: u8,
     force: bool,
     options: OpenOptions,
 ) -> Result<Arc<Volume>, String> {
@@ -74,6 +78,7 @@ pub fn create(
             logical_size_bytes: logical,
             codec,
             gc_policy,
+            unit_blocks,
             media_kind: MediaKind::File,
             media_params: Vec::new(),
         };
@@ -191,6 +196,8 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
             &args.layout,
             args.codec.unwrap_or_default(),
             args.gc_policy,
+            args.unit_max
+                .unwrap_or(zdisk_core::meta::DEFAULT_UNIT_BLOCKS),
             args.force,
             options,
         )?,
@@ -206,6 +213,12 @@ fn create_nand(
     profile: &str,
     options: OpenOptions,
 ) -> Result<Arc<Volume>, String> {
+    if args.unit_max.is_some_and(|blocks| blocks != 1) {
+        return Err(
+            "--unit-max does not apply to an emulated drive: its controller compresses each 4 KiB block alone"
+                .into(),
+        );
+    }
     let params = crate::nand::params(
         profile,
         args.layout.physical,
@@ -237,6 +250,8 @@ fn create_nand(
             logical_size_bytes: logical,
             codec,
             gc_policy: args.gc_policy,
+            // The drive's controller compresses each 4 KiB block alone.
+            unit_blocks: 1,
             media_kind: MediaKind::Nand,
             media_params: params.encode_params(),
         };
@@ -338,5 +353,6 @@ mod tests {
         assert_eq!(default_segment_size(1 << 30), 2 << 20);
         assert_eq!(default_segment_size(4 << 30), 4 << 20);
         assert_eq!(default_segment_size(1 << 40), 4 << 20);
+        assert_eq!(default_segment_size(100 << 40), 8 << 20);
     }
 }

@@ -140,6 +140,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         read_only: args.read_only,
         codec: args.codec,
         gc_policy: args.gc_policy,
+        unit_blocks: args.unit_max,
         ..OpenOptions::default()
     };
     let volume = if existing {
@@ -171,7 +172,10 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         }
         let codec = args.codec.unwrap_or_default();
         let policy = args.gc_policy.unwrap_or_default();
-        let volume = image::create(&args.image, &layout, codec, policy, false, options)?;
+        let units = args
+            .unit_max
+            .unwrap_or(zdisk_core::meta::DEFAULT_UNIT_BLOCKS);
+        let volume = image::create(&args.image, &layout, codec, policy, units, false, options)?;
         log::info!(
             "{} did not exist; created it with defaults (logical {}, physical {} sparse file, codec {codec})",
             args.image.display(),

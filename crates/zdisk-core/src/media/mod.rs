@@ -72,6 +72,12 @@ impl MediaGeometry {
                 self.segment_size_bytes
             )));
         }
+        if self.segment_count >= 1 << 24 {
+            return Err(Error::InvalidArgument(format!(
+                "{} segments of {} bytes: at most 16 Mi segments are supported; use larger segments",
+                self.segment_count, self.segment_size_bytes
+            )));
+        }
         if self.segment_count < 8 {
             return Err(Error::InvalidArgument(format!(
                 "the medium holds only {} segments of {} bytes; at least 8 are needed",

@@ -37,7 +37,7 @@ use crate::record::RecordKind;
 use crate::segments::SegmentState;
 use crate::units::{Lba, BLOCK_SIZE};
 
-use super::io::{decode_block, RANGE_RECORD_LEN};
+use super::io::{decode_into, Wanted, RANGE_RECORD_LEN};
 use super::space::Writer;
 use super::state::State;
 use super::Volume;
@@ -99,37 +99,85 @@ impl Volume {
         Ok(report)
     }
 
-    /// Reads every live extent back and verifies it (right block, right
-    /// version, checksum good, decompresses to one block).
+    /// Reads every live record back once and verifies it (right blocks,
+    /// right versions, checksum good, decompresses to its blocks).
+    /// `extents` is sorted by location.
     fn verify_extents(
         &self,
         state: &State,
         extents: &[Extent],
         report: &mut CheckReport,
     ) -> Result<()> {
-        let mut block = vec![0u8; BLOCK_SIZE];
-        for &(loc, lba, version) in extents {
-            let bytes = match state.read_buffered(loc)? {
-                Some(bytes) => bytes,
-                None => {
-                    let mut bytes = vec![0u8; loc.len as usize];
-                    if self
-                        .media
-                        .read(loc.segment, loc.offset as u64, &mut bytes)
-                        .is_err()
-                    {
-                        report.damaged_blocks.push(lba.0);
-                        continue;
-                    }
-                    bytes
+        let mut start = 0;
+        while start < extents.len() {
+            let key = extents[start].0.record_key();
+            let end = start
+                + extents[start..]
+                    .iter()
+                    .take_while(|(loc, _, _)| loc.record_key() == key)
+                    .count();
+            self.verify_record(state, &extents[start..end], report)?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Verifies one record, `members` being its live blocks.
+    fn verify_record(
+        &self,
+        state: &State,
+        members: &[Extent],
+        report: &mut CheckReport,
+    ) -> Result<()> {
+        let loc = members[0].0;
+        let bytes = match state.read_buffered(loc)? {
+            Some(bytes) => bytes,
+            None => {
+                let mut bytes = vec![0u8; loc.len as usize];
+                if self
+                    .media
+                    .read(loc.segment, loc.offset as u64, &mut bytes)
+                    .is_err()
+                {
+                    report
+                        .damaged_blocks
+                        .extend(members.iter().map(|(_, lba, _)| lba.0));
+                    return Ok(());
                 }
-            };
-            report.extents_verified += 1;
-            report.bytes_verified += loc.len as u64;
-            if decode_block(&self.record_key, lba, version, &bytes, loc, &mut block).is_err() {
-                report.damaged_blocks.push(lba.0);
+                bytes
+            }
+        };
+        report.extents_verified += members.len() as u64;
+        report.bytes_verified += loc.len as u64;
+        // Blocks are placed by their member number from the unit's first block.
+        let Some(base) = members[0].1 .0.checked_sub(loc.member as u64) else {
+            report.damaged_blocks.push(members[0].1 .0);
+            return Ok(());
+        };
+        let mut wanted = Vec::with_capacity(members.len());
+        for &(loc, lba, version) in members {
+            match lba.0.checked_sub(base) {
+                Some(index) if index == loc.member as u64 => wanted.push(Wanted {
+                    index: index as usize,
+                    loc,
+                    version,
+                }),
+                _ => report.damaged_blocks.push(lba.0),
             }
         }
+        let mut blocks = vec![0u8; loc.members as usize * BLOCK_SIZE];
+        let mut failed = Vec::new();
+        decode_into(
+            &self.record_key,
+            Lba(base),
+            &bytes,
+            &wanted,
+            &mut blocks,
+            &mut failed,
+        );
+        report
+            .damaged_blocks
+            .extend(failed.iter().map(|(index, _)| base + *index as u64));
         Ok(())
     }
 
@@ -187,13 +235,27 @@ fn check_extents(state: &State, extents: &mut [Extent], errors: &mut Vec<String>
             ));
         }
     }
-    extents.sort_by_key(|(loc, _, _)| (loc.segment, loc.offset));
+    extents.sort_by_key(|(loc, _, _)| (loc.segment, loc.offset, loc.member));
     for pair in extents.windows(2) {
-        let (a, b) = (pair[0].0, pair[1].0);
-        if a.segment == b.segment && a.offset + a.len > b.offset {
+        let ((a, a_lba, _), (b, b_lba, _)) = (pair[0], pair[1]);
+        if a.record_key() == b.record_key() {
+            // Two blocks of one unit: same record, different places in it,
+            // counted from the same first block.
+            let same_unit = a.len == b.len
+                && a.members == b.members
+                && a.member < b.member
+                && a_lba.0.checked_sub(a.member as u64) == b_lba.0.checked_sub(b.member as u64);
+            if !same_unit {
+                errors.push(format!(
+                    "blocks {a_lba} and {b_lba} claim one record in segment {} differently \
+                     ({a:?} and {b:?})",
+                    a.segment
+                ));
+            }
+        } else if a.segment == b.segment && a.offset + a.len > b.offset {
             errors.push(format!(
-                "blocks {} and {} overlap in segment {}",
-                pair[0].1, pair[1].1, a.segment
+                "blocks {a_lba} and {b_lba} overlap in segment {}",
+                a.segment
             ));
         }
     }
@@ -206,7 +268,7 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
     let mut live = vec![0u64; table.len()];
     for &(loc, _, _) in extents {
         if let Some(bytes) = live.get_mut(loc.segment.index()) {
-            *bytes += loc.len as u64;
+            *bytes += loc.share();
         }
     }
     let mut free = 0;

@@ -24,11 +24,12 @@ use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
 use crate::media::ReadRange;
-use crate::record::{decode_record, range_count, RecordHeader, RecordKey, RecordKind};
+use crate::record::{range_count, RecordKind};
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
+use super::moves::{apply, by_record, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -40,9 +41,6 @@ const RELOCATION_SLACK_BYTES: u64 = 256;
 
 /// Live records closer than this are read in one request, gap included.
 const MERGE_GAP_BYTES: u64 = 16 * 1024;
-
-/// A live block of a victim: its number, where its record is, its version.
-type LiveExtent = (Lba, Location, u64);
 
 /// The best victim under `policy` with at least `min_garbage_bytes` reclaimable.
 fn pick_victim(state: &State, policy: GcPolicy, min_garbage_bytes: u64) -> Option<SegmentId> {
@@ -96,38 +94,12 @@ fn relocation_need(state: &State, victim: SegmentId, extra_bytes: u64) -> Need {
     }
 }
 
-/// Moves the live block `lba` (version `version`, at `from`) if `record`,
-/// read back from there, is that very record; otherwise marks it damaged.
-fn move_or_mark_damaged(
-    state: &mut State,
-    (lba, from, version): LiveExtent,
-    record: Option<(RecordHeader, &[u8])>,
-) -> Result<()> {
-    match record {
-        Some((header, payload))
-            if header.kind == RecordKind::Data
-                && header.lba == lba.0
-                && header.version == version =>
-        {
-            state.relocate(from, header, payload)
-        }
-        _ => state.mark_damaged(lba),
-    }
-}
-
-/// The record at `loc`, decoded from the runs read from its victim, if it
-/// decodes as a record of incarnation `seq32`.
-fn record_in_runs<'a>(
-    runs: &'a [(u64, Vec<u8>)],
-    loc: Location,
-    key: &RecordKey,
-    seq32: u32,
-) -> Option<(RecordHeader, &'a [u8])> {
+/// The bytes of the record at `loc` in the runs read from its victim.
+fn record_in_runs(runs: &[(u64, Vec<u8>)], loc: Location) -> Option<&[u8]> {
     let index = runs.partition_point(|(start, _)| *start <= loc.offset as u64) - 1;
     let (start, run) = &runs[index];
     let at = (loc.offset as u64 - start) as usize;
-    let bytes = run.get(at..at + loc.len as usize)?;
-    decode_record(bytes, key, Some(seq32)).ok()
+    run.get(at..at + loc.len as usize)
 }
 
 /// A victim chosen for one cleaning step.
@@ -152,12 +124,9 @@ impl Victim {
 enum Contents {
     /// The whole segment, scanned.
     Scanned { bytes: Vec<u8>, scan: ScanResult },
-    /// Only its live records, in runs merged across small gaps.
-    Live {
-        live: Vec<LiveExtent>,
-        runs: Vec<(u64, Vec<u8>)>,
-        read_bytes: u64,
-    },
+    /// Only its live records, read in runs merged across small gaps, and
+    /// what to do with each.
+    Live { moves: Vec<Move>, read_bytes: u64 },
 }
 
 /// What relocation left to the release.
@@ -257,7 +226,7 @@ impl Volume {
             let entry = map.get(Lba(lba));
             if let Slot::Data(loc) = entry.slot() {
                 if loc.segment == segment {
-                    live_bytes += loc.len as u64;
+                    live_bytes += loc.share();
                     live.push((Lba(lba), loc, entry.version()));
                 }
             }
@@ -314,11 +283,15 @@ impl Volume {
         for result in self.media.read_batch(&mut ranges) {
             result?;
         }
-        Ok(Contents::Live {
-            live,
-            runs,
-            read_bytes,
-        })
+        let codec = self.settings.codec;
+        let moves = by_record(live)
+            .iter()
+            .map(|record| {
+                let bytes = record_in_runs(&runs, record[0].1);
+                plan_record(&self.record_key, victim.seq as u32, bytes, record, codec)
+            })
+            .collect();
+        Ok(Contents::Live { moves, read_bytes })
     }
 
     /// Step 3: relocates what is live (and, from a scan, the range records
@@ -329,7 +302,6 @@ impl Volume {
         contents: Contents,
     ) -> Result<Option<Relocated<'a>>> {
         let segment = victim.segment;
-        let seq32 = victim.seq as u32;
         let mut checkpoint_first = false;
         let (mut state, gc_written_before) = match contents {
             Contents::Scanned { bytes, scan } => {
@@ -350,24 +322,13 @@ impl Volume {
                 checkpoint_first = scan.first_error.is_some();
                 (state, before)
             }
-            Contents::Live {
-                live,
-                runs,
-                read_bytes,
-            } => {
+            Contents::Live { moves, read_bytes } => {
                 let Some(mut state) = self.room_to_relocate(segment, 0)? else {
                     return Ok(None);
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(read_bytes));
-                for extent @ (lba, loc, _) in live {
-                    // A host write may have replaced the block meanwhile.
-                    if state.map().get(lba).slot() != Slot::Data(loc) {
-                        continue;
-                    }
-                    let record = record_in_runs(&runs, loc, &self.record_key, seq32);
-                    move_or_mark_damaged(&mut state, extent, record)?;
-                }
+                apply(&mut state, moves)?;
                 (state, before)
             }
         };
@@ -389,21 +350,27 @@ impl Volume {
     fn relocate_stragglers(&self, victim: &Victim) -> Result<StateGuard<'_>> {
         self.wait_all_written();
         let stragglers = self.live_extents(victim.segment);
+        let moves: Vec<Move> = by_record(stragglers)
+            .iter()
+            .map(|record| {
+                let loc = record[0].1;
+                let mut bytes = vec![0u8; loc.len as usize];
+                let read = self
+                    .media
+                    .read(victim.segment, loc.offset as u64, &mut bytes)
+                    .ok()
+                    .map(|()| bytes.as_slice());
+                plan_record(
+                    &self.record_key,
+                    victim.seq as u32,
+                    read,
+                    record,
+                    self.settings.codec,
+                )
+            })
+            .collect();
         let mut state = self.lock();
-        for extent @ (lba, loc, _) in stragglers {
-            if state.map().get(lba).slot() != Slot::Data(loc) {
-                continue;
-            }
-            let mut bytes = vec![0u8; loc.len as usize];
-            let record = self
-                .media
-                .read(victim.segment, loc.offset as u64, &mut bytes)
-                .ok()
-                .and_then(|_| {
-                    decode_record(&bytes, &self.record_key, Some(victim.seq as u32)).ok()
-                });
-            move_or_mark_damaged(&mut state, extent, record)?;
-        }
+        apply(&mut state, moves)?;
         Ok(state)
     }
 
@@ -440,15 +407,20 @@ fn relocate_scanned(
         let header = record.header;
         let payload = &bytes[record.payload.clone()];
         match header.kind {
-            RecordKind::Data => {
-                let here = Location {
-                    segment,
-                    offset: record.offset as u32,
-                    len: header.record_len() as u32,
+            // Copied whole, with whichever of its blocks still live there.
+            RecordKind::Data | RecordKind::Unit => {
+                let blocks = match header.kind {
+                    RecordKind::Unit => payload[0],
+                    _ => 1,
                 };
-                if state.map().get(Lba(header.lba)).slot() == Slot::Data(here) {
-                    state.relocate(here, header, payload)?;
-                }
+                let here = Location::unit_member(
+                    segment,
+                    record.offset as u32,
+                    header.record_len() as u32,
+                    0,
+                    blocks,
+                );
+                state.relocate(here, header, payload)?;
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                 let count = range_count(payload);

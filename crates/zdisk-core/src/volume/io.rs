@@ -13,16 +13,20 @@
 //! under a stripe lock, so concurrent sub-block writes to one block do not
 //! lose each other's bytes.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::codec::{compress_block, decompress_block, CodecId};
+use crate::codec::{
+    compress_block, compress_unit, decompress_block, decompress_exact, Codec, CodecId,
+};
 use crate::error::{Error, Result};
 use crate::map::{Entry, Location, Slot};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
-    decode_record, record_len_for_payload, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
+    decode_record, decode_unit, record_len_for_payload, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
+    UNIT_CONSECUTIVE_VERSIONS,
 };
 use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -44,7 +48,9 @@ pub enum Discard {
     Zero,
 }
 
-/// One block prepared for appending.
+/// Blocks prepared for appending: a zero block, a block compressed alone,
+/// or a unit of blocks compressed together. `start..start + len` is the
+/// record payload in the batch's arena.
 enum Prepared {
     Zero,
     Data {
@@ -53,6 +59,29 @@ enum Prepared {
         len: usize,
         crc: u32,
     },
+    Unit {
+        codec: CodecId,
+        start: usize,
+        len: usize,
+        crc: u32,
+        blocks: usize,
+    },
+}
+
+impl Prepared {
+    fn blocks(&self) -> usize {
+        match self {
+            Prepared::Unit { blocks, .. } => *blocks,
+            _ => 1,
+        }
+    }
+
+    fn record_len(&self) -> u64 {
+        match self {
+            Prepared::Zero => RANGE_RECORD_LEN,
+            Prepared::Data { len, .. } | Prepared::Unit { len, .. } => record_len_for_payload(*len),
+        }
+    }
 }
 
 /// Compressed blocks of (part of) one request.
@@ -61,28 +90,82 @@ struct Batch {
     blocks: Vec<Prepared>,
 }
 
-fn prepare(codec: crate::codec::Codec, data: &[u8]) -> Batch {
+/// Compresses `data`, whole blocks starting at block `first`: runs of
+/// non-zero blocks within each aligned window of `unit_blocks` are tried
+/// as one unit; what does not compress as a unit, and runs of one block,
+/// are compressed block by block.
+fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -> Batch {
+    let count = data.len() / BLOCK_SIZE;
     let mut batch = Batch {
         arena: Vec::with_capacity(data.len() / 2),
-        blocks: Vec::with_capacity(data.len() / BLOCK_SIZE),
+        blocks: Vec::with_capacity(count),
     };
     let mut scratch = Vec::with_capacity(BLOCK_SIZE + 64);
-    for block in data.chunks_exact(BLOCK_SIZE) {
-        if is_zero(block) {
+    let block = |index: usize| &data[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
+    let mut index = 0;
+    while index < count {
+        if is_zero(block(index)) {
             batch.blocks.push(Prepared::Zero);
+            index += 1;
             continue;
         }
-        let codec_used = compress_block(codec, block, &mut scratch);
-        let start = batch.arena.len();
-        batch.arena.extend_from_slice(&scratch);
-        batch.blocks.push(Prepared::Data {
-            codec: codec_used,
-            start,
-            len: scratch.len(),
-            crc: crc32c::crc32c(&scratch),
-        });
+        // The run of non-zero blocks from here to the unit window's end.
+        let window_end = ((first + index as u64) / unit_blocks + 1) * unit_blocks;
+        let limit = count.min((window_end - first) as usize);
+        let mut end = index + 1;
+        while end < limit && !is_zero(block(end)) {
+            end += 1;
+        }
+        if end - index >= 2 {
+            let start = batch.arena.len();
+            let prefix = [(end - index) as u8, UNIT_CONSECUTIVE_VERSIONS, 0, 0];
+            batch.arena.extend_from_slice(&prefix);
+            let input = &data[index * BLOCK_SIZE..end * BLOCK_SIZE];
+            if let Some(id) = compress_unit(codec, input, &mut scratch) {
+                batch.arena.extend_from_slice(&scratch);
+                let payload = &batch.arena[start..];
+                batch.blocks.push(Prepared::Unit {
+                    codec: id,
+                    start,
+                    len: payload.len(),
+                    crc: crc32c::crc32c(payload),
+                    blocks: end - index,
+                });
+                index = end;
+                continue;
+            }
+            batch.arena.truncate(start);
+        }
+        for single in index..end {
+            let codec_used = compress_block(codec, block(single), &mut scratch);
+            let start = batch.arena.len();
+            batch.arena.extend_from_slice(&scratch);
+            batch.blocks.push(Prepared::Data {
+                codec: codec_used,
+                start,
+                len: scratch.len(),
+                crc: crc32c::crc32c(&scratch),
+            });
+        }
+        index = end;
     }
     batch
+}
+
+/// Where to cut a request of `count` blocks starting at block `first`
+/// into about `parts` parts for parallel compression, on multiples of
+/// `unit_blocks`: the cut points, from 0 to `count`.
+fn split_on_windows(first: u64, count: usize, parts: usize, unit_blocks: u64) -> Vec<usize> {
+    let per = (count.div_ceil(parts) as u64).div_ceil(unit_blocks).max(1) * unit_blocks;
+    let mut cuts = vec![0];
+    // The first window boundary after `first`, then every `per` blocks.
+    let mut next = (first / unit_blocks + 1) * unit_blocks - first + per - unit_blocks;
+    while (next as usize) < count {
+        cuts.push(next as usize);
+        next += per;
+    }
+    cuts.push(count);
+    cuts
 }
 
 /// True if every byte is zero; checks 64 bytes at a time so it vectorises.
@@ -122,36 +205,18 @@ impl Volume {
     }
 
     /// Reads whole blocks into `out`: looks them up, reads their records
-    /// from the medium in one batch, verifies and decompresses them, and
-    /// looks again at any that failed (the cleaner may have moved them).
+    /// from the medium in one batch (each record once, however many of
+    /// its blocks are wanted), verifies and decompresses them, and looks
+    /// again at any block that failed (the cleaner may have moved it).
     pub(crate) fn read_blocks(&self, first: Lba, out: &mut [u8]) -> Result<()> {
-        let Lookup {
-            mut wanted,
-            buffered,
-        } = self.look_up(first, out)?;
+        let Lookup { wanted, buffered } = self.look_up(first, out)?;
         let mut failed: Vec<(usize, Error)> = Vec::new();
-        for (index, bytes, version) in buffered {
-            let lba = Lba(first.0 + index as u64);
-            // Still in a stream buffer: no medium location to report.
-            let loc = Location {
-                segment: SegmentId(0),
-                offset: 0,
-                len: bytes.len() as u32,
-            };
-            if let Err(error) = decode_block(
-                &self.record_key,
-                lba,
-                version,
-                &bytes,
-                loc,
-                block_mut(out, index),
-            ) {
-                failed.push((index, error));
-            }
+        for (bytes, members) in &buffered {
+            decode_into(&self.record_key, first, bytes, members, out, &mut failed);
         }
-        wanted.sort_by_key(|extent| (extent.loc.segment, extent.loc.offset));
-        let runs = coalesce(&wanted);
-        failed.extend(self.read_runs(first, &wanted, &runs, out));
+        let records = by_record(wanted);
+        let runs = coalesce(&records);
+        failed.extend(self.read_runs(first, &records, &runs, out));
         for (index, error) in failed {
             self.reread_block(Lba(first.0 + index as u64), block_mut(out, index), error)?;
         }
@@ -159,13 +224,15 @@ impl Volume {
     }
 
     /// Under the state lock: fills holes and zeros in `out`, copies
-    /// records still in a stream buffer, and lists the rest for reading.
+    /// records not yet on the medium, and lists the rest for reading.
     fn look_up(&self, first: Lba, out: &mut [u8]) -> Result<Lookup> {
         let count = (out.len() / BLOCK_SIZE) as u64;
         let mut lookup = Lookup {
             wanted: Vec::new(),
             buffered: Vec::new(),
         };
+        // Records not on the medium yet, by where they start.
+        let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
         let state = self.lock();
         let mut error = None;
         state.map().for_each_in(first, count, |lba, entry| {
@@ -181,15 +248,25 @@ impl Volume {
                         "its data was found damaged earlier; rewrite the block to clear",
                     ))
                 }
-                Slot::Data(loc) => match state.read_buffered(loc) {
-                    Ok(Some(bytes)) => lookup.buffered.push((index, bytes, entry.version())),
-                    Ok(None) => lookup.wanted.push(Wanted {
+                Slot::Data(loc) => {
+                    let wanted = Wanted {
                         index,
                         loc,
                         version: entry.version(),
-                    }),
-                    Err(e) => error = Some(e),
-                },
+                    };
+                    if let Some(&at) = copied.get(&loc.record_key()) {
+                        lookup.buffered[at].1.push(wanted);
+                        return;
+                    }
+                    match state.read_buffered(loc) {
+                        Ok(Some(bytes)) => {
+                            copied.insert(loc.record_key(), lookup.buffered.len());
+                            lookup.buffered.push((bytes, vec![wanted]));
+                        }
+                        Ok(None) => lookup.wanted.push(wanted),
+                        Err(e) => error = Some(e),
+                    }
+                }
             }
         });
         match error {
@@ -199,12 +276,12 @@ impl Volume {
     }
 
     /// Reads every run in one batch (a drive with many dies serves them in
-    /// parallel) and decodes each block into `out`; returns the blocks
-    /// that failed.
+    /// parallel) and decodes each record's wanted blocks into `out`;
+    /// returns the blocks that failed.
     fn read_runs(
         &self,
         first: Lba,
-        wanted: &[Wanted],
+        records: &[Vec<Wanted>],
         runs: &[Run],
         out: &mut [u8],
     ) -> Vec<(usize, Error)> {
@@ -227,23 +304,26 @@ impl Volume {
         let mut failed = Vec::new();
         let mut base = 0usize;
         for (run, read) in runs.iter().zip(results) {
-            for extent in &wanted[run.members.clone()] {
-                let lba = Lba(first.0 + extent.index as u64);
-                let loc = extent.loc;
-                let result = match &read {
+            for members in &records[run.members.clone()] {
+                let loc = members[0].loc;
+                match &read {
                     Ok(()) => {
                         let at = base + (loc.offset - run.start.offset) as usize;
                         let bytes = &scratch[at..at + loc.len as usize];
-                        let block = block_mut(out, extent.index);
-                        decode_block(&self.record_key, lba, extent.version, bytes, loc, block)
+                        decode_into(&self.record_key, first, bytes, members, out, &mut failed);
                     }
-                    Err(e) => Err(Error::io(
-                        format!("reading block {lba}"),
-                        std::io::Error::other(e.to_string()),
-                    )),
-                };
-                if let Err(error) = result {
-                    failed.push((extent.index, error));
+                    Err(e) => {
+                        for wanted in members {
+                            let lba = Lba(first.0 + wanted.index as u64);
+                            failed.push((
+                                wanted.index,
+                                Error::io(
+                                    format!("reading block {lba}"),
+                                    std::io::Error::other(e.to_string()),
+                                ),
+                            ));
+                        }
+                    }
                 }
             }
             base += run.span_bytes as usize;
@@ -294,7 +374,17 @@ impl Volume {
                         bytes
                     }
                 };
-                decode_block(&self.record_key, lba, entry.version(), &bytes, loc, out)
+                let wanted = [Wanted {
+                    index: 0,
+                    loc,
+                    version: entry.version(),
+                }];
+                let mut failed = Vec::new();
+                decode_into(&self.record_key, lba, &bytes, &wanted, out, &mut failed);
+                match failed.pop() {
+                    Some((_, error)) => Err(error),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -361,25 +451,28 @@ impl Volume {
     pub(crate) fn write_blocks(&self, first: Lba, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
+        // Units stay a fraction of a segment (see `record::unit_blocks_for_segment`).
+        let unit_blocks = (self.settings.unit_blocks as u64)
+            .min(crate::record::unit_blocks_for_segment(self.geometry.segment_size_bytes) as u64);
         let count = data.len() / BLOCK_SIZE;
         let batches = self.compressors.compress(count, |parts| {
             if parts == 1 {
-                return vec![prepare(codec, data)];
+                return vec![prepare(codec, data, first.0, unit_blocks)];
             }
-            let per = count.div_ceil(parts) * BLOCK_SIZE;
-            data.par_chunks(per)
-                .map(|part| prepare(codec, part))
+            // Parts end on unit windows, so that no unit is cut in two.
+            let cuts = split_on_windows(first.0, count, parts, unit_blocks);
+            cuts.par_windows(2)
+                .map(|cut| {
+                    let part = &data[cut[0] * BLOCK_SIZE..cut[1] * BLOCK_SIZE];
+                    prepare(codec, part, first.0 + cut[0] as u64, unit_blocks)
+                })
                 .collect()
         });
-        let mut needed = 0u64;
-        for batch in &batches {
-            for block in &batch.blocks {
-                needed += match block {
-                    Prepared::Zero => RANGE_RECORD_LEN,
-                    Prepared::Data { len, .. } => record_len_for_payload(*len),
-                };
-            }
-        }
+        let needed: u64 = batches
+            .iter()
+            .flat_map(|batch| &batch.blocks)
+            .map(Prepared::record_len)
+            .sum();
         let (mut state, floor) = self.admit(
             Writer::Host {
                 blocks: count as u64,
@@ -410,8 +503,21 @@ impl Volume {
                         let payload = &batch.arena[*start..*start + *len];
                         state.apply_write(Lba(lba), *codec as u8, payload, *crc, floor)?;
                     }
+                    Prepared::Unit {
+                        codec,
+                        start,
+                        len,
+                        crc,
+                        ..
+                    } => {
+                        if let Some((start, n)) = zero_run.take() {
+                            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
+                        }
+                        let payload = &batch.arena[*start..*start + *len];
+                        state.apply_unit(Lba(lba), *codec as u8, payload, *crc, floor)?;
+                    }
                 }
-                lba += 1;
+                lba += block.blocks() as u64;
             }
         }
         if let Some((start, n)) = zero_run.take() {
@@ -488,38 +594,52 @@ impl Volume {
 }
 
 /// A block a read must fetch from the medium.
-struct Wanted {
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Wanted {
     /// Its position in the request.
-    index: usize,
-    loc: Location,
-    version: u64,
+    pub index: usize,
+    pub loc: Location,
+    pub version: u64,
 }
 
 /// What a read finds under the lock.
 struct Lookup {
     wanted: Vec<Wanted>,
-    /// Records still in a stream buffer: (position, bytes, version).
-    buffered: Vec<(usize, Vec<u8>, u64)>,
+    /// Records not on the medium yet, copied, with the blocks wanted of each.
+    buffered: Vec<(Vec<u8>, Vec<Wanted>)>,
+}
+
+/// Groups wanted blocks by record, in medium order.
+fn by_record(mut wanted: Vec<Wanted>) -> Vec<Vec<Wanted>> {
+    wanted.sort_by_key(|w| (w.loc.record_key(), w.loc.member));
+    let mut records: Vec<Vec<Wanted>> = Vec::new();
+    for w in wanted {
+        match records.last_mut() {
+            Some(record) if record[0].loc.record_key() == w.loc.record_key() => record.push(w),
+            _ => records.push(vec![w]),
+        }
+    }
+    records
 }
 
 /// Adjacent records read from the medium in one request.
 struct Run {
-    /// Positions in the sorted `wanted` list.
+    /// Positions in the sorted record list.
     members: Range<usize>,
     start: Location,
     span_bytes: u64,
 }
 
-/// Groups `wanted` (sorted by location) into runs of adjacent records, up
-/// to `READ_COALESCE_BYTES` each.
-fn coalesce(wanted: &[Wanted]) -> Vec<Run> {
+/// Groups records (sorted by location) into runs of adjacent ones, up to
+/// `READ_COALESCE_BYTES` each.
+fn coalesce(records: &[Vec<Wanted>]) -> Vec<Run> {
     let mut runs = Vec::new();
     let mut run_start = 0;
-    while run_start < wanted.len() {
-        let start = wanted[run_start].loc;
+    while run_start < records.len() {
+        let start = records[run_start][0].loc;
         let mut run_end = run_start + 1;
         let mut end_offset = start.offset as u64 + start.len as u64;
-        while let Some(next) = wanted.get(run_end).map(|w| w.loc) {
+        while let Some(next) = records.get(run_end).map(|r| r[0].loc) {
             let span = end_offset + next.len as u64 - start.offset as u64;
             if next.segment != start.segment
                 || next.offset as u64 != end_offset
@@ -591,4 +711,139 @@ pub(crate) fn decode_block(
     let codec = CodecId::from_u8(header.codec)
         .ok_or_else(|| damaged(format!("unknown codec {}", header.codec)))?;
     decompress_block(codec, payload, out).map_err(damaged)
+}
+
+thread_local! {
+    /// Where a unit is decompressed when only some of its blocks are wanted.
+    static UNIT_SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Verifies the record in `bytes` and decodes its blocks `members` (all
+/// wanted from this one record; `index` counts from block `first`) into
+/// `out`. A block whose record is not what the map expects (wrong block,
+/// version, incarnation, or checksum) is added to `failed`, never filled.
+pub(crate) fn decode_into(
+    key: &RecordKey,
+    first: Lba,
+    bytes: &[u8],
+    members: &[Wanted],
+    out: &mut [u8],
+    failed: &mut Vec<(usize, Error)>,
+) {
+    let lba_of = |wanted: &Wanted| Lba(first.0 + wanted.index as u64);
+    let damaged = |wanted: &Wanted, reason: String| Error::DamagedBlock {
+        lba: lba_of(wanted).0,
+        segment: wanted.loc.segment.0,
+        offset: wanted.loc.offset,
+        reason,
+    };
+    let header = match crate::record::RecordHeader::decode(bytes) {
+        Ok(header) if header.kind == RecordKind::Unit => header,
+        // One block per record: the single-block path.
+        _ => {
+            for wanted in members {
+                let block = block_mut(out, wanted.index);
+                if let Err(error) = decode_block(
+                    key,
+                    lba_of(wanted),
+                    wanted.version,
+                    bytes,
+                    wanted.loc,
+                    block,
+                ) {
+                    failed.push((wanted.index, error));
+                }
+            }
+            return;
+        }
+    };
+    let decoded = match decode_record(bytes, key, None) {
+        Ok((_, payload)) => decode_unit(&header, payload),
+        Err(crate::record::RecordError::Checksum { expected, actual }) => {
+            for wanted in members {
+                failed.push((
+                    wanted.index,
+                    Error::ChecksumMismatch {
+                        lba: lba_of(wanted).0,
+                        segment: wanted.loc.segment.0,
+                        offset: wanted.loc.offset,
+                        expected,
+                        actual,
+                    },
+                ));
+            }
+            return;
+        }
+        Err(e) => Err(e.to_string()),
+    };
+    let unit = match decoded {
+        Ok(unit) => unit,
+        Err(reason) => {
+            failed.extend(
+                members
+                    .iter()
+                    .map(|w| (w.index, damaged(w, reason.clone()))),
+            );
+            return;
+        }
+    };
+    let count = unit.count();
+    let mut good: Vec<&Wanted> = Vec::with_capacity(members.len());
+    for wanted in members {
+        let member = wanted.loc.member as usize;
+        let expected = lba_of(wanted).0.checked_sub(member as u64) == Some(header.lba)
+            && wanted.loc.members as usize == count
+            && unit.versions.get(member) == Some(&wanted.version);
+        if expected {
+            good.push(wanted);
+        } else {
+            failed.push((
+                wanted.index,
+                damaged(
+                    wanted,
+                    format!(
+                        "found a unit of {count} blocks from block {} (versions {:?}), \
+                         expected block {} version {} as its member {member}",
+                        header.lba,
+                        unit.versions,
+                        lba_of(wanted),
+                        wanted.version
+                    ),
+                ),
+            ));
+        }
+    }
+    if good.is_empty() {
+        return;
+    }
+    let Some(codec) = CodecId::from_u8(header.codec) else {
+        let reason = format!("unknown codec {}", header.codec);
+        failed.extend(good.iter().map(|w| (w.index, damaged(w, reason.clone()))));
+        return;
+    };
+    // All of the unit, in order, where it goes: decompress in place.
+    let in_place = good.len() == count
+        && good
+            .iter()
+            .enumerate()
+            .all(|(i, w)| w.loc.member as usize == i && w.index == good[0].index + i);
+    let result = if in_place {
+        let at = good[0].index * BLOCK_SIZE;
+        decompress_exact(codec, unit.data, &mut out[at..at + count * BLOCK_SIZE])
+    } else {
+        UNIT_SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            scratch.resize(count * BLOCK_SIZE, 0);
+            decompress_exact(codec, unit.data, &mut scratch)?;
+            for wanted in &good {
+                let member = wanted.loc.member as usize;
+                block_mut(out, wanted.index)
+                    .copy_from_slice(&scratch[member * BLOCK_SIZE..(member + 1) * BLOCK_SIZE]);
+            }
+            Ok(())
+        })
+    };
+    if let Err(reason) = result {
+        failed.extend(good.iter().map(|w| (w.index, damaged(w, reason.clone()))));
+    }
 }

@@ -20,6 +20,7 @@ mod clean;
 mod compressors;
 mod guard;
 mod io;
+mod moves;
 mod options;
 mod outbound;
 mod recovery;
@@ -117,9 +118,18 @@ impl Volume {
             media_params: create.media_params,
             created_unix_secs: options.clock.unix_secs(),
         };
+        let units = 1..=crate::record::UNIT_BLOCKS_MAX as u8;
+        if !units.contains(&create.unit_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "compression units of {} blocks: 1 to {} are possible",
+                create.unit_blocks,
+                units.end()
+            )));
+        }
         let settings = Settings {
             codec: create.codec,
             gc_policy: create.gc_policy,
+            unit_blocks: create.unit_blocks,
         };
         // An empty volume: nothing to replay, nothing reserved.
         let root = build_root(
@@ -175,6 +185,15 @@ impl Volume {
         }
         if let Some(policy) = options.gc_policy {
             root.settings.gc_policy = policy;
+        }
+        if let Some(blocks) = options.unit_blocks {
+            if !(1..=crate::record::UNIT_BLOCKS_MAX as u8).contains(&blocks) {
+                return Err(Error::InvalidArgument(format!(
+                    "compression units of {blocks} blocks: 1 to {} are possible",
+                    crate::record::UNIT_BLOCKS_MAX
+                )));
+            }
+            root.settings.unit_blocks = blocks;
         }
         let read_only = options.read_only;
         let volume = Arc::new(Volume::assemble(media, root, recovered.0, options));

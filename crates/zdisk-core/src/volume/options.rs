@@ -26,6 +26,8 @@ pub struct CreateOptions {
     pub logical_size_bytes: u64,
     pub codec: Codec,
     pub gc_policy: GcPolicy,
+    /// Most blocks a write compresses together (1 to 32; 1: each alone).
+    pub unit_blocks: u8,
     pub media_kind: MediaKind,
     pub media_params: Vec<u8>,
 }
@@ -36,6 +38,7 @@ impl CreateOptions {
             logical_size_bytes,
             codec: Codec::default(),
             gc_policy: GcPolicy::default(),
+            unit_blocks: crate::meta::DEFAULT_UNIT_BLOCKS,
             media_kind: MediaKind::File,
             media_params: Vec::new(),
         }
@@ -50,6 +53,9 @@ pub struct OpenOptions {
     pub codec: Option<Codec>,
     /// Cleaner policy (persisted); `None` keeps the image's setting.
     pub gc_policy: Option<GcPolicy>,
+    /// Most blocks a write compresses together (persisted); `None` keeps
+    /// the image's setting.
+    pub unit_blocks: Option<u8>,
     /// Run the cleaner and periodic checkpoints on a background thread.
     pub background: bool,
     /// Log bytes written between periodic checkpoints.
@@ -86,6 +92,7 @@ impl Default for OpenOptions {
             read_only: false,
             codec: None,
             gc_policy: None,
+            unit_blocks: None,
             background: true,
             checkpoint_interval_bytes: 1 << 30,
             write_batch_bytes: 128 * 1024,

@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::Media;
 use crate::meta::{RetainedRoot, Root};
-use crate::record::{decode_record, range_count, RecordKey, RecordKind, HEADER_SIZE};
+use crate::record::{decode_record, decode_unit, range_count, RecordKey, RecordKind, HEADER_SIZE};
 use crate::segments::{SegmentInfo, SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
@@ -314,22 +314,44 @@ impl<'a> Recovery<'a> {
         let info = &mut self.infos[segment.index()];
         info.max_version = info.max_version.max(header.version);
         match header.kind {
-            RecordKind::Data => {
-                if header.lba >= self.logical_blocks {
+            RecordKind::Data | RecordKind::Unit => {
+                let versions = match header.kind {
+                    RecordKind::Unit => match decode_unit(&header, payload) {
+                        Ok(unit) => unit.versions,
+                        Err(why) => {
+                            self.report.replay_damage.push(format!(
+                                "segment {segment} (seq {seq}) at offset {}: {why}",
+                                record.offset
+                            ));
+                            return;
+                        }
+                    },
+                    _ => vec![header.version],
+                };
+                let beyond = header
+                    .lba
+                    .checked_add(versions.len() as u64)
+                    .is_none_or(|end| end > self.logical_blocks);
+                if beyond {
                     return;
                 }
                 self.report.replayed_records += 1;
-                let loc = Location {
-                    segment,
-                    offset: record.offset as u32,
-                    len: header.record_len() as u32,
-                };
-                self.map
-                    .set_if_newer(Lba(header.lba), Slot::Data(loc), header.version);
-                if header.version >= self.root.checkpoint.next_version
-                    && versions_seen.insert(header.version)
-                {
-                    self.counters.host_write_bytes += BLOCK_SIZE_U64;
+                let len = header.record_len() as u32;
+                let members = versions.len() as u8;
+                for (member, &version) in versions.iter().enumerate() {
+                    let loc = Location::unit_member(
+                        segment,
+                        record.offset as u32,
+                        len,
+                        member as u8,
+                        members,
+                    );
+                    let lba = Lba(header.lba + member as u64);
+                    self.map.set_if_newer(lba, Slot::Data(loc), version);
+                    if version >= self.root.checkpoint.next_version && versions_seen.insert(version)
+                    {
+                        self.counters.host_write_bytes += BLOCK_SIZE_U64;
+                    }
                 }
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
@@ -406,7 +428,7 @@ impl<'a> Recovery<'a> {
                 && !dump_segments.contains(&loc.segment)
                 && loc.offset as u64 + loc.len as u64 <= segment_size;
             if valid {
-                infos[loc.segment.index()].live_bytes += loc.len as u64;
+                infos[loc.segment.index()].live_bytes += loc.share();
             } else {
                 dangling.push(lba);
             }

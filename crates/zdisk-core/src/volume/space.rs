@@ -40,7 +40,7 @@
 
 use crate::dump::dump_segments_for;
 use crate::map::{CHUNK_BLOCKS, VERSION_MAX};
-use crate::record::{RecordHeader, RAW_RECORD_LEN};
+use crate::record::{max_record_len, RecordHeader};
 use crate::segments::{SegmentInfo, SegmentState, SegmentTable, PARKED};
 use crate::units::SegmentId;
 
@@ -53,12 +53,6 @@ pub(crate) const SEGMENT_RESERVE_AHEAD: u64 = 64;
 
 /// Segments kept back for the cleaner, beyond those a checkpoint needs.
 pub(crate) const GC_RESERVE_SEGMENTS: u64 = 2;
-
-/// Garbage a victim must hold for a writer waiting on space to clean it.
-/// More than the tail a full segment always wastes (under one raw record),
-/// so that a volume whose only "garbage" is such tails reports ENOSPC
-/// instead of copying segments around to gain nothing.
-pub(crate) const FOREGROUND_MIN_GARBAGE_BYTES: u64 = 2 * RAW_RECORD_LEN;
 
 /// How far ahead of use roots reserve (tests shrink these to exercise renewal).
 #[derive(Debug, Clone, Copy)]
@@ -199,6 +193,8 @@ impl Climbed {
 pub(crate) struct Space {
     table: SegmentTable,
     segment_size_bytes: u64,
+    /// The longest record this volume can hold (see `record::max_record_len`).
+    max_record_len: u64,
     ahead: Ahead,
     next_seq: u64,
     next_version: u64,
@@ -232,6 +228,7 @@ impl Space {
         Space {
             table,
             segment_size_bytes,
+            max_record_len: max_record_len(segment_size_bytes),
             ahead: ahead.at_least_minimum(),
             next_seq,
             next_version,
@@ -245,6 +242,19 @@ impl Space {
     }
 
     // --- Reading.
+
+    /// The longest record this volume can hold.
+    pub(crate) fn max_record_len(&self) -> u64 {
+        self.max_record_len
+    }
+
+    /// Garbage a victim must hold for a writer waiting on space to clean
+    /// it: more than the tail a full segment may always waste (under one
+    /// record), so that a volume whose only "garbage" is such tails
+    /// reports ENOSPC instead of copying segments around to gain nothing.
+    pub(crate) fn foreground_min_garbage(&self) -> u64 {
+        2 * self.max_record_len
+    }
 
     pub(crate) fn table(&self) -> &SegmentTable {
         &self.table
@@ -399,10 +409,11 @@ impl Space {
         &mut self,
         segment: SegmentId,
         header: &RecordHeader,
+        blocks: u64,
         end_offset: u64,
     ) {
         debug_assert!(end_offset <= self.segment_size_bytes);
-        self.table.note_append(segment, header, end_offset);
+        self.table.note_append(segment, header, blocks, end_offset);
         let len = header.record_len();
         self.log_bytes_since_checkpoint += len;
         if header.kind.is_range() {
@@ -572,8 +583,8 @@ impl Space {
         let segments = (self.free_count() + self.reclaimable_count()).saturating_sub(floor);
         let available = segments * self.segment_size_bytes
             + outlook.stream_room
-            + self.garbage_bytes(FOREGROUND_MIN_GARBAGE_BYTES);
-        available >= need.bytes + RAW_RECORD_LEN
+            + self.garbage_bytes(self.foreground_min_garbage());
+        available >= need.bytes + self.max_record_len
     }
 
     /// True if only a checkpoint gives back some space: trims kept for
@@ -656,7 +667,7 @@ impl Space {
         }
         if !climbed.clean_failed && self.cleaning_can_help(need, floor, outlook) {
             return Some(Rung::Clean {
-                min_garbage_bytes: FOREGROUND_MIN_GARBAGE_BYTES,
+                min_garbage_bytes: self.foreground_min_garbage(),
             });
         }
         let checkpoint_may_help = need.writer != Writer::Checkpoint && !climbed.checkpointed;
@@ -723,7 +734,7 @@ mod tests {
             payload_len: 4096,
             crc: 0,
         };
-        space.note_append(segment, &header, SEGMENT);
+        space.note_append(segment, &header, 1, SEGMENT);
         space.add_live(segment, live);
         space.seal(segment, SEGMENT);
         segment
@@ -769,7 +780,7 @@ mod tests {
         };
         let need = host(1);
         let clean = Rung::Clean {
-            min_garbage_bytes: FOREGROUND_MIN_GARBAGE_BYTES,
+            min_garbage_bytes: space.foreground_min_garbage(),
         };
         assert_eq!(
             space.next_rung(&need, &outlook(), Reach::All, &climbed),

@@ -29,7 +29,6 @@ use crate::media::{Media, MediaGeometry};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
 use crate::record::{
     encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
-    RAW_RECORD_LEN,
 };
 use crate::segments::SegmentState;
 use crate::stats::Counters;
@@ -212,11 +211,13 @@ impl State {
     /// Segments an append of `bytes` to a stream would open beyond its
     /// current one.
     pub(crate) fn segments_needed(&self, kind: StreamKind, bytes: u64) -> u64 {
-        let room = self.stream_room(kind).saturating_sub(RAW_RECORD_LEN);
+        // Each segment may waste up to one record at its end.
+        let longest = self.space.max_record_len();
+        let room = self.stream_room(kind).saturating_sub(longest);
         if bytes <= room {
             return 0;
         }
-        (bytes - room).div_ceil(self.segment_size_bytes() - RAW_RECORD_LEN)
+        (bytes - room).div_ceil(self.segment_size_bytes() - longest)
     }
 
     /// Free segments `writer` must leave untouched.
@@ -415,7 +416,7 @@ impl State {
         )?;
         let State { map, space, .. } = self;
         map.set_range(first, count, state, version, false, &mut |loc| {
-            space.kill(loc.segment, loc.len as u64)
+            space.kill(loc.segment, loc.share())
         });
         debug_assert!(
             state == RangeState::Hole || self.map.get(first).slot() == state.slot(),
@@ -424,28 +425,130 @@ impl State {
         Ok(())
     }
 
-    /// Moves the live data record `header` of its block, read back from
-    /// `from`, to the GC stream unchanged (same payload, codec and
-    /// version), and points the block at the copy.
+    /// Appends host data for the unit of blocks `first`.. compressed
+    /// together (`payload` is the unit's prefix for consecutive versions
+    /// and the compressed blocks, `payload_crc` its CRC32C), under a new
+    /// version per block, and points each block at it; the records they
+    /// replace die. Keeps `floor` free segments if a new one must be opened.
+    pub(crate) fn apply_unit(
+        &mut self,
+        first: Lba,
+        codec: u8,
+        payload: &[u8],
+        payload_crc: u32,
+        floor: u64,
+    ) -> Result<()> {
+        let count = payload[0] as u64;
+        debug_assert!(
+            count >= 2 && payload[1] == crate::record::UNIT_CONSECUTIVE_VERSIONS,
+            "a host unit has consecutive versions"
+        );
+        debug_assert!(
+            first.0 + count <= self.logical_blocks,
+            "unit beyond the volume"
+        );
+        let versions: Vec<u64> = (0..count).map(|_| self.space.take_version()).collect();
+        debug_assert!(versions.windows(2).all(|pair| pair[1] == pair[0] + 1));
+        let header = RecordHeader {
+            kind: RecordKind::Unit,
+            codec,
+            seg_seq: 0,
+            lba: first.0,
+            version: crate::record::unit_header_version(&versions),
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let record = self.append(StreamKind::Host, header, payload, payload_crc, floor)?;
+        for (member, &version) in versions.iter().enumerate() {
+            let loc = record.with_member_of(member as u8, count as u8);
+            self.repoint(Lba(first.0 + member as u64), loc, version);
+        }
+        Ok(())
+    }
+
+    /// Moves the data or unit record `header`, read back from `from` (the
+    /// location of any of its blocks), to the GC stream unchanged (same
+    /// payload, codec and versions), and points its blocks at the copy —
+    /// only if every one of its blocks still lives there. Otherwise it
+    /// copies nothing and returns false: a copy appended now must not carry
+    /// a block that died since (a trimmed block's record, replayed after a
+    /// checkpoint that no longer knows the trim's version, would come back).
     pub(crate) fn relocate(
         &mut self,
         from: Location,
         header: RecordHeader,
         payload: &[u8],
-    ) -> Result<()> {
-        let lba = Lba(header.lba);
-        let entry = self.map.get(lba);
-        assert_eq!(
-            entry.slot(),
-            Slot::Data(from),
-            "relocating block {lba}, which no longer lives there"
-        );
-        assert_eq!(entry.version(), header.version, "relocating block {lba}");
+    ) -> Result<bool> {
+        let versions = record_versions(&header, payload);
+        if !self.all_live_at(Lba(header.lba), &versions, |member| {
+            from.with_member_of(member as u8, versions.len() as u8)
+        }) {
+            return Ok(false);
+        }
         let moved = self.append_gc(header, payload)?;
         debug_assert_ne!(moved.segment, from.segment, "relocated into its victim");
         debug_assert_eq!(moved.len, from.len, "a relocated record keeps its length");
-        self.repoint(lba, moved, header.version);
-        Ok(())
+        for (member, &version) in versions.iter().enumerate() {
+            let loc = moved.with_member_of(member as u8, versions.len() as u8);
+            self.repoint(Lba(header.lba + member as u64), loc, version);
+        }
+        Ok(true)
+    }
+
+    /// True if block `first + i` lives at `source(i)` at `versions[i]`, for
+    /// every `i`.
+    pub(crate) fn all_live_at(
+        &self,
+        first: Lba,
+        versions: &[u64],
+        source: impl Fn(usize) -> Location,
+    ) -> bool {
+        versions.iter().enumerate().all(|(i, &version)| {
+            let entry = self.map.get(Lba(first.0 + i as u64));
+            entry.slot() == Slot::Data(source(i)) && entry.version() == version
+        })
+    }
+
+    /// The cleaner rewrote blocks `first`.. (each at its version, with the
+    /// same contents, now compressed as one record: a data record for one
+    /// block, a unit for several) that lived at `sources`: appends the
+    /// record to the GC stream and points the blocks at it — only if every
+    /// one of them still lives at its source (see [`State::relocate`]);
+    /// otherwise returns false, having done nothing.
+    pub(crate) fn relocate_rewritten(
+        &mut self,
+        first: Lba,
+        codec: u8,
+        data: &[u8],
+        versions: &[u64],
+        sources: &[Location],
+    ) -> Result<bool> {
+        assert_eq!(versions.len(), sources.len(), "a version per source");
+        if !self.all_live_at(first, versions, |i| sources[i]) {
+            return Ok(false);
+        }
+        let (kind, payload) = if versions.len() == 1 {
+            (RecordKind::Data, data.to_vec())
+        } else {
+            let mut payload = crate::record::encode_unit_prefix(versions);
+            payload.extend_from_slice(data);
+            (RecordKind::Unit, payload)
+        };
+        let header = RecordHeader {
+            kind,
+            codec,
+            seg_seq: 0,
+            lba: first.0,
+            version: crate::record::unit_header_version(versions),
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        let moved = self.append_gc(header, &payload)?;
+        for (i, &version) in versions.iter().enumerate() {
+            let loc = moved.with_member_of(i as u8, versions.len() as u8);
+            self.repoint(Lba(first.0 + i as u64), loc, version);
+        }
+        Ok(true)
     }
 
     /// Copies a range record recovery from the durable checkpoint still
@@ -485,7 +588,7 @@ impl State {
         let old = self.map.set(lba, Slot::Damaged, version);
         debug_assert!(old.version() < version, "block {lba} went back in time");
         if let Slot::Data(loc) = old.slot() {
-            self.space.kill(loc.segment, loc.len as u64);
+            self.space.kill(loc.segment, loc.share());
         }
         self.counters.damaged_blocks_found += 1;
         Ok(())
@@ -494,7 +597,7 @@ impl State {
     /// Points `lba` at the live record `loc` (version `version`), and the
     /// record it pointed at dies.
     fn repoint(&mut self, lba: Lba, loc: Location, version: u64) {
-        self.space.add_live(loc.segment, loc.len as u64);
+        self.space.add_live(loc.segment, loc.share());
         let old = self.map.set(lba, Slot::Data(loc), version);
         debug_assert!(
             old.version() <= version,
@@ -503,7 +606,7 @@ impl State {
         );
         if let Slot::Data(old_loc) = old.slot() {
             debug_assert_ne!(old_loc, loc, "block {lba} repointed at itself");
-            self.space.kill(old_loc.segment, old_loc.len as u64);
+            self.space.kill(old_loc.segment, old_loc.share());
         }
         debug_assert_eq!(self.map.get(lba).slot(), Slot::Data(loc));
     }
@@ -549,15 +652,17 @@ impl State {
             payload_crc,
             &self.key,
         );
-        self.space.note_append(segment, &header, offset + len);
+        let blocks = match header.kind {
+            RecordKind::Data => 1,
+            RecordKind::Unit => payload[0] as u64,
+            _ => 0,
+        };
+        self.space
+            .note_append(segment, &header, blocks, offset + len);
         if self.streams[kind as usize].buf.len() >= self.write_batch_bytes {
             self.write_whole_pages(kind)?;
         }
-        Ok(Location {
-            segment,
-            offset: offset as u32,
-            len: len as u32,
-        })
+        Ok(Location::record(segment, offset as u32, len as u32))
     }
 
     // --- Streams and barriers.
@@ -902,5 +1007,19 @@ impl State {
     /// the last one are covered.
     pub(crate) fn note_checkpoint(&mut self) {
         self.space.note_checkpoint();
+    }
+}
+
+/// The versions of a data or unit record's blocks (a unit that passed
+/// its checksum always decodes).
+pub(crate) fn record_versions(header: &RecordHeader, payload: &[u8]) -> Vec<u64> {
+    match header.kind {
+        RecordKind::Data => vec![header.version],
+        RecordKind::Unit => {
+            crate::record::decode_unit(header, payload)
+                .expect("a unit that passed its checksum decodes")
+                .versions
+        }
+        other => panic!("a {other:?} record holds no blocks"),
     }
 }

@@ -1,0 +1,316 @@
+//! What the cleaner does with each live record of a victim.
+//!
+//! A record holds one block (data) or several (a unit). The cleaner reads a
+//! victim's live records outside the state lock and plans, record by
+//! record ([`plan_record`]), one of:
+//! - **copy** it unchanged (same bytes, same versions, so a copy can never
+//!   pass for a newer write), when every block in it is live;
+//! - **rewrite** the live blocks of a unit some of whose blocks are dead:
+//!   they are decompressed and stored again, each at its own version
+//!   (equal versions still mean equal data), as smaller units or single
+//!   blocks. A dead block must never travel in a new record: if it died by
+//!   a trim, a checkpoint since may know it only as a hole without a
+//!   version, and replaying the copy after a crash would bring it back;
+//! - **mark damaged** the blocks of a record that fails verification.
+//!
+//! Planning, including any compression, happens outside the lock;
+//! [`apply`] then carries the plan out under it. A block that died
+//! between the two (a host write or trim meanwhile) makes the plan for its
+//! record stale: that record is rewritten again, under the lock, from the
+//! blocks still live.
+
+use crate::codec::{compress_block, compress_unit, decompress_exact, Codec, CodecId};
+use crate::error::Result;
+use crate::map::{Location, Slot};
+use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
+use crate::units::{Lba, BLOCK_SIZE};
+
+use super::state::State;
+
+/// A live block of a victim: its number, where its record is, its version.
+pub(crate) type LiveExtent = (Lba, Location, u64);
+
+/// Consecutive blocks of one record, stored again as a new record.
+#[derive(Debug)]
+pub(crate) struct Rewritten {
+    pub first: Lba,
+    pub codec: CodecId,
+    /// The compressed (or raw) blocks, without a unit prefix.
+    pub data: Vec<u8>,
+    pub versions: Vec<u64>,
+    /// Where each block lived.
+    pub sources: Vec<Location>,
+    /// The blocks uncompressed, to rewrite again if some die before the
+    /// plan is carried out.
+    pub raw: Vec<u8>,
+}
+
+/// What to do with one live record.
+#[derive(Debug)]
+pub(crate) enum Move {
+    Copy {
+        from: Location,
+        header: RecordHeader,
+        payload: Vec<u8>,
+        codec: Codec,
+    },
+    Rewrite(Vec<Rewritten>, Codec),
+    /// These blocks' record cannot be read back intact.
+    Damaged(Vec<(Lba, Location)>),
+}
+
+/// Groups live extents by the record they live in, in record order.
+pub(crate) fn by_record(mut live: Vec<LiveExtent>) -> Vec<Vec<LiveExtent>> {
+    live.sort_by_key(|&(lba, loc, _)| (loc.record_key(), lba));
+    let mut groups: Vec<Vec<LiveExtent>> = Vec::new();
+    for extent in live {
+        match groups.last_mut() {
+            Some(group) if group[0].1.record_key() == extent.1.record_key() => group.push(extent),
+            _ => groups.push(vec![extent]),
+        }
+    }
+    groups
+}
+
+/// Plans what to do with the record `bytes` (as read from where `live`,
+/// its live blocks, say it is; `None` if it could not be read), of
+/// segment incarnation `seq32`. Rewrites compress with `codec`.
+pub(crate) fn plan_record(
+    key: &RecordKey,
+    seq32: u32,
+    bytes: Option<&[u8]>,
+    live: &[LiveExtent],
+    codec: Codec,
+) -> Move {
+    debug_assert!(!live.is_empty(), "a record with no live block");
+    let damaged = || Move::Damaged(live.iter().map(|&(lba, loc, _)| (lba, loc)).collect());
+    let Some((header, payload)) = bytes.and_then(|b| decode_record(b, key, Some(seq32)).ok())
+    else {
+        return damaged();
+    };
+    let from = live[0].1;
+    let copy = || Move::Copy {
+        from,
+        header,
+        payload: payload.to_vec(),
+        codec,
+    };
+    match header.kind {
+        RecordKind::Data => {
+            let (lba, _, version) = live[0];
+            if live.len() != 1 || header.lba != lba.0 || header.version != version {
+                return damaged();
+            }
+            copy()
+        }
+        RecordKind::Unit => {
+            let Ok(unit) = decode_unit(&header, payload) else {
+                return damaged();
+            };
+            let matches = live.iter().all(|&(lba, loc, version)| {
+                let member = loc.member as usize;
+                loc.members as usize == unit.count()
+                    && lba.0.checked_sub(header.lba) == Some(member as u64)
+                    && unit.versions[member] == version
+            });
+            if !matches {
+                return damaged();
+            }
+            if live.len() == unit.count() {
+                return copy();
+            }
+            match unit_blocks(&header, unit.data, unit.count()) {
+                Some(blocks) => Move::Rewrite(
+                    rewrite_live(&blocks, header.lba, &unit.versions, live, codec),
+                    codec,
+                ),
+                None => damaged(),
+            }
+        }
+        _ => damaged(),
+    }
+}
+
+/// A unit's blocks, decompressed; `None` if they do not decompress.
+fn unit_blocks(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
+    let id = CodecId::from_u8(header.codec)?;
+    let mut blocks = vec![0u8; count * BLOCK_SIZE];
+    decompress_exact(id, data, &mut blocks).ok()?;
+    Some(blocks)
+}
+
+/// The blocks of `live` (which lie in a unit whose first block is
+/// `first`, decompressed as `blocks`, at `versions`), in runs of
+/// consecutive blocks, each compressed again.
+fn rewrite_live(
+    blocks: &[u8],
+    first: u64,
+    versions: &[u64],
+    live: &[LiveExtent],
+    codec: Codec,
+) -> Vec<Rewritten> {
+    let mut out = Vec::new();
+    for run in consecutive_runs(live) {
+        let start = (run[0].0 .0 - first) as usize;
+        let bytes = &blocks[start * BLOCK_SIZE..(start + run.len()) * BLOCK_SIZE];
+        let run_versions: Vec<u64> = run
+            .iter()
+            .map(|&(lba, _, _)| versions[(lba.0 - first) as usize])
+            .collect();
+        out.extend(compress_run(bytes, run, &run_versions, codec));
+    }
+    out
+}
+
+/// Splits `extents` (sorted by block) into runs of consecutive blocks.
+fn consecutive_runs(extents: &[LiveExtent]) -> Vec<&[LiveExtent]> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for end in 1..=extents.len() {
+        if end == extents.len() || extents[end].0 .0 != extents[end - 1].0 .0 + 1 {
+            runs.push(&extents[start..end]);
+            start = end;
+        }
+    }
+    runs
+}
+
+/// Compresses a run of consecutive blocks `bytes` (their extents `run`, at
+/// `versions`) into one unit, or, if it does not compress, into one record
+/// per block.
+pub(crate) fn compress_run(
+    bytes: &[u8],
+    run: &[LiveExtent],
+    versions: &[u64],
+    codec: Codec,
+) -> Vec<Rewritten> {
+    debug_assert_eq!(bytes.len(), run.len() * BLOCK_SIZE);
+    let mut compressed = Vec::new();
+    if run.len() >= 2 {
+        if let Some(id) = compress_unit(codec, bytes, &mut compressed) {
+            return vec![Rewritten {
+                first: run[0].0,
+                codec: id,
+                data: compressed,
+                versions: versions.to_vec(),
+                sources: run.iter().map(|&(_, loc, _)| loc).collect(),
+                raw: bytes.to_vec(),
+            }];
+        }
+    }
+    run.iter()
+        .enumerate()
+        .map(|(index, extent)| {
+            let block = &bytes[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
+            let mut data = Vec::new();
+            let id = compress_block(codec, block, &mut data);
+            Rewritten {
+                first: extent.0,
+                codec: id,
+                data,
+                versions: vec![versions[index]],
+                sources: vec![extent.1],
+                raw: block.to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// Carries out `moves` under the state lock. Returns the blocks moved.
+pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
+    let mut moved = 0;
+    for plan in moves {
+        match plan {
+            Move::Copy {
+                from,
+                header,
+                payload,
+                codec,
+            } => {
+                if state.relocate(from, header, &payload)? {
+                    moved += super::state::record_versions(&header, &payload).len() as u64;
+                } else if header.kind == RecordKind::Unit {
+                    // Some of its blocks died since the plan: the rest go
+                    // as a rewrite.
+                    let unit = decode_unit(&header, &payload)
+                        .expect("a unit that passed its checksum decodes");
+                    if let Some(blocks) = unit_blocks(&header, unit.data, unit.count()) {
+                        let still = still_live(state, header.lba, &unit.versions, |member| {
+                            from.with_member_of(member as u8, unit.count() as u8)
+                        });
+                        let records =
+                            rewrite_live(&blocks, header.lba, &unit.versions, &still, codec);
+                        moved += apply_rewrites(state, records, codec)?;
+                    }
+                }
+            }
+            Move::Rewrite(records, codec) => moved += apply_rewrites(state, records, codec)?,
+            Move::Damaged(blocks) => {
+                for (lba, loc) in blocks {
+                    if state.map().get(lba).slot() == Slot::Data(loc) {
+                        state.mark_damaged(lba)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(moved)
+}
+
+/// Appends planned rewrites; one whose blocks did not all stay live is
+/// compressed again from what did.
+fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> Result<u64> {
+    let mut moved = 0;
+    for record in records {
+        let appended = state.relocate_rewritten(
+            record.first,
+            record.codec as u8,
+            &record.data,
+            &record.versions,
+            &record.sources,
+        )?;
+        if appended {
+            moved += record.versions.len() as u64;
+            continue;
+        }
+        let still = still_live(state, record.first.0, &record.versions, |i| {
+            record.sources[i]
+        });
+        if still.is_empty() {
+            continue;
+        }
+        let again = rewrite_live(&record.raw, record.first.0, &record.versions, &still, codec);
+        for redo in again {
+            let ok = state.relocate_rewritten(
+                redo.first,
+                redo.codec as u8,
+                &redo.data,
+                &redo.versions,
+                &redo.sources,
+            )?;
+            debug_assert!(ok, "blocks checked live under this very lock");
+            moved += redo.versions.len() as u64;
+        }
+    }
+    Ok(moved)
+}
+
+/// The blocks `first + i` that still live at `source(i)` at `versions[i]`.
+fn still_live(
+    state: &State,
+    first: u64,
+    versions: &[u64],
+    source: impl Fn(usize) -> Location,
+) -> Vec<LiveExtent> {
+    (0..versions.len())
+        .filter_map(|i| {
+            let lba = Lba(first + i as u64);
+            let entry = state.map().get(lba);
+            (entry.slot() == Slot::Data(source(i)) && entry.version() == versions[i]).then_some((
+                lba,
+                source(i),
+                versions[i],
+            ))
+        })
+        .collect()
+}
