@@ -164,6 +164,7 @@ pub const COMPRESSED_PAYLOAD_MAX: usize = BLOCK_SIZE - 16;
 struct Contexts {
     zstd: Option<(i32, zstd::bulk::Compressor<'static>)>,
     zstd_dec: Option<zstd::bulk::Decompressor<'static>>,
+    zstd_stream: Option<zstd::stream::raw::Decoder<'static>>,
     deflate: Option<(i32, libdeflater::Compressor)>,
     deflate_dec: Option<libdeflater::Decompressor>,
     probe: Vec<u8>,
@@ -173,6 +174,7 @@ thread_local! {
     static CONTEXTS: RefCell<Contexts> = const { RefCell::new(Contexts {
         zstd: None,
         zstd_dec: None,
+        zstd_stream: None,
         deflate: None,
         deflate_dec: None,
         probe: Vec::new(),
@@ -411,6 +413,52 @@ pub fn decompress_exact(id: CodecId, payload: &[u8], output: &mut [u8]) -> Resul
     Ok(())
 }
 
+/// Decompresses a payload whose full size is `output.len()`, but only as
+/// far as `want` bytes: enough to read the first blocks of a unit without
+/// the rest. Bytes of `output` past `want` are unspecified.
+pub fn decompress_prefix(
+    id: CodecId,
+    payload: &[u8],
+    output: &mut [u8],
+    want: usize,
+) -> Result<(), String> {
+    assert!(want <= output.len(), "a prefix longer than the whole");
+    if want == output.len() {
+        return decompress_exact(id, payload, output);
+    }
+    match id {
+        // LZ4 decodes a 32 KiB unit faster whole (lz4_flex copies in wide
+        // strides) than a decoder that stops early could decode its half.
+        CodecId::Lz4 => decompress_exact(id, payload, output),
+        CodecId::Zstd => CONTEXTS.with(|contexts| {
+            use zstd::stream::raw::Operation;
+            let mut contexts = contexts.borrow_mut();
+            if contexts.zstd_stream.is_none() {
+                let decoder =
+                    zstd::stream::raw::Decoder::new().map_err(|e| format!("zstd: {e}"))?;
+                contexts.zstd_stream = Some(decoder);
+            }
+            let decoder = contexts.zstd_stream.as_mut().expect("just set");
+            decoder.reinit().map_err(|e| format!("zstd: {e}"))?;
+            // An output of `want` bytes: the decoder stops once it is full.
+            let mut input = zstd::stream::raw::InBuffer::around(payload);
+            let mut out = zstd::stream::raw::OutBuffer::around(&mut output[..want]);
+            while out.pos() < want {
+                let before = (input.pos(), out.pos());
+                decoder
+                    .run(&mut input, &mut out)
+                    .map_err(|e| format!("zstd: {e}"))?;
+                if (input.pos(), out.pos()) == before {
+                    return Err(format!("zstd: the frame ends after {} bytes", out.pos()));
+                }
+            }
+            Ok(())
+        }),
+        // Raw is a copy; DEFLATE has no cheap way to stop early.
+        CodecId::Raw | CodecId::Deflate => decompress_exact(id, payload, output),
+    }
+}
+
 /// Compresses an arbitrary buffer with LZ4 (used for checkpoint chunks).
 pub fn lz4_compress(input: &[u8]) -> Vec<u8> {
     lz4_flex::block::compress(input)
@@ -431,6 +479,51 @@ pub fn lz4_decompress(input: &[u8], size: usize) -> Result<Vec<u8>, String> {
 mod tests {
     use super::*;
     use rand::{RngCore, SeedableRng};
+
+    #[test]
+    fn prefixes_decode_like_the_whole() {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(3);
+        let mut unit = Vec::new();
+        for block in 0..8 {
+            unit.extend(match block % 3 {
+                0 => text_block(),
+                1 => random_block(block),
+                _ => vec![block as u8; BLOCK_SIZE],
+            });
+        }
+        for codec in [
+            Codec::Lz4,
+            Codec::Zstd { level: 1 },
+            Codec::Zstd { level: 9 },
+        ] {
+            let mut payload = Vec::new();
+            let id = compress_unit(codec, &unit, &mut payload).expect("compresses");
+            for want in [
+                1,
+                100,
+                BLOCK_SIZE,
+                3 * BLOCK_SIZE + 7,
+                unit.len() - 1,
+                unit.len(),
+            ] {
+                let mut out = vec![0u8; unit.len()];
+                decompress_prefix(id, &payload, &mut out, want).unwrap();
+                assert_eq!(out[..want], unit[..want], "{codec}: prefix of {want}");
+            }
+            // Damage is an error, never a panic.
+            for cut in [1, payload.len() / 2] {
+                let mut out = vec![0u8; unit.len()];
+                let _ = decompress_prefix(id, &payload[..cut], &mut out, unit.len() - 1);
+            }
+            for _ in 0..200 {
+                let mut junk = payload.clone();
+                let at = (rng.next_u64() as usize) % junk.len();
+                junk[at] ^= 1 << (rng.next_u64() % 8);
+                let mut out = vec![0u8; unit.len()];
+                let _ = decompress_prefix(id, &junk, &mut out, unit.len() / 2);
+            }
+        }
+    }
 
     fn text_block() -> Vec<u8> {
         let sentence =

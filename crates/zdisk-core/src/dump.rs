@@ -28,6 +28,8 @@ use crate::units::SegmentId;
 const ITEM_END: u8 = 0;
 const ITEM_CHUNK: u8 = 1;
 const ITEM_SEGMENT: u8 = 2;
+/// A segment with the bytes the cold-data pass wrote into it (format 2).
+const ITEM_SEGMENT_COLD: u8 = 3;
 
 const FORM_UNIFORM: u8 = 0;
 const FORM_MIXED: u8 = 1;
@@ -141,6 +143,7 @@ pub(crate) struct DumpedSegment {
     pub seq: u64,
     pub fill_bytes: u64,
     pub max_version: u64,
+    pub cold_bytes: u64,
 }
 
 /// Cuts the item stream into LZ4-compressed chunk payloads.
@@ -239,11 +242,18 @@ pub(crate) fn encode_dump(
     }
     for (segment, dumped) in segments {
         let out = &mut payloads.raw;
-        out.u8(ITEM_SEGMENT);
+        out.u8(if dumped.cold_bytes > 0 {
+            ITEM_SEGMENT_COLD
+        } else {
+            ITEM_SEGMENT
+        });
         out.u32(segment.0);
         out.u64(dumped.seq);
         out.u64(dumped.fill_bytes);
         out.u64(dumped.max_version);
+        if dumped.cold_bytes > 0 {
+            out.u64(dumped.cold_bytes);
+        }
         payloads.cut(false);
     }
     payloads.cut(true);
@@ -356,12 +366,16 @@ pub(crate) fn decode_chunk_payload(
                 let chunk = decode_chunk(&mut input, index, segments.len())?;
                 map.insert_chunk(index, chunk)?;
             }
-            ITEM_SEGMENT => {
+            tag @ (ITEM_SEGMENT | ITEM_SEGMENT_COLD) => {
                 let segment = input.u32()? as usize;
                 let dumped = DumpedSegment {
                     seq: input.u64()?,
                     fill_bytes: input.u64()?,
                     max_version: input.u64()?,
+                    cold_bytes: match tag {
+                        ITEM_SEGMENT_COLD => input.u64()?,
+                        _ => 0,
+                    },
                 };
                 if dumped.max_version > VERSION_MAX {
                     return Err(format!(
@@ -579,6 +593,11 @@ mod tests {
             seq: 10 + i as u64,
             fill_bytes: 4096 * i as u64,
             max_version: 100 + i as u64,
+            cold_bytes: if i.is_multiple_of(2) {
+                0
+            } else {
+                u64::from(i) * 4096
+            },
         };
         let payloads = encode_dump(&map, (0..7).map(|i| (SegmentId(i), dumped(i))), 4096);
         assert!(payloads.len() > 1, "small targets cut several payloads");

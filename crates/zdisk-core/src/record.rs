@@ -32,6 +32,9 @@ pub const UNIT_PREFIX_LEN: usize = 4;
 /// Unit flag: block `i`'s version is `header.version - (count - 1) + i`,
 /// so no version list follows the prefix.
 pub const UNIT_CONSECUTIVE_VERSIONS: u8 = 1;
+/// Unit flag: written by the cold-data pass (`volume/moves.rs`), which
+/// compresses with a stronger codec: it is not worth recompressing again.
+pub const UNIT_RECOMPRESSED: u8 = 2;
 /// Blocks a unit may hold on a medium of `segment_size_bytes` segments:
 /// a record never spans segments, and one that does not fit what is left
 /// of the open segment leaves that rest unused, so units stay at most a
@@ -298,6 +301,8 @@ pub fn decode_record<'a>(
 pub struct UnitPayload<'a> {
     /// Version of block `header.lba + i`.
     pub versions: Vec<u64>,
+    /// Written by the cold-data pass.
+    pub recompressed: bool,
     /// The blocks, compressed with the header's codec.
     pub data: &'a [u8],
 }
@@ -308,10 +313,20 @@ impl UnitPayload<'_> {
     }
 }
 
+/// True if the record is a unit written by the cold-data pass (its
+/// payload already verified).
+pub fn is_cold_unit(header: &RecordHeader, payload: &[u8]) -> bool {
+    header.kind == RecordKind::Unit
+        && payload
+            .get(1)
+            .is_some_and(|flags| flags & UNIT_RECOMPRESSED != 0)
+}
+
 /// Encodes a unit's prefix (and version list, unless the versions are
 /// consecutive up to the highest, which goes in the header) for blocks at
-/// `versions`. Returns the bytes to put before the compressed data.
-pub fn encode_unit_prefix(versions: &[u64]) -> Vec<u8> {
+/// `versions`; `recompressed` marks a cold-data rewrite. Returns the bytes
+/// to put before the compressed data.
+pub fn encode_unit_prefix(versions: &[u64], recompressed: bool) -> Vec<u8> {
     let count = versions.len();
     assert!(
         (2..=UNIT_BLOCKS_MAX).contains(&count),
@@ -320,11 +335,15 @@ pub fn encode_unit_prefix(versions: &[u64]) -> Vec<u8> {
     let consecutive = versions.windows(2).all(|pair| pair[1] == pair[0] + 1);
     let mut out = Vec::with_capacity(UNIT_PREFIX_LEN + if consecutive { 0 } else { count * 8 });
     out.push(count as u8);
-    out.push(if consecutive {
+    let mut flags = if consecutive {
         UNIT_CONSECUTIVE_VERSIONS
     } else {
         0
-    });
+    };
+    if recompressed {
+        flags |= UNIT_RECOMPRESSED;
+    }
+    out.push(flags);
     out.extend_from_slice(&[0, 0]);
     if !consecutive {
         for version in versions {
@@ -354,7 +373,7 @@ pub fn decode_unit<'a>(
         return Err(format!("unit of {count} blocks"));
     }
     let (&flags, rest) = rest.split_first().ok_or("unit prefix truncated")?;
-    if flags & !UNIT_CONSECUTIVE_VERSIONS != 0 {
+    if flags & !(UNIT_CONSECUTIVE_VERSIONS | UNIT_RECOMPRESSED) != 0 {
         return Err(format!("unknown unit flags {flags:#x}"));
     }
     let rest = rest.get(2..).ok_or("unit prefix truncated")?;
@@ -378,7 +397,11 @@ pub fn decode_unit<'a>(
     if data.is_empty() {
         return Err("unit without data".into());
     }
-    Ok(UnitPayload { versions, data })
+    Ok(UnitPayload {
+        versions,
+        recompressed: flags & UNIT_RECOMPRESSED != 0,
+        data,
+    })
 }
 
 /// The block count carried by a range record's payload; 0 (which no valid
@@ -473,8 +496,8 @@ mod tests {
     #[test]
     fn unit_prefixes_round_trip_with_and_without_a_version_list() {
         for versions in [vec![7, 8, 9, 10], vec![40, 3, 41]] {
-            let mut payload = encode_unit_prefix(&versions);
-            let consecutive = payload[1] == UNIT_CONSECUTIVE_VERSIONS;
+            let mut payload = encode_unit_prefix(&versions, versions.len() == 3);
+            let consecutive = payload[1] & UNIT_CONSECUTIVE_VERSIONS != 0;
             assert_eq!(consecutive, versions == [7, 8, 9, 10]);
             payload.extend_from_slice(b"compressed");
             let header = RecordHeader {
@@ -488,6 +511,7 @@ mod tests {
             };
             let unit = decode_unit(&header, &payload).unwrap();
             assert_eq!(unit.versions, versions);
+            assert_eq!(unit.recompressed, versions.len() == 3);
             assert_eq!(unit.data, b"compressed");
         }
         let header = RecordHeader {
@@ -502,7 +526,7 @@ mod tests {
         for (bad, why) in [
             (vec![1, 1, 0, 0, 9], "unit of 1"),
             (vec![33, 1, 0, 0, 9], "unit of 33"),
-            (vec![2, 4, 0, 0, 9], "flags"),
+            (vec![2, 8, 0, 0, 9], "flags"),
             (vec![2, 0, 0, 0, 9], "truncated"),
             (vec![2, 1, 0, 0], "without data"),
             (vec![9, 1, 0, 0, 1], "below zero"),

@@ -51,6 +51,9 @@ pub(crate) struct SegmentInfo {
     /// Once it is synced, a cleaned victim that relocated nothing can be
     /// reused at once.
     pub killed_gen: u64,
+    /// Bytes appended by the cold-data pass (stronger codec): a segment
+    /// mostly of these is not worth recompressing again.
+    pub cold_bytes: u64,
 }
 
 impl SegmentInfo {
@@ -70,6 +73,7 @@ impl SegmentInfo {
             holds_ranges: false,
             range_bytes: 0,
             killed_gen: 0,
+            cold_bytes: 0,
         }
     }
 }
@@ -346,6 +350,11 @@ impl SegmentTable {
     /// Blocks whose records were appended to `segment` (some may be stale).
     pub(crate) fn members(&self, segment: SegmentId) -> &[u64] {
         &self.members[segment.index()]
+    }
+
+    /// `bytes` of cold-data records were appended to `segment`.
+    pub(crate) fn add_cold(&mut self, segment: SegmentId, bytes: u64) {
+        self.infos[segment.index()].cold_bytes += bytes;
     }
 
     pub(crate) fn add_live(&mut self, segment: SegmentId, bytes: u64) {

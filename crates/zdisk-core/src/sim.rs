@@ -34,7 +34,7 @@ use crate::gc::GcPolicy;
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::meta::MediaKind;
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::volume::{CreateOptions, FixedClock, OpenOptions, Random, Volume};
+use crate::volume::{CreateOptions, FixedClock, OpenOptions, Random, Recompress, Volume};
 
 /// Where a run draws its choices from: a seeded generator, or a fuzzer's
 /// input ([`FuzzInput`]).
@@ -323,6 +323,8 @@ pub struct SimStats {
     pub operations: u64,
     pub crashes: u64,
     pub cleaned: u64,
+    /// Steps of the idle pass that did something.
+    pub idle_steps: u64,
     pub checkpoints: u64,
     pub no_space: u64,
     /// Operations a failed request applied to only some of its blocks.
@@ -456,6 +458,12 @@ fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
         seq_reserve_ahead: 64,
         version_reserve_ahead: 64 * 1024,
         segment_reserve_ahead: 4,
+        // Each mode of the cold-data pass in a third of the runs.
+        recompress: match seed % 3 {
+            0 => Recompress::Off,
+            1 => Recompress::Idle,
+            _ => Recompress::Gc,
+        },
         ..OpenOptions::default()
     }
 }
@@ -669,6 +677,14 @@ impl<C: Choices> Run<C> {
                         .map_err(|e| self.fail(step, e))?;
                 }
                 Ok(())
+            }
+            83..=90 if self.rng.gen_bool(0.3) => {
+                self.trace.push("idle step".into());
+                let stepped = self.volume.idle_step();
+                if let Ok(true) = stepped {
+                    self.stats.idle_steps += 1;
+                }
+                stepped.map(|_| ())
             }
             83..=90 => {
                 self.trace.push("clean".into());
@@ -894,6 +910,7 @@ mod tests {
                     totals.operations += stats.operations;
                     totals.crashes += stats.crashes;
                     totals.cleaned += stats.cleaned;
+                    totals.idle_steps += stats.idle_steps;
                     totals.checkpoints += stats.checkpoints;
                     totals.no_space += stats.no_space;
                     totals.partial += stats.partial;
@@ -917,6 +934,10 @@ mod tests {
             "every seed ends with at least one power cut"
         );
         assert!(totals.cleaned > 0, "the cleaner must run in the simulation");
+        assert!(
+            totals.idle_steps > 0,
+            "the idle pass must run in the simulation"
+        );
     }
 
     /// The fuzz target's runs work on any input: random bytes drive a

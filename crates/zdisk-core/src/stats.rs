@@ -65,6 +65,9 @@ counters! {
     15 => damaged_blocks_found: "Blocks found damaged by reads, the cleaner or check.",
     16 => host_write_requests: "WRITE requests served.",
     17 => segment_tail_bytes: "Bytes of padding completing a segment's last page when the next record did not fit.",
+    20 => recompressed_blocks: "Blocks the cold-data pass rewrote with the stronger codec.",
+    21 => recompress_in_bytes: "Stored bytes those blocks took before the cold-data pass.",
+    22 => recompress_out_bytes: "Stored bytes those blocks take after it.",
 }
 
 /// Number of segments in each state.
@@ -109,6 +112,15 @@ pub struct Stats {
     pub page_size_bytes: u64,
     pub codec: String,
     pub gc_policy: String,
+    /// Largest compression unit new writes use.
+    pub unit_max_bytes: u64,
+    /// When cold data is recompressed: off, idle or gc.
+    pub recompress: String,
+    /// Logical bytes the cold-data pass has rewritten.
+    pub recompressed_bytes: u64,
+    /// Stored bytes the cold-data pass saved (before minus after, over
+    /// everything it rewrote, some of which may since have been overwritten).
+    pub recompress_saved_bytes: u64,
     pub damaged_blocks: u64,
     /// RAM used by the logical-to-physical map.
     pub map_memory_bytes: u64,
@@ -169,6 +181,11 @@ impl Stats {
             "write_amplification",
             "media_write_bytes / host_write_bytes.",
             ratio(self.write_amplification),
+        );
+        gauge(
+            "unit_max_bytes",
+            "Largest compression unit new writes use.",
+            self.unit_max_bytes as f64,
         );
         gauge(
             "free_segments",

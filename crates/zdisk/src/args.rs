@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use zdisk_core::units::parse_size;
-use zdisk_core::{Codec, GcPolicy};
+use zdisk_core::{Codec, GcPolicy, Recompress};
 use zdisk_nbd::TlsMode;
 
 pub fn size_arg(text: &str) -> Result<u64, String> {
@@ -16,6 +16,10 @@ pub fn size_arg(text: &str) -> Result<u64, String> {
 
 pub fn codec_arg(text: &str) -> Result<Codec, String> {
     Codec::parse(text)
+}
+
+pub fn recompress_arg(text: &str) -> Result<Recompress, String> {
+    Recompress::parse(text)
 }
 
 pub fn policy_arg(text: &str) -> Result<GcPolicy, String> {
@@ -120,6 +124,11 @@ pub struct ServeArgs {
     /// Largest compression unit for new writes (remembered in the image).
     #[arg(long, value_parser = unit_arg)]
     pub unit_max: Option<u8>,
+    /// Rewrite cold data with zstd -9 in whole units: off, idle (after 5 s
+    /// without writes, at most half a core; the default) or gc (also when
+    /// the cleaner moves cold data). Never on emulated drives.
+    #[arg(long, value_parser = recompress_arg)]
+    pub recompress: Option<Recompress>,
     /// Serve read-only: write requests fail with EPERM.
     #[arg(long)]
     pub read_only: bool,

@@ -17,7 +17,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use zdisk_core::units::format_size;
-use zdisk_core::{BlockDevice, OpenOptions, Volume};
+use zdisk_core::{BlockDevice, OpenOptions, Recompress, Volume};
 use zdisk_nbd::{
     BoundListener, ListenAddr, Server, ServerConfig, TlsConfig, TlsCredentials, TlsMode,
 };
@@ -136,11 +136,19 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig, String> {
 }
 
 fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, String> {
+    let nand = existing && image::is_nand_image(&args.image);
+    if nand && args.recompress.is_some_and(|mode| mode != Recompress::Off) {
+        return Err(
+            "--recompress does not apply to an emulated drive: its controller compresses each 4 KiB block once"
+                .into(),
+        );
+    }
     let options = OpenOptions {
         read_only: args.read_only,
         codec: args.codec,
         gc_policy: args.gc_policy,
         unit_blocks: args.unit_max,
+        recompress: args.recompress.unwrap_or_default(),
         ..OpenOptions::default()
     };
     let volume = if existing {

@@ -61,11 +61,15 @@ pub fn human(stats: &Stats) -> String {
         ("damaged_blocks", stats.damaged_blocks.to_string()),
         ("codec", stats.codec.clone()),
         ("gc_policy", stats.gc_policy.clone()),
+        ("unit_max_bytes", size(stats.unit_max_bytes)),
+        ("recompress", stats.recompress.clone()),
+        ("recompressed_bytes", size(stats.recompressed_bytes)),
+        ("recompress_saved_bytes", size(stats.recompress_saved_bytes)),
         ("map_memory_bytes", size(stats.map_memory_bytes)),
     ];
     let mut out = String::new();
     for (key, value) in lines {
-        out.push_str(&format!("{key:<22}{value}\n"));
+        out.push_str(&format!("{key:<24}{value}\n"));
     }
     out
 }

@@ -47,6 +47,7 @@ fn encode_state(state: &State, target_bytes: usize) -> Vec<Vec<u8>> {
                 seq: info.seq,
                 fill_bytes: info.fill_bytes,
                 max_version: info.max_version,
+                cold_bytes: info.cold_bytes,
             };
             (segment, dumped)
         });

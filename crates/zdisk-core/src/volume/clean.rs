@@ -20,6 +20,8 @@
 //! a live record that fails verification becomes a `Damaged` map entry
 //! (reads fail with EIO) backed by a `Damaged` record in the log.
 
+use std::sync::atomic::Ordering;
+
 use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
@@ -29,7 +31,7 @@ use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{apply, by_record, plan_record, LiveExtent, Move};
+use super::moves::{apply, by_record, plan_recompress, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -112,6 +114,27 @@ struct Victim {
     /// in it must be relocated, and only a scan finds them.
     needed_by_recovery: bool,
     holds_ranges: bool,
+    /// Its newest record is older than the newest quarter of all writes,
+    /// and the cold-data pass has not rewritten most of it yet.
+    cold: bool,
+    /// Rewrite its live data with the cold-data codec.
+    recompress: bool,
+}
+
+/// The facts a cleaning step needs about `segment`.
+fn victim_of(state: &State, segment: SegmentId) -> Victim {
+    let info = state.space().segment(segment);
+    debug_assert_eq!(info.state, SegmentState::Sealed, "victim {segment}");
+    let now = state.space().next_version();
+    Victim {
+        segment,
+        seq: info.seq,
+        fill_bytes: info.fill_bytes,
+        needed_by_recovery: state.needed_by_recovery(segment),
+        holds_ranges: info.holds_ranges,
+        cold: info.max_version < now - now / 4 && info.cold_bytes < info.live_bytes / 2,
+        recompress: false,
+    }
 }
 
 impl Victim {
@@ -138,22 +161,89 @@ struct Relocated<'a> {
     checkpoint_first: bool,
 }
 
+/// What the idle pass does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleChoice {
+    /// Compact or recompress this sealed segment.
+    Victim(SegmentId),
+    /// The candidates hold range records a recovery may still replay.
+    CheckpointFirst,
+    /// Nothing to rewrite; cleaned segments wait for a barrier.
+    Release,
+    Nothing,
+}
+
+/// The idle pass's next move: the emptiest sealed segment if at most half
+/// of it lives, else the one with the oldest data not yet rewritten by
+/// the cold-data pass (at most half of its live bytes are).
+fn idle_choice(state: &State) -> IdleChoice {
+    let half = state.segment_size_bytes() / 2;
+    let sealed = || {
+        state
+            .space()
+            .table()
+            .iter()
+            .filter(|(_, info)| info.state == SegmentState::Sealed)
+    };
+    let emptiest = sealed()
+        .filter(|(_, info)| info.live_bytes <= half)
+        .min_by_key(|(_, info)| info.live_bytes);
+    let oldest_warm = sealed()
+        .filter(|(_, info)| info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2)
+        .min_by_key(|(_, info)| info.max_version);
+    match emptiest.or(oldest_warm) {
+        Some((segment, info)) if info.holds_ranges && state.needed_by_recovery(segment) => {
+            IdleChoice::CheckpointFirst
+        }
+        Some((segment, _)) => IdleChoice::Victim(segment),
+        None if state.space().reclaimable_count() > 0 => IdleChoice::Release,
+        None => IdleChoice::Nothing,
+    }
+}
+
+/// The largest unit the cold-data pass writes (64 KiB): on the /usr tar,
+/// 128 KiB stored 2% less but served 4 KiB random reads 30% slower.
+const COLD_UNIT_BLOCKS: u8 = 16;
+
+/// The codec the cold-data pass compresses with: slower than a volume's
+/// everyday codec, and worth it for data that is not going to change.
+pub(crate) const COLD_CODEC: crate::codec::Codec = crate::codec::Codec::Zstd { level: 9 };
+
+/// Who is cleaning: a writer waiting for room (never slowed by the
+/// cold-data pass), or the background thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cleaning {
+    Foreground,
+    Background,
+}
+
 impl Volume {
     /// Cleans one victim with at least `min_garbage_bytes` of reclaimable
     /// space. Returns false if there is none, or no room to relocate into.
     pub fn clean_one(&self, min_garbage_bytes: u64) -> Result<bool> {
+        self.clean_one_by(min_garbage_bytes, Cleaning::Foreground)
+    }
+
+    /// [`Volume::clean_one`], for `who`.
+    pub(crate) fn clean_one_by(&self, min_garbage_bytes: u64, who: Cleaning) -> Result<bool> {
         if self.read_only {
             return Ok(false);
         }
         let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        self.clean_one_locked(min_garbage_bytes)
-    }
-
-    /// [`Volume::clean_one`] with the maintenance lock held.
-    pub(crate) fn clean_one_locked(&self, min_garbage_bytes: u64) -> Result<bool> {
-        let Some(victim) = self.choose_victim(min_garbage_bytes)? else {
+        let Some(mut victim) = self.choose_victim(min_garbage_bytes)? else {
             return Ok(false);
         };
+        // With `--recompress gc`, the background cleaner rewrites cold
+        // victims with the stronger codec.
+        victim.recompress = who == Cleaning::Background
+            && self.options.recompress == crate::volume::Recompress::Gc
+            && victim.cold;
+        self.clean_victim(&victim)
+    }
+
+    /// Cleans `victim` (chosen under the maintenance lock, held).
+    fn clean_victim(&self, victim: &Victim) -> Result<bool> {
+        let victim = *victim;
         let contents = self.read_victim(&victim)?;
         let Some(relocated) = self.relocate_victim(&victim, contents)? else {
             return Ok(false);
@@ -201,15 +291,54 @@ impl Volume {
         let Some(state) = self.room_to_relocate(segment, 0)? else {
             return Ok(None);
         };
-        let info = state.space().segment(segment);
-        debug_assert_eq!(info.state, SegmentState::Sealed, "victim {segment}");
-        Ok(Some(Victim {
-            segment,
-            seq: info.seq,
-            fill_bytes: info.fill_bytes,
-            needed_by_recovery: state.needed_by_recovery(segment),
-            holds_ranges: info.holds_ranges,
-        }))
+        Ok(Some(victim_of(&state, segment)))
+    }
+
+    /// One step of the idle pass (`Recompress::Idle` or `Gc`, the volume
+    /// idle): compacts the emptiest sealed segment if at most half of it
+    /// lives, otherwise rewrites the one with the oldest data the pass has
+    /// not rewritten yet. The pass never scans a victim for range records:
+    /// while its candidates hold some a recovery may still replay, it
+    /// writes a checkpoint first (two at most: the older root's recovery
+    /// counts too). When nothing is left, a flush releases what it
+    /// cleaned. Returns false if there was nothing worth doing or no room
+    /// to do it in.
+    pub fn idle_step(&self) -> Result<bool> {
+        if self.read_only || self.options.recompress == crate::volume::Recompress::Off {
+            return Ok(false);
+        }
+        let maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
+        let choice = {
+            let state = self.lock();
+            state.check_writable()?;
+            idle_choice(&state)
+        };
+        match choice {
+            IdleChoice::Victim(segment) => {
+                let Some(state) = self.room_to_relocate(segment, 0)? else {
+                    return Ok(false);
+                };
+                let mut victim = victim_of(&state, segment);
+                drop(state);
+                victim.recompress = true;
+                self.idle_checkpoints.store(0, Ordering::Relaxed);
+                self.clean_victim(&victim)
+            }
+            IdleChoice::CheckpointFirst => {
+                if self.idle_checkpoints.fetch_add(1, Ordering::Relaxed) >= 2 {
+                    return Ok(false);
+                }
+                drop(maintenance);
+                self.checkpoint()?;
+                Ok(true)
+            }
+            IdleChoice::Release => {
+                drop(maintenance);
+                self.flush()?;
+                Ok(true)
+            }
+            IdleChoice::Nothing => Ok(false),
+        }
     }
 
     /// The live records of `segment`: (block, location, version), found
@@ -284,13 +413,25 @@ impl Volume {
             result?;
         }
         let codec = self.settings.codec;
-        let moves = by_record(live)
-            .iter()
-            .map(|record| {
-                let bytes = record_in_runs(&runs, record[0].1);
-                plan_record(&self.record_key, victim.seq as u32, bytes, record, codec)
-            })
-            .collect();
+        let seq32 = victim.seq as u32;
+        let records = by_record(live);
+        let moves = if victim.recompress {
+            let read: Vec<(Option<&[u8]>, &[LiveExtent])> = records
+                .iter()
+                .map(|record| (record_in_runs(&runs, record[0].1), record.as_slice()))
+                .collect();
+            let units = crate::record::unit_blocks_for_segment(self.geometry.segment_size_bytes)
+                .min(COLD_UNIT_BLOCKS);
+            plan_recompress(&self.record_key, seq32, &read, COLD_CODEC, units as u64)
+        } else {
+            records
+                .iter()
+                .map(|record| {
+                    let bytes = record_in_runs(&runs, record[0].1);
+                    plan_record(&self.record_key, seq32, bytes, record, codec)
+                })
+                .collect()
+        };
         Ok(Contents::Live { moves, read_bytes })
     }
 

@@ -19,7 +19,8 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::codec::{
-    compress_block, compress_unit, decompress_block, decompress_exact, Codec, CodecId,
+    compress_block, compress_unit, decompress_block, decompress_exact, decompress_prefix, Codec,
+    CodecId,
 };
 use crate::error::{Error, Result};
 use crate::map::{Entry, Location, Slot};
@@ -447,13 +448,18 @@ impl Volume {
         self.write_blocks(lba, &block)
     }
 
+    /// The most blocks a write compresses as one unit: the image's setting,
+    /// kept a fraction of a segment (see `record::unit_blocks_for_segment`).
+    pub(crate) fn unit_blocks(&self) -> u8 {
+        let segment_cap = crate::record::unit_blocks_for_segment(self.geometry.segment_size_bytes);
+        self.settings.unit_blocks.min(segment_cap)
+    }
+
     /// Compresses and appends whole blocks.
     pub(crate) fn write_blocks(&self, first: Lba, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
-        // Units stay a fraction of a segment (see `record::unit_blocks_for_segment`).
-        let unit_blocks = (self.settings.unit_blocks as u64)
-            .min(crate::record::unit_blocks_for_segment(self.geometry.segment_size_bytes) as u64);
+        let unit_blocks = self.unit_blocks() as u64;
         let count = data.len() / BLOCK_SIZE;
         let batches = self.compressors.compress(count, |parts| {
             if parts == 1 {
@@ -831,10 +837,18 @@ pub(crate) fn decode_into(
         let at = good[0].index * BLOCK_SIZE;
         decompress_exact(codec, unit.data, &mut out[at..at + count * BLOCK_SIZE])
     } else {
+        // Only as far as the last block wanted.
+        let want = (good
+            .iter()
+            .map(|w| w.loc.member as usize)
+            .max()
+            .unwrap_or(0)
+            + 1)
+            * BLOCK_SIZE;
         UNIT_SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             scratch.resize(count * BLOCK_SIZE, 0);
-            decompress_exact(codec, unit.data, &mut scratch)?;
+            decompress_prefix(codec, unit.data, &mut scratch, want)?;
             for wanted in &good {
                 let member = wanted.loc.member as usize;
                 block_mut(out, wanted.index)

@@ -33,19 +33,19 @@ mod state;
 mod tests;
 
 pub use check::CheckReport;
-pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, SystemClock};
+pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, Recompress, SystemClock};
 pub use recovery::OpenReport;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::device::{BlockDevice, Extent, ExtentState};
 use crate::error::{Error, Result};
 use crate::map::Slot;
 use crate::media::{Media, MediaGeometry};
-use crate::meta::{read_roots, RetainedRoot, Root, Settings, Superblock};
+use crate::meta::{read_roots, MediaKind, RetainedRoot, Root, Settings, Superblock};
 use crate::record::RecordKey;
 use crate::segments::SegmentState;
 use crate::stats::{Counters, SegmentCounts, Stats};
@@ -81,6 +81,11 @@ pub struct Volume {
     worker: Mutex<Option<JoinHandle<()>>>,
     open_report: Mutex<OpenReport>,
     gc_active: AtomicBool,
+    /// `options.clock.monotonic()` at the last host write, trim or zero,
+    /// in nanoseconds: how the idle pass knows the volume is idle.
+    last_host_write_nanos: AtomicU64,
+    /// Checkpoints the idle pass wrote since it last rewrote a segment.
+    idle_checkpoints: AtomicU32,
     gc_low_free_segments: u64,
     gc_high_free_segments: u64,
     /// Whether a large write may spread its compression over idle cores.
@@ -227,8 +232,13 @@ impl Volume {
         media: Arc<dyn Media>,
         root: Root,
         recovered: Start,
-        options: OpenOptions,
+        mut options: OpenOptions,
     ) -> Volume {
+        if root.superblock.media_kind == MediaKind::Nand {
+            // The drive an emulated image models compresses each block
+            // alone, once.
+            options.recompress = Recompress::Off;
+        }
         let geometry = media.geometry();
         let segment_count = geometry.segment_count as u64;
         let gc_low = options
@@ -267,6 +277,8 @@ impl Volume {
             worker: Mutex::new(None),
             open_report: Mutex::new(OpenReport::default()),
             gc_active: AtomicBool::new(false),
+            idle_checkpoints: AtomicU32::new(0),
+            last_host_write_nanos: AtomicU64::new(options.clock.monotonic().as_nanos() as u64),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
             compressors: compressors::Compressors::default(),
@@ -390,6 +402,19 @@ impl Volume {
         self.gc_active.store(active, Ordering::Relaxed);
     }
 
+    fn note_host_write(&self) {
+        self.idle_checkpoints.store(0, Ordering::Relaxed);
+        let now = self.options.clock.monotonic().as_nanos() as u64;
+        self.last_host_write_nanos.store(now, Ordering::Relaxed);
+    }
+
+    /// No host write, trim or zero for `options.idle_after`.
+    fn is_idle(&self) -> bool {
+        let now = self.options.clock.monotonic().as_nanos() as u64;
+        let last = self.last_host_write_nanos.load(Ordering::Relaxed);
+        now.saturating_sub(last) >= self.options.idle_after.as_nanos() as u64
+    }
+
     /// A one-line description of a block's map entry and its segment, for
     /// diagnosing simulation failures.
     #[doc(hidden)]
@@ -460,6 +485,12 @@ impl Volume {
             page_size_bytes: self.geometry.page_size_bytes as u64,
             codec: self.settings.codec.to_string(),
             gc_policy: self.settings.gc_policy.to_string(),
+            unit_max_bytes: self.unit_blocks() as u64 * BLOCK_SIZE_U64,
+            recompress: self.options.recompress.to_string(),
+            recompressed_bytes: counters.recompressed_blocks * BLOCK_SIZE_U64,
+            recompress_saved_bytes: counters
+                .recompress_in_bytes
+                .saturating_sub(counters.recompress_out_bytes),
             damaged_blocks: counts.damaged_blocks,
             map_memory_bytes: state.map().memory_bytes(),
             segments_by_state: by_state,
@@ -610,20 +641,23 @@ fn maintenance_loop(volume: Weak<Volume>) {
         if strong.stop.load(Ordering::SeqCst) {
             return;
         }
-        let worked = match strong.maintenance_tick() {
-            Ok(worked) => worked,
-            Err(error) => {
-                // The error is visible to the next writer through `failed`
-                // or as NoSpace; back off instead of spinning.
-                let _ = error;
-                false
+        // Errors are visible to the next writer through `failed` or as
+        // NoSpace; the loop backs off instead of spinning.
+        let mut worked = strong.maintenance_tick().unwrap_or(false);
+        let mut pause = Duration::from_millis(100);
+        if !worked && strong.options.recompress != Recompress::Off && strong.is_idle() {
+            // Half of one core at most: as long a pause as the step took.
+            let started = Instant::now();
+            if strong.idle_step().unwrap_or(false) {
+                pause = started.elapsed();
+                worked = pause.is_zero();
             }
-        };
+        }
         if !worked {
             let guard = strong.wake_lock.lock().expect("wake lock");
             let (mut guard, _) = strong
                 .wake
-                .wait_timeout_while(guard, Duration::from_millis(100), |poked| {
+                .wait_timeout_while(guard, pause, |poked| {
                     !*poked && !strong.stop.load(Ordering::SeqCst)
                 })
                 .expect("wake lock");
@@ -648,11 +682,13 @@ impl BlockDevice for Volume {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_access(offset, data.len() as u64, true)?;
+        self.note_host_write();
         self.write_bytes(offset, data, fua)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
+        self.note_host_write();
         let mode = if may_punch {
             io::Discard::ZeroPunch
         } else {
@@ -663,6 +699,7 @@ impl BlockDevice for Volume {
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
+        self.note_host_write();
         self.discard(offset, len, io::Discard::Trim, fua)
     }
 

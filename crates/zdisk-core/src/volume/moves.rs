@@ -13,6 +13,12 @@
 //!   version, and replaying the copy after a crash would bring it back;
 //! - **mark damaged** the blocks of a record that fails verification.
 //!
+//! The cold-data pass plans a victim differently ([`plan_recompress`]):
+//! every live block is decompressed, and runs of consecutive blocks, from
+//! whichever records they came, are compressed again with the cold codec
+//! in units of up to 64 KiB, each block keeping its
+//! version; units that pass wrote before are copied as they are.
+//!
 //! Planning, including any compression, happens outside the lock;
 //! [`apply`] then carries the plan out under it. A block that died
 //! between the two (a host write or trim meanwhile) makes the plan for its
@@ -43,6 +49,8 @@ pub(crate) struct Rewritten {
     /// The blocks uncompressed, to rewrite again if some die before the
     /// plan is carried out.
     pub raw: Vec<u8>,
+    /// Written by the cold-data pass.
+    pub cold: bool,
 }
 
 /// What to do with one live record.
@@ -119,9 +127,9 @@ pub(crate) fn plan_record(
             if live.len() == unit.count() {
                 return copy();
             }
-            match unit_blocks(&header, unit.data, unit.count()) {
+            match decompress_unit(&header, unit.data, unit.count()) {
                 Some(blocks) => Move::Rewrite(
-                    rewrite_live(&blocks, header.lba, &unit.versions, live, codec),
+                    rewrite_live(&blocks, header.lba, &unit.versions, live, codec, false),
                     codec,
                 ),
                 None => damaged(),
@@ -131,8 +139,116 @@ pub(crate) fn plan_record(
     }
 }
 
+/// Plans the cold-data rewrite of a victim's live records (`records`:
+/// each one's bytes as read, `None` if unreadable, and its live blocks):
+/// every live block is decompressed, and runs of consecutive blocks,
+/// across the records they came from, are compressed again with `codec`
+/// in units of up to `unit_blocks` (aligned to multiples of it). Records
+/// that are already such rewrites, and still whole, are copied as they
+/// are; records that fail verification are marked damaged.
+pub(crate) fn plan_recompress(
+    key: &RecordKey,
+    seq32: u32,
+    records: &[(Option<&[u8]>, &[LiveExtent])],
+    codec: Codec,
+    unit_blocks: u64,
+) -> Vec<Move> {
+    let mut moves = Vec::new();
+    // Live blocks to rewrite: (extent, decompressed block), by block.
+    let mut blocks: Vec<(LiveExtent, Vec<u8>)> = Vec::new();
+    for &(bytes, live) in records {
+        let plan = plan_record(key, seq32, bytes, live, codec);
+        let Move::Copy {
+            header, payload, ..
+        } = &plan
+        else {
+            // A partly live unit (rewritten below from its blocks anyway)
+            // or damage.
+            match plan {
+                Move::Rewrite(records, _) => blocks.extend(
+                    records
+                        .into_iter()
+                        .flat_map(|r| split_raw(&r).into_iter().collect::<Vec<_>>()),
+                ),
+                damaged => moves.push(damaged),
+            }
+            continue;
+        };
+        let unit = (header.kind == RecordKind::Unit)
+            .then(|| decode_unit(header, payload).expect("verified by plan_record"));
+        if unit.as_ref().is_some_and(|u| u.recompressed) {
+            moves.push(plan);
+            continue;
+        }
+        let raw = match &unit {
+            Some(unit) => decompress_unit(header, unit.data, unit.count()),
+            None => CodecId::from_u8(header.codec).and_then(|id| {
+                let mut block = vec![0u8; BLOCK_SIZE];
+                decompress_exact(id, payload, &mut block)
+                    .ok()
+                    .map(|()| block)
+            }),
+        };
+        let Some(raw) = raw else {
+            moves.push(Move::Damaged(
+                live.iter().map(|&(lba, loc, _)| (lba, loc)).collect(),
+            ));
+            continue;
+        };
+        for &extent in live {
+            let member = extent.1.member as usize;
+            blocks.push((
+                extent,
+                raw[member * BLOCK_SIZE..(member + 1) * BLOCK_SIZE].to_vec(),
+            ));
+        }
+    }
+    blocks.sort_by_key(|((lba, _, _), _)| lba.0);
+    let mut start = 0;
+    while start < blocks.len() {
+        // Consecutive blocks, within one aligned window of `unit_blocks`.
+        let window = blocks[start].0 .0 .0 / unit_blocks;
+        let mut end = start + 1;
+        while end < blocks.len()
+            && blocks[end].0 .0 .0 == blocks[end - 1].0 .0 .0 + 1
+            && blocks[end].0 .0 .0 / unit_blocks == window
+        {
+            end += 1;
+        }
+        let run: Vec<LiveExtent> = blocks[start..end].iter().map(|(e, _)| *e).collect();
+        let versions: Vec<u64> = run.iter().map(|&(_, _, v)| v).collect();
+        let raw: Vec<u8> = blocks[start..end]
+            .iter()
+            .flat_map(|(_, b)| b.iter().copied())
+            .collect();
+        moves.push(Move::Rewrite(
+            compress_run(&raw, &run, &versions, codec, true),
+            codec,
+        ));
+        start = end;
+    }
+    moves
+}
+
+/// A planned rewrite back into its blocks, each with its extent.
+fn split_raw(record: &Rewritten) -> Vec<(LiveExtent, Vec<u8>)> {
+    (0..record.versions.len())
+        .map(|i| {
+            let extent = (
+                Lba(record.first.0 + i as u64),
+                record.sources[i],
+                record.versions[i],
+            );
+            (
+                extent,
+                record.raw[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].to_vec(),
+            )
+        })
+        .collect()
+}
+
 /// A unit's blocks, decompressed; `None` if they do not decompress.
-fn unit_blocks(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
+fn decompress_unit(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
     let id = CodecId::from_u8(header.codec)?;
     let mut blocks = vec![0u8; count * BLOCK_SIZE];
     decompress_exact(id, data, &mut blocks).ok()?;
@@ -148,6 +264,7 @@ fn rewrite_live(
     versions: &[u64],
     live: &[LiveExtent],
     codec: Codec,
+    cold: bool,
 ) -> Vec<Rewritten> {
     let mut out = Vec::new();
     for run in consecutive_runs(live) {
@@ -157,7 +274,7 @@ fn rewrite_live(
             .iter()
             .map(|&(lba, _, _)| versions[(lba.0 - first) as usize])
             .collect();
-        out.extend(compress_run(bytes, run, &run_versions, codec));
+        out.extend(compress_run(bytes, run, &run_versions, codec, cold));
     }
     out
 }
@@ -183,6 +300,7 @@ pub(crate) fn compress_run(
     run: &[LiveExtent],
     versions: &[u64],
     codec: Codec,
+    cold: bool,
 ) -> Vec<Rewritten> {
     debug_assert_eq!(bytes.len(), run.len() * BLOCK_SIZE);
     let mut compressed = Vec::new();
@@ -195,6 +313,7 @@ pub(crate) fn compress_run(
                 versions: versions.to_vec(),
                 sources: run.iter().map(|&(_, loc, _)| loc).collect(),
                 raw: bytes.to_vec(),
+                cold,
             }];
         }
     }
@@ -211,6 +330,7 @@ pub(crate) fn compress_run(
                 versions: vec![versions[index]],
                 sources: vec![extent.1],
                 raw: block.to_vec(),
+                cold,
             }
         })
         .collect()
@@ -234,12 +354,12 @@ pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
                     // as a rewrite.
                     let unit = decode_unit(&header, &payload)
                         .expect("a unit that passed its checksum decodes");
-                    if let Some(blocks) = unit_blocks(&header, unit.data, unit.count()) {
+                    if let Some(blocks) = decompress_unit(&header, unit.data, unit.count()) {
                         let still = still_live(state, header.lba, &unit.versions, |member| {
                             from.with_member_of(member as u8, unit.count() as u8)
                         });
                         let records =
-                            rewrite_live(&blocks, header.lba, &unit.versions, &still, codec);
+                            rewrite_live(&blocks, header.lba, &unit.versions, &still, codec, false);
                         moved += apply_rewrites(state, records, codec)?;
                     }
                 }
@@ -268,6 +388,7 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
             &record.data,
             &record.versions,
             &record.sources,
+            record.cold,
         )?;
         if appended {
             moved += record.versions.len() as u64;
@@ -279,7 +400,14 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
         if still.is_empty() {
             continue;
         }
-        let again = rewrite_live(&record.raw, record.first.0, &record.versions, &still, codec);
+        let again = rewrite_live(
+            &record.raw,
+            record.first.0,
+            &record.versions,
+            &still,
+            codec,
+            record.cold,
+        );
         for redo in again {
             let ok = state.relocate_rewritten(
                 redo.first,
@@ -287,6 +415,7 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
                 &redo.data,
                 &redo.versions,
                 &redo.sources,
+                redo.cold,
             )?;
             debug_assert!(ok, "blocks checked live under this very lock");
             moved += redo.versions.len() as u64;

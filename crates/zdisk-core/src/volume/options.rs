@@ -56,6 +56,11 @@ pub struct OpenOptions {
     /// Most blocks a write compresses together (persisted); `None` keeps
     /// the image's setting.
     pub unit_blocks: Option<u8>,
+    /// When the cold-data pass rewrites cold data with a stronger codec.
+    pub recompress: Recompress,
+    /// How long without host writes, trims or zeroes makes the volume idle
+    /// (for `Recompress::Idle` and idle-time compaction).
+    pub idle_after: Duration,
     /// Run the cleaner and periodic checkpoints on a background thread.
     pub background: bool,
     /// Log bytes written between periodic checkpoints.
@@ -93,6 +98,8 @@ impl Default for OpenOptions {
             codec: None,
             gc_policy: None,
             unit_blocks: None,
+            recompress: Recompress::Idle,
+            idle_after: Duration::from_secs(5),
             background: true,
             checkpoint_interval_bytes: 1 << 30,
             write_batch_bytes: 128 * 1024,
@@ -210,5 +217,43 @@ mod tests {
         let clock = FixedClock { unix_secs: 42 };
         assert_eq!(clock.unix_secs(), 42);
         assert_eq!(clock.monotonic(), clock.monotonic());
+    }
+}
+
+/// When data found cold is rewritten in larger units with a stronger
+/// codec, so that a volume's ratio improves over time (see
+/// `volume/moves.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompress {
+    /// Never.
+    Off,
+    /// When the volume is idle: a background pass with a CPU budget
+    /// rewrites cold segments, and compacts mostly dead ones.
+    #[default]
+    Idle,
+    /// Also whenever the background cleaner relocates a cold victim.
+    Gc,
+}
+
+impl Recompress {
+    pub fn parse(text: &str) -> std::result::Result<Recompress, String> {
+        match text {
+            "off" => Ok(Recompress::Off),
+            "idle" => Ok(Recompress::Idle),
+            "gc" => Ok(Recompress::Gc),
+            other => Err(format!(
+                "unknown recompress mode {other:?}: use off, idle or gc"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Recompress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompress::Off => "off",
+            Recompress::Idle => "idle",
+            Recompress::Gc => "gc",
+        })
     }
 }

@@ -24,7 +24,9 @@ use crate::error::Result;
 use crate::map::{Location, Map, RangeState, Slot};
 use crate::media::Media;
 use crate::meta::{RetainedRoot, Root};
-use crate::record::{decode_record, decode_unit, range_count, RecordKey, RecordKind, HEADER_SIZE};
+use crate::record::{
+    decode_record, decode_unit, is_cold_unit, range_count, RecordKey, RecordKind, HEADER_SIZE,
+};
 use crate::segments::{SegmentInfo, SegmentState, SegmentTable};
 use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
@@ -175,6 +177,7 @@ impl<'a> Recovery<'a> {
                 seq: dumped.map_or(0, |d| d.seq),
                 fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
                 max_version: dumped.map_or(0, |d| d.max_version),
+                cold_bytes: dumped.map_or(0, |d| d.cold_bytes),
                 ..SegmentInfo::free()
             })
             .collect();
@@ -337,6 +340,9 @@ impl<'a> Recovery<'a> {
                 }
                 self.report.replayed_records += 1;
                 let len = header.record_len() as u32;
+                if is_cold_unit(&header, payload) {
+                    self.infos[segment.index()].cold_bytes += len as u64;
+                }
                 let members = versions.len() as u8;
                 for (member, &version) in versions.iter().enumerate() {
                     let loc = Location::unit_member(

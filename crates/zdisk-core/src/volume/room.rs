@@ -10,6 +10,7 @@
 
 use crate::error::{Error, Result};
 
+use super::clean::Cleaning;
 use super::guard::StateGuard;
 use super::space::{Climbed, Need, Reach, Rung, Writer};
 use super::state::State;
@@ -54,14 +55,14 @@ impl Volume {
                 // The background thread may help too.
                 self.poke();
             }
-            let progress = self.climb(rung, reach)?;
+            let progress = self.climb(rung, reach, Cleaning::Foreground)?;
             climbed.note(rung, progress);
         }
     }
 
     /// Climbs one rung. Returns false if a cleaning step found nothing to
     /// clean.
-    pub(crate) fn climb(&self, rung: Rung, reach: Reach) -> Result<bool> {
+    pub(crate) fn climb(&self, rung: Rung, reach: Reach, who: Cleaning) -> Result<bool> {
         match rung {
             Rung::Renew { segments, versions } => {
                 self.renew_reservations(segments, versions, reach)?;
@@ -70,7 +71,7 @@ impl Volume {
             Rung::Flush => self.flush().map(|()| true),
             Rung::Clean { min_garbage_bytes } => {
                 assert_eq!(reach, Reach::All, "cleaning inside a cleaning step");
-                self.clean_one(min_garbage_bytes)
+                self.clean_one_by(min_garbage_bytes, who)
             }
             Rung::Checkpoint => {
                 assert_eq!(reach, Reach::All, "a checkpoint inside a checkpoint");
@@ -139,7 +140,9 @@ impl Volume {
                 self.set_gc_active(false);
                 Ok(false)
             }
-            Some(rung @ (Rung::Renew { .. } | Rung::Checkpoint)) => self.climb(rung, Reach::All),
+            Some(rung @ (Rung::Renew { .. } | Rung::Checkpoint)) => {
+                self.climb(rung, Reach::All, Cleaning::Background)
+            }
             Some(Rung::Full) => {
                 // A rate-capped recycling engine is still busy.
                 self.set_gc_active(true);
@@ -147,7 +150,7 @@ impl Volume {
             }
             Some(rung @ (Rung::Flush | Rung::Clean { .. })) => {
                 self.set_gc_active(true);
-                let worked = self.climb(rung, Reach::All)?;
+                let worked = self.climb(rung, Reach::All, Cleaning::Background)?;
                 if !worked {
                     self.set_gc_active(false);
                 }

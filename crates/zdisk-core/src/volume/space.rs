@@ -430,6 +430,11 @@ impl Space {
         self.table.seal(segment, fill_bytes);
     }
 
+    /// `bytes` of cold-data records were appended to `segment`.
+    pub(crate) fn add_cold(&mut self, segment: SegmentId, bytes: u64) {
+        self.table.add_cold(segment, bytes);
+    }
+
     /// `bytes` in `segment` became live (a map entry points at them).
     pub(crate) fn add_live(&mut self, segment: SegmentId, bytes: u64) {
         self.table.add_live(segment, bytes);

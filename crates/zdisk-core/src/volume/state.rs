@@ -488,6 +488,9 @@ impl State {
         let moved = self.append_gc(header, payload)?;
         debug_assert_ne!(moved.segment, from.segment, "relocated into its victim");
         debug_assert_eq!(moved.len, from.len, "a relocated record keeps its length");
+        if crate::record::is_cold_unit(&header, payload) {
+            self.space.add_cold(moved.segment, moved.len as u64);
+        }
         for (member, &version) in versions.iter().enumerate() {
             let loc = moved.with_member_of(member as u8, versions.len() as u8);
             self.repoint(Lba(header.lba + member as u64), loc, version);
@@ -522,6 +525,7 @@ impl State {
         data: &[u8],
         versions: &[u64],
         sources: &[Location],
+        cold: bool,
     ) -> Result<bool> {
         assert_eq!(versions.len(), sources.len(), "a version per source");
         if !self.all_live_at(first, versions, |i| sources[i]) {
@@ -530,10 +534,11 @@ impl State {
         let (kind, payload) = if versions.len() == 1 {
             (RecordKind::Data, data.to_vec())
         } else {
-            let mut payload = crate::record::encode_unit_prefix(versions);
+            let mut payload = crate::record::encode_unit_prefix(versions, cold);
             payload.extend_from_slice(data);
             (RecordKind::Unit, payload)
         };
+        let before: u64 = sources.iter().map(|loc| loc.share()).sum();
         let header = RecordHeader {
             kind,
             codec,
@@ -547,6 +552,12 @@ impl State {
         for (i, &version) in versions.iter().enumerate() {
             let loc = moved.with_member_of(i as u8, versions.len() as u8);
             self.repoint(Lba(first.0 + i as u64), loc, version);
+        }
+        if cold {
+            self.space.add_cold(moved.segment, moved.len as u64);
+            self.counters.recompressed_blocks += versions.len() as u64;
+            self.counters.recompress_in_bytes += before;
+            self.counters.recompress_out_bytes += moved.len as u64;
         }
         Ok(true)
     }
