@@ -18,7 +18,13 @@ use crate::stats::Counters;
 use crate::units::SegmentId;
 
 pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
-pub const FORMAT_VERSION: u32 = 1;
+/// The format version this zdisk writes. Version 2 may leave flushed
+/// records in staging slots, which version 1 never reads, so a version-1
+/// zdisk must refuse it.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this zdisk reads (version 1 has no staging;
+/// its staging areas are zeros).
+pub const FORMAT_VERSION_OLDEST: u32 = 1;
 
 /// What kind of medium an image lives on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,9 +240,10 @@ impl Root {
             return Err("no zdisk metadata magic".into());
         }
         let version = header.u32()?;
-        if version != FORMAT_VERSION {
+        if !(FORMAT_VERSION_OLDEST..=FORMAT_VERSION).contains(&version) {
             return Err(format!(
-                "format version {version}, this zdisk reads version {FORMAT_VERSION}"
+                "format version {version}, this zdisk reads versions \
+                 {FORMAT_VERSION_OLDEST} to {FORMAT_VERSION}"
             ));
         }
         let total = header.u32()? as usize;
@@ -479,6 +486,28 @@ mod tests {
         let mut padded = bytes.clone();
         padded.resize(4096, 0xAA);
         assert_eq!(Root::decode(&padded).unwrap(), root);
+    }
+
+    /// Version 1 roots (no staging) still open; a version this zdisk does
+    /// not know, such as the next one, does not.
+    #[test]
+    fn roots_of_versions_1_and_2_decode_and_no_other() {
+        let root = sample_root();
+        let with_version = |version: u32| {
+            let mut bytes = root.encode();
+            bytes[8..12].copy_from_slice(&version.to_le_bytes());
+            let total = bytes.len();
+            let crc = crc32c::crc32c(&bytes[..total - 4]);
+            bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
+            Root::decode(&bytes)
+        };
+        assert_eq!(FORMAT_VERSION, 2);
+        assert_eq!(with_version(1).unwrap(), root);
+        assert_eq!(with_version(2).unwrap(), root);
+        for version in [0, 3] {
+            let error = with_version(version).unwrap_err();
+            assert!(error.contains("format version"), "{error}");
+        }
     }
 
     #[test]

@@ -24,6 +24,7 @@ mod room;
 mod roots;
 pub(crate) mod scan;
 mod space;
+pub(crate) mod staging;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -173,8 +174,15 @@ impl Volume {
             root.settings.gc_policy = policy;
         }
         let read_only = options.read_only;
-        let volume = Arc::new(Volume::assemble(media, root, recovered.0, options));
-        let mut report = recovered.1;
+        let (start, mut report, staged) = recovered;
+        // A writable recovery wrote staged sectors back; a read-only one
+        // reads them from RAM.
+        let media = if read_only {
+            staging::Overlaid::over(media, staged)
+        } else {
+            media
+        };
+        let volume = Arc::new(Volume::assemble(media, root, start, options));
         if !read_only {
             // First mark the volume dirty and reserve numbers for this run,
             // before anything is written.
@@ -436,6 +444,7 @@ impl Volume {
             media_write_bytes: counters.media_write_bytes,
             padding_bytes: counters.padding_bytes,
             segment_tail_bytes: counters.segment_tail_bytes,
+            staging_bytes: counters.staging_bytes,
             write_amplification: ratio(counters.media_write_bytes, counters.host_write_bytes),
             gc_write_bytes: counters.gc_write_bytes,
             gc_read_bytes: counters.gc_read_bytes,
@@ -478,13 +487,14 @@ impl Drop for Volume {
 
 /// Recovers from the newest root; if its checkpoint cannot be read, from
 /// the older one, whose dump and log are kept for exactly this. Returns
-/// the root recovered from, the state to start from and what happened.
+/// the root recovered from, the state to start from, what happened and
+/// the staged sectors laid over the medium.
 fn recover_newest(
     media: &dyn Media,
     writable: bool,
     accept_lost: bool,
     ahead: Ahead,
-) -> Result<(Root, (Start, OpenReport))> {
+) -> Result<(Root, Opened)> {
     let (roots, mut slot_problems) = read_roots(media)?;
     let mut lost_checkpoints = Vec::new();
     let geometry = media.geometry();
@@ -502,10 +512,10 @@ fn recover_newest(
         let trust_clean = slot_problems.is_empty() && index == 0;
         match recovery::recover(media, candidate, older, trust_clean, writable) {
             Ok(recovered) => {
-                let (start, mut report) = start_from(recovered, candidate, geometry, ahead);
+                let (start, mut report, staged) = start_from(recovered, candidate, geometry, ahead);
                 report.slot_problems = slot_problems;
                 report.lost_checkpoints = lost_checkpoints;
-                return Ok((candidate.clone(), (start, report)));
+                return Ok((candidate.clone(), (start, report, staged)));
             }
             Err(Error::CorruptImage(problem)) => {
                 let problem = format!("generation {}: {problem}", candidate.generation);
@@ -531,13 +541,12 @@ fn recover_newest(
     )))
 }
 
-/// What a state starts from after recovering from `root`.
-fn start_from(
-    recovered: Recovered,
-    root: &Root,
-    geometry: MediaGeometry,
-    ahead: Ahead,
-) -> (Start, OpenReport) {
+/// What recovery hands a volume: the state to start from, what happened,
+/// and the staged sectors it laid over the medium.
+type Opened = (Start, OpenReport, Vec<staging::Staged>);
+
+/// What a volume opens with after recovering from `root`.
+fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead: Ahead) -> Opened {
     let Recovered {
         roots,
         map,
@@ -546,6 +555,7 @@ fn start_from(
         next_version,
         counters,
         report,
+        staged,
     } = recovered;
     let space = Space::new(
         segments,
@@ -561,7 +571,7 @@ fn start_from(
         generation: root.generation,
         roots,
     };
-    (start, report)
+    (start, report, staged)
 }
 
 /// Segments by state, the utilisation histogram of sealed ones, and the
