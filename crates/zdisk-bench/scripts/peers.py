@@ -12,12 +12,17 @@ For each it measures, best of --rounds rounds:
 - 1 MiB sequential read MB/s: nbdcopy of the whole export to null:;
 - stored bytes and ratio: zdisk's stored_bytes and compression_ratio,
   btrfs's disk usage from compsize;
-- server CPU: cores the server used on average during the write.
+- server CPU: cores the server used on average during the write;
+- for zdisk, after the reads: the idle pass (the cold-data recompression
+  that starts after 5 s without requests) is left to finish (up to
+  --idle-limit seconds), and stored bytes, ratio and 4 KiB random reads
+  are measured again.
 Ratios are against nbdkit memory and against btrfs from the same run.
+A codec may name a unit size: lz4@16K creates the image with --unit-max 16K.
 
 Needs root (loop mount), nbdkit, nbdcopy, fio, btrfs-progs, btrfs-compsize.
 Usage: peers.py --zdisk BIN [--dir /dev/shm/peers] [--corpus-mib 512]
-       [--codecs lz4,zstd] [--rounds 2] [--json FILE] [--skip-btrfs]
+       [--codecs lz4,zstd,zstd@8K] [--rounds 2] [--idle-limit 240] [--json FILE] [--skip-btrfs]
 """
 
 import argparse
@@ -27,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 
 def run(args, **kwargs):
@@ -98,20 +104,46 @@ def nbdkit_round(work, corpus, corpus_bytes, export_bytes):
         server.stop()
 
 
-def zdisk_round(zdisk, work, codec, corpus, corpus_bytes, export_bytes):
-    image = os.path.join(work, f"zdisk-{codec.replace(':', '-')}.zdisk")
+METRICS = "127.0.0.1:19187"
+
+
+def served_stats():
+    with urllib.request.urlopen(f"http://{METRICS}/stats", timeout=10) as reply:
+        return json.load(reply)
+
+
+def zdisk_round(zdisk, work, spec, corpus, corpus_bytes, export_bytes, idle_limit):
+    codec, _, unit = spec.partition("@")
+    image = os.path.join(work, f"zdisk-{spec.replace(':', '-').replace('@', '-')}.zdisk")
     sock = os.path.join(work, "zdisk.sock")
     for path in (image, sock):
         if os.path.exists(path):
             os.remove(path)
-    run([zdisk, "create", image, "--logical", str(export_bytes), "--codec", codec])
-    server = Export([zdisk, "serve", image, "--socket", sock], sock)
+    create = [zdisk, "create", image, "--logical", str(export_bytes), "--codec", codec]
+    if unit:
+        create += ["--unit-max", unit]
+    run(create)
+    server = Export([zdisk, "serve", image, "--socket", sock, "--metrics", METRICS], sock)
     try:
         result = server.measure(corpus, corpus_bytes, export_bytes)
+        stats = served_stats()
+        result.update(stored_bytes=stats["stored_bytes"], ratio=stats["compression_ratio"])
+        # The idle pass: wait until what it rewrote stops changing.
+        t0 = time.time()
+        last = None
+        while time.time() - t0 < idle_limit:
+            time.sleep(5)
+            stats = served_stats()
+            now = (stats["recompressed_bytes"], stats["stored_bytes"])
+            if stats["recompressed_bytes"] > 0 and now == last:
+                break
+            last = now
+        result.update(idle_seconds=time.time() - t0,
+                      stored_idle_bytes=stats["stored_bytes"],
+                      ratio_idle=stats["compression_ratio"],
+                      randread_4k_idle_mb_s=fio_randread(uri=server.uri, size=corpus_bytes))
     finally:
         server.stop()
-    stats = json.loads(run([zdisk, "stats", image, "--json"]).stdout)
-    result.update(stored_bytes=stats["stored_bytes"], ratio=stats["compression_ratio"])
     os.remove(image)
     return result
 
@@ -159,7 +191,9 @@ def btrfs_round(work, corpus, corpus_bytes):
 def best(rounds):
     """Best of the rounds: highest speeds; sizes are the same each round."""
     out = dict(rounds[0])
-    for key in ("write_mb_s", "seq_read_mb_s", "randread_4k_mb_s"):
+    for key in ("write_mb_s", "seq_read_mb_s", "randread_4k_mb_s", "randread_4k_idle_mb_s"):
+        if key not in out:
+            continue
         out[key] = max(r[key] for r in rounds)
         out[key + "_rounds"] = [round(r[key], 1) for r in rounds]
     return out
@@ -173,6 +207,8 @@ def main():
     parser.add_argument("--corpus", help="use this file instead of a tar of /usr")
     parser.add_argument("--codecs", default="lz4,zstd")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--idle-limit", type=float, default=240,
+                        help="seconds to wait for zdisk's idle pass to finish")
     parser.add_argument("--json")
     parser.add_argument("--skip-btrfs", action="store_true")
     args = parser.parse_args()
@@ -205,7 +241,7 @@ def main():
     plan = [("nbdkit memory", lambda: nbdkit_round(args.dir, corpus, corpus_bytes, export_bytes))]
     for codec in args.codecs.split(","):
         plan.append((f"zdisk {codec}", lambda c=codec: zdisk_round(
-            args.zdisk, args.dir, c, corpus, corpus_bytes, export_bytes)))
+            args.zdisk, args.dir, c, corpus, corpus_bytes, export_bytes, args.idle_limit)))
     if not args.skip_btrfs:
         plan.append(("btrfs compress-force=zstd:1", lambda: btrfs_round(args.dir, corpus, corpus_bytes)))
     results = {name: [] for name, _ in plan}
@@ -221,11 +257,12 @@ def main():
     base = rows["nbdkit memory"]
     btrfs = rows.get("btrfs compress-force=zstd:1")
     header = ["", "write MB/s", "x nbdkit", "x btrfs", "4K rand read MB/s", "x nbdkit",
-              "1M seq read MB/s", "x nbdkit", "stored MiB", "ratio", "server cores"]
+              "1M seq read MB/s", "x nbdkit", "stored MiB", "ratio", "server cores",
+              "after idle: stored MiB", "ratio", "4K rand read MB/s", "x nbdkit"]
     table = [header]
     for name, row in rows.items():
         def ratio(key, against):
-            if against is None or not against.get(key):
+            if against is None or not against.get(key) or not row.get(key):
                 return "-"
             return f"{row[key] / against[key]:.2f}"
         table.append([
@@ -235,6 +272,10 @@ def main():
             f"{row['stored_bytes'] / (1 << 20):.0f}" if row.get("stored_bytes") else "-",
             f"{row['ratio']:.2f}" if row.get("ratio") else "-",
             f"{row['server_cores']:.2f}" if row.get("server_cores") is not None else "-",
+            f"{row['stored_idle_bytes'] / (1 << 20):.0f}" if row.get("stored_idle_bytes") else "-",
+            f"{row['ratio_idle']:.2f}" if row.get("ratio_idle") else "-",
+            f"{row['randread_4k_idle_mb_s']:.0f}" if row.get("randread_4k_idle_mb_s") else "-",
+            ratio("randread_4k_idle_mb_s", {"randread_4k_idle_mb_s": base["randread_4k_mb_s"]}),
         ])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for index, r in enumerate(table):

@@ -4,9 +4,11 @@ zdisk serve, nbdfuse, a loop device, mkfs.ext4, mount, initdb, pgbench.
 
 Reports, for the timed run only (initialisation excluded): transactions,
 TPS, mean latency, and what zdisk wrote for them: host bytes, media bytes,
-flush padding, media bytes per transaction and padding's share of media
-writes; and, after the run, the database's size, zdisk's mapped, stored and
-physical bytes. One JSON object on the last line of output.
+flush padding and staging, flushes, media bytes per transaction and the
+shares of padding and staging in media writes; and, after the run, the
+database's size, zdisk's mapped, stored and physical bytes. One JSON object
+on the last line of output. (A zdisk older than staging reports no
+staging_bytes; it counts as 0.)
 
 Needs root, fuse3 (nbdfuse), util-linux (losetup), e2fsprogs, postgresql.
 Usage: pg_on_zdisk.py --zdisk BIN --dir DIR [--codec lz4] [--scale 20]
@@ -188,15 +190,18 @@ def main():
         result["db_bytes"] = int(size.stdout.strip())
         if metrics:
             def delta(key):
-                return after[key] - before[key]
+                return after.get(key, 0) - before.get(key, 0)
             media = delta("media_write_bytes")
             txns = max(result.get("transactions", 0), 1)
             result.update(
                 host_write_bytes=delta("host_write_bytes"), media_write_bytes=media,
                 padding_bytes=delta("padding_bytes"),
+                staging_bytes=delta("staging_bytes"),
+                flushes=after["counters"]["flushes"] - before["counters"]["flushes"],
                 media_bytes_per_txn=media / txns,
                 host_bytes_per_txn=delta("host_write_bytes") / txns,
                 padding_share=delta("padding_bytes") / media if media else None,
+                staging_share=delta("staging_bytes") / media if media else None,
                 mapped_bytes=after["mapped_bytes"], stored_bytes=after["stored_bytes"],
                 physical_used_bytes=after["physical_used_bytes"],
                 compression_ratio=after["compression_ratio"])

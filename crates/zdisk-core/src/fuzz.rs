@@ -1,7 +1,8 @@
 //! Entry points for fuzzers (the targets in `fuzz/`):
 //!
 //! - [`fuzz_decoders`]: everything the engine decodes from the medium —
-//!   record headers, whole segments, metadata roots and checkpoint chunks.
+//!   record headers, whole segments, metadata roots, staging slots and
+//!   checkpoint chunks.
 //!   For any input they must return without panicking and without
 //!   allocating more than the input's size justifies.
 //! - [`fuzz_engine`]: sequences of engine operations with power cuts,
@@ -12,6 +13,7 @@ use crate::map::Map;
 use crate::meta::Root;
 use crate::record::{decode_record, RecordKey};
 use crate::volume::scan::scan_segment;
+use crate::volume::staging::{Staged, STAGED_HEADER_BYTES};
 
 /// The key fuzzed records are checked with.
 const KEY: RecordKey = RecordKey([0x5A; 16]);
@@ -68,6 +70,29 @@ pub fn fuzz_decoders(bytes: &[u8]) {
                 let decoded = decode_record(&record, &KEY, Some(header.seg_seq));
                 assert!(decoded.is_ok(), "a record with a fixed-up CRC must decode");
             }
+        }
+    }
+    let _ = Staged::decode(bytes, &KEY);
+    // A staging slot with its fields and CRC fixed up decodes to what
+    // re-encodes to it.
+    if bytes.len() > STAGED_HEADER_BYTES {
+        let mut slot = bytes.to_vec();
+        slot[..4].copy_from_slice(b"ZSTG");
+        let offset = u32::from_le_bytes(slot[16..20].try_into().expect("4 bytes"));
+        slot[16..20].copy_from_slice(&(offset / 512 * 512).to_le_bytes());
+        let len = 1 + (u16::from_le_bytes([slot[20], slot[21]]) % 511) as usize;
+        slot[20..22].copy_from_slice(&(len as u16).to_le_bytes());
+        slot[22..24].fill(0);
+        slot[28..32].fill(0);
+        if let Some(data) = slot.get(STAGED_HEADER_BYTES..STAGED_HEADER_BYTES + len) {
+            let crc = crc32c::crc32c_append(
+                crc32c::crc32c_append(crc32c::crc32c(data), &slot[..24]),
+                &KEY.0,
+            );
+            slot[24..28].copy_from_slice(&crc.to_le_bytes());
+            let staged = Staged::decode(&slot, &KEY).expect("a fixed-up staging record decodes");
+            let end = STAGED_HEADER_BYTES + len;
+            assert_eq!(&staged.encode(&KEY)[..end], &slot[..end], "it re-encodes");
         }
     }
     let mut map = Map::new(true);

@@ -18,8 +18,12 @@ use crate::stats::Counters;
 use crate::units::SegmentId;
 
 pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
+/// The format version this zdisk writes. Version 2 added compression
+/// units and may leave flushed records in staging slots, which version 1
+/// never reads, so a version-1 zdisk must refuse it.
 pub const FORMAT_VERSION: u32 = 2;
-/// The oldest format this code still opens (and upgrades on its first root).
+/// The oldest format this code still opens (and upgrades on its first
+/// root; version 1 has no units, and its staging areas are zeros).
 pub const FORMAT_VERSION_MIN: u32 = 1;
 
 /// What kind of medium an image lives on.
@@ -502,6 +506,29 @@ mod tests {
         let mut padded = bytes.clone();
         padded.resize(4096, 0xAA);
         assert_eq!(Root::decode(&padded).unwrap(), root);
+    }
+
+    /// Version 1 roots (no staging) still open; a version this zdisk does
+    /// not know, such as the next one, does not.
+    #[test]
+    fn roots_of_version_2_decode_and_unknown_versions_do_not() {
+        // Version 1 roots lack fields version 2 added (`unit_blocks`):
+        // tests/format_v1.rs opens real version 1 images.
+        let root = sample_root();
+        let with_version = |version: u32| {
+            let mut bytes = root.encode();
+            bytes[8..12].copy_from_slice(&version.to_le_bytes());
+            let total = bytes.len();
+            let crc = crc32c::crc32c(&bytes[..total - 4]);
+            bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
+            Root::decode(&bytes)
+        };
+        assert_eq!(FORMAT_VERSION, 2);
+        assert_eq!(with_version(2).unwrap(), root);
+        for version in [0, 3] {
+            let error = with_version(version).unwrap_err();
+            assert!(error.contains("format version"), "{error}");
+        }
     }
 
     #[test]

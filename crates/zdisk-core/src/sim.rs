@@ -331,6 +331,9 @@ pub struct SimStats {
     pub partial: u64,
     /// Power cuts in the middle of an operation.
     pub mid_operation_crashes: u64,
+    /// Partial sectors recoveries found only in staging slots (on media
+    /// that overwrite in place).
+    pub staged_sectors: u64,
 }
 
 /// Where a run's choices came from.
@@ -744,6 +747,7 @@ impl<C: Choices> Run<C> {
             options(codec, policy, self.origin),
         )
         .map_err(|e| self.fail(step, format!("reopen after power cut failed: {e}")))?;
+        self.stats.staged_sectors += self.volume.open_report().staged_sectors;
         if std::env::var_os("ZDISK_SIM_DEBUG").is_some() {
             println!("{:?}", self.volume.open_report());
             for lba in 0..self.config.logical_blocks {
@@ -915,6 +919,7 @@ mod tests {
                     totals.no_space += stats.no_space;
                     totals.partial += stats.partial;
                     totals.mid_operation_crashes += stats.mid_operation_crashes;
+                    totals.staged_sectors += stats.staged_sectors;
                 }
                 Err(failure) => panic!("{failure}"),
             }
@@ -938,6 +943,12 @@ mod tests {
             totals.idle_steps > 0,
             "the idle pass must run in the simulation"
         );
+        if count >= 20 {
+            assert!(
+                totals.staged_sectors > 0,
+                "power cuts must find flushed records only in staging slots"
+            );
+        }
     }
 
     /// The fuzz target's runs work on any input: random bytes drive a

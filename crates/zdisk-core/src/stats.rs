@@ -50,7 +50,7 @@ macro_rules! counters {
 counters! {
     1 => host_write_bytes: "Bytes the host wrote with WRITE.",
     2 => host_read_bytes: "Bytes the host read.",
-    3 => media_write_bytes: "Bytes written to the medium: host, GC, metadata and padding.",
+    3 => media_write_bytes: "Bytes written to the medium: host, GC, metadata, padding and staging.",
     4 => padding_bytes: "Bytes of padding written to fill partial pages at flushes.",
     5 => gc_write_bytes: "Bytes the cleaner rewrote (relocated records).",
     6 => gc_read_bytes: "Bytes the cleaner read from victim segments.",
@@ -65,6 +65,7 @@ counters! {
     15 => damaged_blocks_found: "Blocks found damaged by reads, the cleaner or check.",
     16 => host_write_requests: "WRITE requests served.",
     17 => segment_tail_bytes: "Bytes of padding completing a segment's last page when the next record did not fit.",
+    18 => staging_bytes: "Bytes written to staging slots at flushes (partial sectors, instead of padding).",
     20 => recompressed_blocks: "Blocks the cold-data pass rewrote with the stronger codec.",
     21 => recompress_in_bytes: "Stored bytes those blocks took before the cold-data pass.",
     22 => recompress_out_bytes: "Stored bytes those blocks take after it.",
@@ -101,6 +102,9 @@ pub struct Stats {
     /// Zeros completing a segment's last page when the next record did
     /// not fit (not caused by flushes; counted in `media_write_bytes`).
     pub segment_tail_bytes: u64,
+    /// Bytes flushes wrote to staging slots instead of padding partial
+    /// pages, on a file or block device (counted in `media_write_bytes`).
+    pub staging_bytes: u64,
     /// `media_write_bytes / host_write_bytes`; null before the first write.
     pub write_amplification: Option<f64>,
     pub gc_write_bytes: u64,
@@ -237,6 +241,11 @@ impl Stats {
             "segment_tail_bytes_total",
             "Padding bytes completing the last page of a segment.",
             c.segment_tail_bytes,
+        );
+        counter(
+            "staging_bytes_total",
+            "Bytes written to staging slots at flushes.",
+            c.staging_bytes,
         );
         counter(
             "gc_write_bytes_total",

@@ -124,8 +124,8 @@ pub struct ServeArgs {
     /// Largest compression unit for new writes (remembered in the image).
     #[arg(long, value_parser = unit_arg)]
     pub unit_max: Option<u8>,
-    /// Rewrite cold data with zstd -9 in whole units: off, idle (after 5 s
-    /// without writes, at most half a core; the default) or gc (also when
+    /// Rewrite cold data with zstd -9 in 32 KiB units: off, idle (after 5 s
+    /// without requests, at most half a core; the default) or gc (also when
     /// the cleaner moves cold data). Never on emulated drives.
     #[arg(long, value_parser = recompress_arg)]
     pub recompress: Option<Recompress>,

@@ -50,6 +50,7 @@ pub fn human(stats: &Stats) -> String {
         ("media_write_bytes", size(stats.media_write_bytes)),
         ("padding_bytes", size(stats.padding_bytes)),
         ("segment_tail_bytes", size(stats.segment_tail_bytes)),
+        ("staging_bytes", size(stats.staging_bytes)),
         ("write_amplification", ratio(stats.write_amplification)),
         ("gc_write_bytes", size(stats.gc_write_bytes)),
         ("gc_read_bytes", size(stats.gc_read_bytes)),

@@ -1,7 +1,16 @@
 //! A medium on a regular file (created sparse) or an existing block device.
 //!
 //! Layout: two metadata slots of [`FILE_META_SLOT_SIZE`] bytes at the start,
-//! then segments back to back from [`FILE_DATA_OFFSET`].
+//! then segments back to back from [`FILE_DATA_OFFSET`]. The last
+//! [`FILE_STAGING_AREA_BYTES`] of each metadata slot are its staging area:
+//! a root never reaches them ([`FILE_ROOT_MAX_BYTES`]). Staging slot `i`
+//! lives in metadata slot `i % 2`, so the two slots a stream alternates
+//! between are far apart, and each has a 4 KiB page of its own, so that
+//! the host's page cache never rewrites one while writing another.
+//!
+//! This is not flash: segments are written in 512-byte sectors (in order,
+//! each once), and a flush keeps its partial last sector in a staging slot
+//! instead of padding a page (see `Media::has_staging`).
 //!
 //! A segment is reused by overwriting it in place: the engine never relies
 //! on erased contents (every record names its segment incarnation). An
@@ -20,7 +29,10 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use super::{check_read_range, Media, MediaGeometry, PageDiscipline};
+use super::{
+    check_read_range, Media, MediaGeometry, PageDiscipline, SECTOR_BYTES, STAGING_SLOTS,
+    STAGING_SLOT_BYTES,
+};
 use crate::error::{Error, Result};
 use crate::units::{PageIndex, SegmentId};
 
@@ -30,6 +42,24 @@ pub const FILE_META_SLOT_SIZE: u32 = 512 * 1024;
 pub const FILE_DATA_OFFSET: u64 = 2 * FILE_META_SLOT_SIZE as u64;
 /// Page size used on files and block devices.
 pub const FILE_PAGE_SIZE: u32 = 4096;
+/// Bytes each staging slot takes: a page of its own.
+const FILE_STAGING_SLOT_BYTES: u32 = 4096;
+/// The staging area at the end of each metadata slot.
+pub const FILE_STAGING_AREA_BYTES: u32 = (STAGING_SLOTS as u32 / 2) * FILE_STAGING_SLOT_BYTES;
+/// The largest root a metadata slot takes: everything before its staging area.
+pub const FILE_ROOT_MAX_BYTES: u32 = FILE_META_SLOT_SIZE - FILE_STAGING_AREA_BYTES;
+
+const _: () = assert!(STAGING_SLOT_BYTES as u32 <= FILE_STAGING_SLOT_BYTES);
+
+/// Byte offset of staging slot `slot` in the file.
+fn staging_offset(slot: usize) -> u64 {
+    assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
+    let meta_slot = (slot % 2) as u64;
+    let index = (slot / 2) as u64;
+    meta_slot * FILE_META_SLOT_SIZE as u64
+        + FILE_ROOT_MAX_BYTES as u64
+        + index * FILE_STAGING_SLOT_BYTES as u64
+}
 
 pub struct FileMedia {
     file: File,
@@ -222,6 +252,21 @@ impl FileMedia {
         FILE_DATA_OFFSET + segment.0 as u64 * self.geometry.segment_size_bytes
     }
 
+    fn write_segment_at(&self, segment: SegmentId, offset: u64, data: &[u8]) -> Result<()> {
+        assert!(
+            offset + data.len() as u64 <= self.geometry.segment_size_bytes,
+            "write past the end of segment {segment}"
+        );
+        self.file
+            .write_all_at(data, self.segment_offset(segment) + offset)
+            .map_err(|e| {
+                Error::io(
+                    format!("writing segment {segment} of {}", self.path.display()),
+                    e,
+                )
+            })
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -238,14 +283,8 @@ impl Media for FileMedia {
 
     fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
         self.discipline.on_write(segment, first_page, data.len());
-        let offset = self.segment_offset(segment)
-            + first_page.0 as u64 * self.geometry.page_size_bytes as u64;
-        self.file.write_all_at(data, offset).map_err(|e| {
-            Error::io(
-                format!("writing segment {segment} of {}", self.path.display()),
-                e,
-            )
-        })
+        let offset = first_page.0 as u64 * self.geometry.page_size_bytes as u64;
+        self.write_segment_at(segment, offset, data)
     }
 
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
@@ -307,10 +346,13 @@ impl Media for FileMedia {
 
     fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
         assert!(slot < 2, "metadata slot {slot} does not exist");
-        assert!(
-            data.len() <= FILE_META_SLOT_SIZE as usize,
-            "metadata record too large"
-        );
+        if data.len() > FILE_ROOT_MAX_BYTES as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a root of {} bytes exceeds the {FILE_ROOT_MAX_BYTES} bytes a metadata slot \
+                 keeps for it",
+                data.len()
+            )));
+        }
         self.file
             .write_all_at(data, slot as u64 * FILE_META_SLOT_SIZE as u64)
             .map_err(|e| {
@@ -335,11 +377,98 @@ impl Media for FileMedia {
         Ok(bytes)
     }
 
+    fn has_staging(&self) -> bool {
+        true
+    }
+
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        self.discipline
+            .on_write_sectors(segment, offset_bytes, data.len());
+        self.write_segment_at(segment, offset_bytes, data)
+    }
+
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert!(
+            offset_bytes.is_multiple_of(SECTOR_BYTES as u64)
+                && data.len().is_multiple_of(SECTOR_BYTES),
+            "restoring part of a sector"
+        );
+        self.write_segment_at(segment, offset_bytes, data)
+    }
+
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert!(
+            data.len() <= STAGING_SLOT_BYTES && data.len().is_multiple_of(SECTOR_BYTES),
+            "staging write of {} bytes",
+            data.len()
+        );
+        self.file
+            .write_all_at(data, staging_offset(slot))
+            .map_err(|e| {
+                Error::io(
+                    format!("writing staging slot {slot} of {}", self.path.display()),
+                    e,
+                )
+            })
+    }
+
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; STAGING_SLOT_BYTES];
+        self.file
+            .read_exact_at(&mut bytes, staging_offset(slot))
+            .map_err(|e| {
+                Error::io(
+                    format!("reading staging slot {slot} of {}", self.path.display()),
+                    e,
+                )
+            })?;
+        Ok(bytes)
+    }
+
     fn describe(&self) -> String {
         if self.is_block_device {
             format!("block device {}", self.path.display())
         } else {
             format!("file {}", self.path.display())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Roots and staging slots share the metadata slots without ever
+    /// overlapping, and a root that would reach a staging area is refused.
+    #[test]
+    fn roots_and_staging_slots_never_collide() {
+        let path = std::env::temp_dir().join(format!("zdisk-staging-{}", std::process::id()));
+        let media = FileMedia::create(&path, Some(8 << 20), 256 * 1024, true).unwrap();
+        for slot in 0..STAGING_SLOTS {
+            media
+                .write_staging(slot, &[slot as u8 + 1; STAGING_SLOT_BYTES])
+                .unwrap();
+        }
+        for slot in 0..2 {
+            let root = vec![0xA0 + slot as u8; FILE_ROOT_MAX_BYTES as usize];
+            media.write_meta_slot(slot, &root).unwrap();
+            let too_big = vec![0; FILE_ROOT_MAX_BYTES as usize + 1];
+            assert!(media.write_meta_slot(slot, &too_big).is_err());
+        }
+        for slot in 0..STAGING_SLOTS {
+            let bytes = media.read_staging(slot).unwrap();
+            assert!(bytes.iter().all(|&b| b == slot as u8 + 1), "slot {slot}");
+        }
+        for slot in 0..2 {
+            let bytes = media.read_meta_slot(slot).unwrap();
+            let (root, staging) = bytes.split_at(FILE_ROOT_MAX_BYTES as usize);
+            assert!(root.iter().all(|&b| b == 0xA0 + slot as u8));
+            // Slot i's staging lives in metadata slot i % 2.
+            let (first, second) = staging.split_at(FILE_STAGING_SLOT_BYTES as usize);
+            assert_eq!(first[0], slot as u8 + 1);
+            assert_eq!(second[0], slot as u8 + 3);
+        }
+        drop(media);
+        std::fs::remove_file(&path).unwrap();
     }
 }

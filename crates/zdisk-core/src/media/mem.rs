@@ -12,17 +12,25 @@
 //! This is the fault model of docs/semantics.md, and the crash harness
 //! (`sim.rs`, with the `testing` feature) runs the real engine against it
 //! under thousands of seeds.
+//!
+//! Reusing a segment either erases it, as flash does, or overwrites it in
+//! place, as a file does ([`MemMedia::reusing_in_place`]); in place, the
+//! medium also has staging (sector writes and staging slots, see
+//! `Media::has_staging`), whose writes are lost and torn like any other.
 
 use std::sync::Mutex;
 
 use rand::Rng;
 
-use super::{check_read_range, Media, MediaGeometry, PageDiscipline};
+use super::{
+    check_read_range, Media, MediaGeometry, PageDiscipline, SECTOR_BYTES, STAGING_SLOTS,
+    STAGING_SLOT_BYTES,
+};
 use crate::error::{Error, Result};
 use crate::units::{PageIndex, SegmentId};
 
 /// Sector size at which pending writes tear.
-pub const TEAR_SECTOR_BYTES: usize = 512;
+pub const TEAR_SECTOR_BYTES: usize = SECTOR_BYTES;
 
 /// How hard a simulated power cut hits the pending operations.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +58,7 @@ struct Image {
     /// Segment contents; an empty vector reads as zeros.
     segments: Vec<Vec<u8>>,
     meta: [Vec<u8>; 2],
+    staging: Vec<Vec<u8>>,
 }
 
 impl Image {
@@ -57,6 +66,7 @@ impl Image {
         Image {
             segments: vec![Vec::new(); geometry.segment_count as usize],
             meta: [Vec::new(), Vec::new()],
+            staging: vec![vec![0u8; STAGING_SLOT_BYTES]; STAGING_SLOTS],
         }
     }
 
@@ -77,6 +87,34 @@ impl Image {
             } => self.write(geometry, *segment, *offset, data),
             Pending::Erase { segment } => self.segments[segment.index()] = Vec::new(),
             Pending::Meta { slot, data } => self.meta[*slot] = data.clone(),
+            Pending::Staging { slot, data } => {
+                self.staging[*slot][..data.len()].copy_from_slice(data)
+            }
+        }
+    }
+
+    /// The bytes `op` would replace.
+    fn overwritten(&self, op: &Pending) -> Vec<u8> {
+        match op {
+            Pending::Pages {
+                segment,
+                offset,
+                data,
+            } => {
+                let current = &self.segments[segment.index()];
+                if current.is_empty() {
+                    vec![0u8; data.len()]
+                } else {
+                    current[*offset..*offset + data.len()].to_vec()
+                }
+            }
+            Pending::Meta { slot, data } => {
+                let mut old = self.meta[*slot].clone();
+                old.resize(data.len(), 0);
+                old
+            }
+            Pending::Staging { slot, data } => self.staging[*slot][..data.len()].to_vec(),
+            Pending::Erase { .. } => unreachable!("erases are not torn"),
         }
     }
 }
@@ -95,6 +133,38 @@ enum Pending {
         slot: usize,
         data: Vec<u8>,
     },
+    Staging {
+        slot: usize,
+        data: Vec<u8>,
+    },
+}
+
+impl Pending {
+    /// The bytes a write writes.
+    fn data(&self) -> &[u8] {
+        match self {
+            Pending::Pages { data, .. }
+            | Pending::Meta { data, .. }
+            | Pending::Staging { data, .. } => data,
+            Pending::Erase { .. } => unreachable!("an erase writes no bytes"),
+        }
+    }
+
+    /// The same write with other bytes (a torn version of it).
+    fn with_data(&self, data: Vec<u8>) -> Pending {
+        match self {
+            Pending::Pages {
+                segment, offset, ..
+            } => Pending::Pages {
+                segment: *segment,
+                offset: *offset,
+                data,
+            },
+            Pending::Meta { slot, .. } => Pending::Meta { slot: *slot, data },
+            Pending::Staging { slot, .. } => Pending::Staging { slot: *slot, data },
+            Pending::Erase { .. } => unreachable!("erases are not torn"),
+        }
+    }
 }
 
 struct State {
@@ -217,7 +287,7 @@ impl MemMedia {
         let page_writes: Vec<usize> = survivors
             .iter()
             .enumerate()
-            .filter(|(_, op)| matches!(op, Pending::Pages { .. } | Pending::Meta { .. }))
+            .filter(|(_, op)| !matches!(op, Pending::Erase { .. }))
             .map(|(index, _)| index)
             .collect();
         let torn = if config.tear && !page_writes.is_empty() {
@@ -230,30 +300,9 @@ impl MemMedia {
                 image.apply(&self.geometry, op);
                 continue;
             }
-            let (old, data): (Vec<u8>, &Vec<u8>) = match op {
-                Pending::Pages {
-                    segment,
-                    offset,
-                    data,
-                } => {
-                    let current = &image.segments[segment.index()];
-                    let old = if current.is_empty() {
-                        vec![0u8; data.len()]
-                    } else {
-                        current[*offset..*offset + data.len()].to_vec()
-                    };
-                    (old, data)
-                }
-                Pending::Meta { slot, data } => {
-                    let mut old = image.meta[*slot].clone();
-                    old.resize(data.len(), 0);
-                    (old, data)
-                }
-                Pending::Erase { .. } => unreachable!("erases are not torn"),
-            };
-            let mut mixed = old;
+            let mut mixed = image.overwritten(op);
             let mut landed = Vec::new();
-            for (sector, chunk) in data.chunks(TEAR_SECTOR_BYTES).enumerate() {
+            for (sector, chunk) in op.data().chunks(TEAR_SECTOR_BYTES).enumerate() {
                 if rng.gen_bool(0.5) {
                     let start = sector * TEAR_SECTOR_BYTES;
                     mixed[start..start + chunk.len()].copy_from_slice(chunk);
@@ -265,22 +314,33 @@ impl MemMedia {
                 let at = rng.gen_range(range);
                 mixed[at] ^= 1 << rng.gen_range(0..8);
             }
-            let torn_op = match op {
-                Pending::Pages {
-                    segment, offset, ..
-                } => Pending::Pages {
-                    segment: *segment,
-                    offset: *offset,
-                    data: mixed,
-                },
-                Pending::Meta { slot, .. } => Pending::Meta {
-                    slot: *slot,
-                    data: mixed,
-                },
-                Pending::Erase { .. } => unreachable!(),
-            };
-            image.apply(&self.geometry, &torn_op);
+            image.apply(&self.geometry, &op.with_data(mixed));
         }
+        self.restarted(image)
+    }
+
+    /// The medium a restart finds after a power cut during the last write:
+    /// every earlier pending operation survives, and the last write lands
+    /// torn, the worst way: its first sector with a flipped bit, nothing
+    /// else. For regression tests that need that exact tear.
+    pub fn crash_tearing_last(&self) -> MemMedia {
+        let state = self.state.lock().expect("media lock");
+        let mut image = state.durable.clone();
+        let (last, earlier) = state.pending.split_last().expect("a pending write to tear");
+        earlier
+            .iter()
+            .for_each(|op| image.apply(&self.geometry, op));
+        let mut torn = image.overwritten(last);
+        let data = last.data();
+        let sector = TEAR_SECTOR_BYTES.min(data.len());
+        torn[..sector].copy_from_slice(&data[..sector]);
+        torn[0] ^= 0x10;
+        image.apply(&self.geometry, &last.with_data(torn));
+        self.restarted(image)
+    }
+
+    /// A medium whose live and durable contents are `image`, as after a restart.
+    fn restarted(&self, image: Image) -> MemMedia {
         MemMedia {
             state: Mutex::new(State {
                 live: image.clone(),
@@ -298,19 +358,21 @@ impl MemMedia {
 
     /// The medium a clean restart would find (everything written survives).
     pub fn reopen(&self) -> MemMedia {
-        let state = self.state.lock().expect("media lock");
-        MemMedia {
-            state: Mutex::new(State {
-                live: state.live.clone(),
-                durable: state.live.clone(),
-                pending: Vec::new(),
-                syncs: 0,
-                fail_writes: false,
-                fail_after: None,
-            }),
-            discipline: PageDiscipline::new(&self.geometry),
-            geometry: self.geometry,
-            reuse_in_place: self.reuse_in_place,
+        let live = self.state.lock().expect("media lock").live.clone();
+        self.restarted(live)
+    }
+
+    /// Writes `data` at `offset` of `segment` in the live image, as pending
+    /// operations of at most a page each: a power cut may keep any subset.
+    fn write_pending(&self, state: &mut State, segment: SegmentId, offset: usize, data: &[u8]) {
+        state.live.write(&self.geometry, segment, offset, data);
+        let page = self.geometry.page_size_bytes as usize;
+        for (index, chunk) in data.chunks(page).enumerate() {
+            state.pending.push(Pending::Pages {
+                segment,
+                offset: offset + index * page,
+                data: chunk.to_vec(),
+            });
         }
     }
 
@@ -345,17 +407,59 @@ impl Media for MemMedia {
         Self::check_writable(&mut state)?;
         self.discipline.on_write(segment, first_page, data.len());
         let offset = first_page.0 as usize * self.geometry.page_size_bytes as usize;
-        state.live.write(&self.geometry, segment, offset, data);
-        // Each page is a separate pending operation: a power cut may keep any subset.
-        let page = self.geometry.page_size_bytes as usize;
-        for (index, chunk) in data.chunks(page).enumerate() {
-            state.pending.push(Pending::Pages {
-                segment,
-                offset: offset + index * page,
-                data: chunk.to_vec(),
-            });
-        }
+        self.write_pending(&mut state, segment, offset, data);
         Ok(())
+    }
+
+    fn has_staging(&self) -> bool {
+        self.reuse_in_place
+    }
+
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "sector writes on flash");
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        self.discipline
+            .on_write_sectors(segment, offset_bytes, data.len());
+        self.write_pending(&mut state, segment, offset_bytes as usize, data);
+        Ok(())
+    }
+
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "sector writes on flash");
+        assert!(
+            offset_bytes.is_multiple_of(SECTOR_BYTES as u64)
+                && data.len().is_multiple_of(SECTOR_BYTES),
+            "restoring part of a sector"
+        );
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        self.write_pending(&mut state, segment, offset_bytes as usize, data);
+        Ok(())
+    }
+
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "staging on flash");
+        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
+        assert!(
+            data.len() <= STAGING_SLOT_BYTES && data.len().is_multiple_of(SECTOR_BYTES),
+            "staging write of {} bytes",
+            data.len()
+        );
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        let op = Pending::Staging {
+            slot,
+            data: data.to_vec(),
+        };
+        state.live.apply(&self.geometry, &op);
+        state.pending.push(op);
+        Ok(())
+    }
+
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
+        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
+        Ok(self.state.lock().expect("media lock").live.staging[slot].clone())
     }
 
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {

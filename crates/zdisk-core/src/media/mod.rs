@@ -11,6 +11,14 @@
 //! - after an erase, its pages are written in increasing order, each once;
 //! - `write_pages` gets whole pages only.
 //!
+//! A medium that is not flash (a file, a block device, RAM overwriting in
+//! place) may also offer *staging* ([`Media::has_staging`]): segments are
+//! then written in 512-byte sectors, still in order and each once
+//! (`write_sectors`), and [`STAGING_SLOTS`] small staging slots keep what
+//! a flush could not write in place, the last partial sector of an open
+//! segment, without padding it. What goes into a staging slot is the
+//! engine's business (`volume/staging.rs`); the medium only stores bytes.
+//!
 //! Contract the engine relies on:
 //! - a read returns the last bytes written, durable or not;
 //! - after `sync` returns, every earlier write and erase survives power loss;
@@ -22,10 +30,24 @@
 mod file;
 mod mem;
 
-pub use file::{file_geometry, lock_file, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE};
+pub use file::{
+    file_geometry, lock_file, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,
+    FILE_ROOT_MAX_BYTES, FILE_STAGING_AREA_BYTES,
+};
 pub use mem::{CrashConfig, MemMedia};
 
-use std::sync::atomic::{AtomicU32, Ordering};
+/// The unit in which a medium with staging writes segments, and in which
+/// any unsynced write may tear.
+pub const SECTOR_BYTES: usize = 512;
+/// Staging slots of a medium with staging: two per writer stream, so that a
+/// flush can always write one while the other keeps what the last
+/// completed flush covered.
+pub const STAGING_SLOTS: usize = 4;
+/// Bytes the engine may write to one staging slot (a header and less than
+/// a sector of data); a medium with staging keeps at least this many.
+pub const STAGING_SLOT_BYTES: usize = 2 * SECTOR_BYTES;
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 use crate::units::{PageIndex, SegmentId};
@@ -141,6 +163,45 @@ pub trait Media: Send + Sync {
     /// A short human description, e.g. "file demo.zdisk".
     fn describe(&self) -> String;
 
+    // --- Staging: for media that are not flash. The defaults have none.
+
+    /// True if the medium writes segments in sectors ([`Media::write_sectors`])
+    /// and keeps [`STAGING_SLOTS`] staging slots of [`STAGING_SLOT_BYTES`],
+    /// so that a flush need not pad the partial page.
+    fn has_staging(&self) -> bool {
+        false
+    }
+
+    /// Writes whole sectors at `offset_bytes` (a sector multiple) of
+    /// `segment`, continuing where the segment's last write ended, page
+    /// boundaries or not. Only called when [`Media::has_staging`] is true.
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        let _ = (segment, offset_bytes, data);
+        Err(Error::Unsupported("this medium has no staging".into()))
+    }
+
+    /// Writes whole sectors of a segment nobody is writing, out of the
+    /// write order: recovery puts back what a crash left only in a staging
+    /// slot. Only called when [`Media::has_staging`] is true.
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        let _ = (segment, offset_bytes, data);
+        Err(Error::Unsupported("this medium has no staging".into()))
+    }
+
+    /// Replaces the beginning of staging slot `slot` (below [`STAGING_SLOTS`])
+    /// with `data`, whole sectors of at most [`STAGING_SLOT_BYTES`]
+    /// (durable after `sync`; until then it may be lost or torn like any write).
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
+        let _ = (slot, data);
+        Err(Error::Unsupported("this medium has no staging".into()))
+    }
+
+    /// Reads the first [`STAGING_SLOT_BYTES`] of staging slot `slot`.
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
+        let _ = slot;
+        Err(Error::Unsupported("this medium has no staging".into()))
+    }
+
     // --- Hooks for media that model a whole drive (emulated NAND). The
     // defaults suit a plain file or RAM.
 
@@ -198,59 +259,75 @@ pub enum HostDirection {
     Read,
 }
 
-/// Enforces flash write rules: erase before write, pages in order, each once.
+/// Enforces flash write rules: erase before write, pages in order, each
+/// once; on a medium with staging, sectors in order, each once.
 /// A violation is an engine bug, so it panics.
 pub struct PageDiscipline {
-    /// Next page that may be written per segment; `UNKNOWN` until erased.
-    next_page: Vec<AtomicU32>,
-    pages_per_segment: u32,
-    page_size_bytes: u32,
+    /// Next byte offset that may be written per segment; `UNKNOWN` until erased.
+    next_offset: Vec<AtomicU64>,
+    segment_size_bytes: u64,
+    page_size_bytes: u64,
 }
 
-const UNKNOWN: u32 = u32::MAX;
+const UNKNOWN: u64 = u64::MAX;
 
 impl PageDiscipline {
     pub fn new(geometry: &MediaGeometry) -> Self {
         PageDiscipline {
-            next_page: (0..geometry.segment_count)
-                .map(|_| AtomicU32::new(UNKNOWN))
+            next_offset: (0..geometry.segment_count)
+                .map(|_| AtomicU64::new(UNKNOWN))
                 .collect(),
-            pages_per_segment: geometry.pages_per_segment(),
-            page_size_bytes: geometry.page_size_bytes,
+            segment_size_bytes: geometry.segment_size_bytes,
+            page_size_bytes: geometry.page_size_bytes as u64,
         }
     }
 
     pub fn on_erase(&self, segment: SegmentId) {
-        self.next_page[segment.index()].store(0, Ordering::Release);
+        self.next_offset[segment.index()].store(0, Ordering::Release);
     }
 
     /// Checks a `write_pages` call and advances the segment's write pointer.
     pub fn on_write(&self, segment: SegmentId, first_page: PageIndex, len_bytes: usize) {
         assert!(
-            segment.index() < self.next_page.len(),
-            "write to segment {segment} beyond the medium"
-        );
-        assert!(
-            len_bytes > 0 && len_bytes.is_multiple_of(self.page_size_bytes as usize),
+            len_bytes > 0 && (len_bytes as u64).is_multiple_of(self.page_size_bytes),
             "write of {len_bytes} bytes to segment {segment} is not whole pages"
         );
-        let pages = (len_bytes / self.page_size_bytes as usize) as u32;
-        let expected = self.next_page[segment.index()].load(Ordering::Acquire);
+        let offset = first_page.0 as u64 * self.page_size_bytes;
+        self.advance(segment, offset, len_bytes as u64);
+    }
+
+    /// Checks a `write_sectors` call and advances the segment's write pointer.
+    pub fn on_write_sectors(&self, segment: SegmentId, offset_bytes: u64, len_bytes: usize) {
+        let sector = SECTOR_BYTES as u64;
+        assert!(
+            len_bytes > 0
+                && (len_bytes as u64).is_multiple_of(sector)
+                && offset_bytes.is_multiple_of(sector),
+            "write of {len_bytes} bytes at offset {offset_bytes} of segment {segment} \
+             is not whole sectors"
+        );
+        self.advance(segment, offset_bytes, len_bytes as u64);
+    }
+
+    fn advance(&self, segment: SegmentId, offset: u64, len: u64) {
+        assert!(
+            segment.index() < self.next_offset.len(),
+            "write to segment {segment} beyond the medium"
+        );
+        let expected = self.next_offset[segment.index()].load(Ordering::Acquire);
         assert_ne!(
             expected, UNKNOWN,
             "segment {segment} written without an erase"
         );
         assert_eq!(
-            first_page.0, expected,
-            "segment {segment}: page {} written out of order (next writable page is {expected})",
-            first_page.0
+            offset, expected,
+            "segment {segment}: offset {offset} written out of order (next writable offset is {expected})"
         );
         assert!(
-            first_page.0 + pages <= self.pages_per_segment,
-            "segment {segment}: write of {pages} pages at page {} runs past the segment end",
-            first_page.0
+            offset + len <= self.segment_size_bytes,
+            "segment {segment}: write of {len} bytes at offset {offset} runs past the segment end"
         );
-        self.next_page[segment.index()].store(expected + pages, Ordering::Release);
+        self.next_offset[segment.index()].store(offset + len, Ordering::Release);
     }
 }
 

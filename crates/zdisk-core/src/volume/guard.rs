@@ -82,6 +82,10 @@ impl Volume {
                             self.media
                                 .write_pages(write.segment, write.first_page, &write.bytes)
                         }
+                        WriteKind::Sectors => {
+                            self.media
+                                .write_sectors(write.segment, write.offset, &write.bytes)
+                        }
                         WriteKind::Stage => self.media.stage_partial_page(
                             write.segment,
                             write.first_page,

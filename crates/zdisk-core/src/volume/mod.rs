@@ -28,6 +28,7 @@ mod room;
 mod roots;
 pub(crate) mod scan;
 mod space;
+pub(crate) mod staging;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -81,9 +82,9 @@ pub struct Volume {
     worker: Mutex<Option<JoinHandle<()>>>,
     open_report: Mutex<OpenReport>,
     gc_active: AtomicBool,
-    /// `options.clock.monotonic()` at the last host write, trim or zero,
-    /// in nanoseconds: how the idle pass knows the volume is idle.
-    last_host_write_nanos: AtomicU64,
+    /// `options.clock.monotonic()` at the last host request, in
+    /// nanoseconds: how the idle pass knows the volume is idle.
+    last_host_io_nanos: AtomicU64,
     /// Checkpoints the idle pass wrote since it last rewrote a segment.
     idle_checkpoints: AtomicU32,
     gc_low_free_segments: u64,
@@ -201,8 +202,15 @@ impl Volume {
             root.settings.unit_blocks = blocks;
         }
         let read_only = options.read_only;
-        let volume = Arc::new(Volume::assemble(media, root, recovered.0, options));
-        let mut report = recovered.1;
+        let (start, mut report, staged) = recovered;
+        // A writable recovery wrote staged sectors back; a read-only one
+        // reads them from RAM.
+        let media = if read_only {
+            staging::Overlaid::over(media, staged)
+        } else {
+            media
+        };
+        let volume = Arc::new(Volume::assemble(media, root, start, options));
         if !read_only {
             // First mark the volume dirty and reserve numbers for this run,
             // before anything is written.
@@ -278,7 +286,7 @@ impl Volume {
             open_report: Mutex::new(OpenReport::default()),
             gc_active: AtomicBool::new(false),
             idle_checkpoints: AtomicU32::new(0),
-            last_host_write_nanos: AtomicU64::new(options.clock.monotonic().as_nanos() as u64),
+            last_host_io_nanos: AtomicU64::new(options.clock.monotonic().as_nanos() as u64),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
             compressors: compressors::Compressors::default(),
@@ -402,16 +410,22 @@ impl Volume {
         self.gc_active.store(active, Ordering::Relaxed);
     }
 
-    fn note_host_write(&self) {
-        self.idle_checkpoints.store(0, Ordering::Relaxed);
+    /// A host request came: the volume is not idle. Writes also let the
+    /// idle pass checkpoint again.
+    fn note_host_io(&self, write: bool) {
+        if write {
+            self.idle_checkpoints.store(0, Ordering::Relaxed);
+        }
         let now = self.options.clock.monotonic().as_nanos() as u64;
-        self.last_host_write_nanos.store(now, Ordering::Relaxed);
+        self.last_host_io_nanos.store(now, Ordering::Relaxed);
     }
 
-    /// No host write, trim or zero for `options.idle_after`.
+    /// No host request (reads included: data being read is not cold, and
+    /// reads should not share the CPU with the pass) for
+    /// `options.idle_after`.
     fn is_idle(&self) -> bool {
         let now = self.options.clock.monotonic().as_nanos() as u64;
-        let last = self.last_host_write_nanos.load(Ordering::Relaxed);
+        let last = self.last_host_io_nanos.load(Ordering::Relaxed);
         now.saturating_sub(last) >= self.options.idle_after.as_nanos() as u64
     }
 
@@ -475,6 +489,7 @@ impl Volume {
             media_write_bytes: counters.media_write_bytes,
             padding_bytes: counters.padding_bytes,
             segment_tail_bytes: counters.segment_tail_bytes,
+            staging_bytes: counters.staging_bytes,
             write_amplification: ratio(counters.media_write_bytes, counters.host_write_bytes),
             gc_write_bytes: counters.gc_write_bytes,
             gc_read_bytes: counters.gc_read_bytes,
@@ -523,13 +538,14 @@ impl Drop for Volume {
 
 /// Recovers from the newest root; if its checkpoint cannot be read, from
 /// the older one, whose dump and log are kept for exactly this. Returns
-/// the root recovered from, the state to start from and what happened.
+/// the root recovered from, the state to start from, what happened and
+/// the staged sectors laid over the medium.
 fn recover_newest(
     media: &dyn Media,
     writable: bool,
     accept_lost: bool,
     ahead: Ahead,
-) -> Result<(Root, (Start, OpenReport))> {
+) -> Result<(Root, Opened)> {
     let (roots, mut slot_problems) = read_roots(media)?;
     let mut lost_checkpoints = Vec::new();
     let geometry = media.geometry();
@@ -547,10 +563,10 @@ fn recover_newest(
         let trust_clean = slot_problems.is_empty() && index == 0;
         match recovery::recover(media, candidate, older, trust_clean, writable) {
             Ok(recovered) => {
-                let (start, mut report) = start_from(recovered, candidate, geometry, ahead);
+                let (start, mut report, staged) = start_from(recovered, candidate, geometry, ahead);
                 report.slot_problems = slot_problems;
                 report.lost_checkpoints = lost_checkpoints;
-                return Ok((candidate.clone(), (start, report)));
+                return Ok((candidate.clone(), (start, report, staged)));
             }
             Err(Error::CorruptImage(problem)) => {
                 let problem = format!("generation {}: {problem}", candidate.generation);
@@ -576,13 +592,12 @@ fn recover_newest(
     )))
 }
 
-/// What a state starts from after recovering from `root`.
-fn start_from(
-    recovered: Recovered,
-    root: &Root,
-    geometry: MediaGeometry,
-    ahead: Ahead,
-) -> (Start, OpenReport) {
+/// What recovery hands a volume: the state to start from, what happened,
+/// and the staged sectors it laid over the medium.
+type Opened = (Start, OpenReport, Vec<staging::Staged>);
+
+/// What a volume opens with after recovering from `root`.
+fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead: Ahead) -> Opened {
     let Recovered {
         roots,
         map,
@@ -591,6 +606,7 @@ fn start_from(
         next_version,
         counters,
         report,
+        staged,
     } = recovered;
     let space = Space::new(
         segments,
@@ -606,7 +622,7 @@ fn start_from(
         generation: root.generation,
         roots,
     };
-    (start, report)
+    (start, report, staged)
 }
 
 /// Segments by state, the utilisation histogram of sealed ones, and the
@@ -677,18 +693,19 @@ impl BlockDevice for Volume {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check_access(offset, buf.len() as u64, false)?;
+        self.note_host_io(false);
         self.read_bytes(offset, buf)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_access(offset, data.len() as u64, true)?;
-        self.note_host_write();
+        self.note_host_io(true);
         self.write_bytes(offset, data, fua)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
-        self.note_host_write();
+        self.note_host_io(true);
         let mode = if may_punch {
             io::Discard::ZeroPunch
         } else {
@@ -699,7 +716,7 @@ impl BlockDevice for Volume {
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
-        self.note_host_write();
+        self.note_host_io(true);
         self.discard(offset, len, io::Discard::Trim, fua)
     }
 

@@ -16,7 +16,7 @@
 //! The cold-data pass plans a victim differently ([`plan_recompress`]):
 //! every live block is decompressed, and runs of consecutive blocks, from
 //! whichever records they came, are compressed again with the cold codec
-//! in units of up to 64 KiB, each block keeping its
+//! in units of up to 32 KiB, each block keeping its
 //! version; units that pass wrote before are copied as they are.
 //!
 //! Planning, including any compression, happens outside the lock;

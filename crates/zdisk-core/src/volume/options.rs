@@ -58,7 +58,7 @@ pub struct OpenOptions {
     pub unit_blocks: Option<u8>,
     /// When the cold-data pass rewrites cold data with a stronger codec.
     pub recompress: Recompress,
-    /// How long without host writes, trims or zeroes makes the volume idle
+    /// How long without host requests makes the volume idle
     /// (for `Recompress::Idle` and idle-time compaction).
     pub idle_after: Duration,
     /// Run the cleaner and periodic checkpoints on a background thread.

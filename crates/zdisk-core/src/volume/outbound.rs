@@ -31,6 +31,9 @@ pub(crate) const OUTBOUND_LIMIT_BYTES: usize = 16 * 1024 * 1024;
 pub(crate) enum WriteKind {
     /// Programs whole pages.
     Pages,
+    /// Writes whole 512-byte sectors from a sector boundary, on a medium
+    /// with staging (`Media::write_sectors`).
+    Sectors,
     /// Hands a partial page to a medium with power-loss protection
     /// (`Media::stage_partial_page`), after the pages before it.
     Stage,

@@ -11,8 +11,14 @@
 //! replaying, so an older record replayed afterwards cannot resurrect a
 //! trimmed block.
 //!
+//! On a medium with staging, the last flushes may have left the partial
+//! last sector of an open segment only in a staging slot: before anything
+//! is read, those sectors are laid back over their segments (`staging.rs`
+//! decides which), and a writable recovery writes them back in place.
+//!
 //! A clean root (written by a clean shutdown) has nothing after it, so the
-//! log is not scanned at all.
+//! log is not scanned at all, nor are the staging slots: a clean shutdown
+//! pads instead of staging.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -32,6 +38,7 @@ use crate::stats::Counters;
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use super::scan::{scan_segment, Scanned};
+use super::staging::{lay_over, recover_staged, Staged};
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -57,6 +64,11 @@ pub struct OpenReport {
     /// Reserved segments erased because the crashed run may have left
     /// half-written records in them.
     pub leftover_segments_erased: u64,
+    /// Partial sectors whose flushed bytes were only in staging slots
+    /// (the crash lost or tore their write in place), laid back over their
+    /// segments, and written back in place unless the volume was opened
+    /// read-only.
+    pub staged_sectors: u64,
     #[serde(skip)]
     pub duration: Duration,
 }
@@ -77,6 +89,9 @@ pub(crate) struct Recovered {
     pub next_version: u64,
     pub counters: Counters,
     pub report: OpenReport,
+    /// The staged sectors laid over the segments, for a read-only volume
+    /// to read through (a writable one wrote them back).
+    pub staged: Vec<Staged>,
 }
 
 /// The full sequence number of a segment whose records carry `seq32`, if
@@ -119,6 +134,8 @@ struct Recovery<'a> {
     next_seq: u64,
     next_version: u64,
     ranges: Vec<ReplayedRange>,
+    /// Sectors found only in staging slots, read as if they were in place.
+    staged: Vec<Staged>,
     report: OpenReport,
 }
 
@@ -133,6 +150,13 @@ pub(crate) fn recover(
 ) -> Result<Recovered> {
     let mut recovery = Recovery::load(media, root, older, trust_clean)?;
     if !recovery.report.clean {
+        recovery.staged = recover_staged(
+            media,
+            &recovery.key,
+            &root.retained(),
+            &recovery.dump_segments,
+        )?;
+        recovery.report.staged_sectors = recovery.staged.len() as u64;
         let plan = recovery.plan()?;
         recovery.replay(plan)?;
     }
@@ -195,6 +219,7 @@ impl<'a> Recovery<'a> {
             next_seq: checkpoint.next_seq.max(checkpoint.seq_reserved),
             next_version: checkpoint.next_version.max(checkpoint.version_reserved),
             ranges: Vec::new(),
+            staged: Vec::new(),
             report: OpenReport {
                 clean: checkpoint.clean && trust_clean,
                 root_generation: root.generation,
@@ -203,11 +228,18 @@ impl<'a> Recovery<'a> {
         })
     }
 
+    /// Reads `buf.len()` bytes of `segment` from `offset`, staged sectors laid over.
+    fn read(&self, segment: SegmentId, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.media.read(segment, offset, buf)?;
+        lay_over(&self.staged, segment, offset, buf);
+        Ok(())
+    }
+
     /// The incarnation a segment's records carry, from its first record
     /// (or, if that is torn or damaged, the first valid one further in);
     /// `None` if it holds none.
     fn segment_seq(&self, segment: SegmentId, head: &mut [u8]) -> Result<Option<u32>> {
-        self.media.read(segment, 0, head)?;
+        self.read(segment, 0, head)?;
         match decode_record(head, &self.key, None) {
             Ok((header, _)) => Ok(Some(header.seg_seq)),
             // Never written, or erased.
@@ -215,7 +247,7 @@ impl<'a> Recovery<'a> {
             Err(_) => {
                 let segment_size = self.media.geometry().segment_size_bytes;
                 let mut bytes = vec![0u8; segment_size as usize];
-                self.media.read(segment, 0, &mut bytes)?;
+                self.read(segment, 0, &mut bytes)?;
                 Ok(first_record_seq(&bytes, &self.key))
             }
         }
@@ -271,7 +303,7 @@ impl<'a> Recovery<'a> {
             start_offset,
         } in plan
         {
-            self.media.read(segment, 0, &mut bytes)?;
+            self.read(segment, 0, &mut bytes)?;
             let scan = scan_segment(&bytes, start_offset, seq as u32, page_size, &self.key);
             for (offset, error) in &scan.damaged {
                 self.report.replay_damage.push(format!(
@@ -447,9 +479,10 @@ impl<'a> Recovery<'a> {
     }
 
     /// Segments the crashed run was allowed to allocate but that recovery
-    /// did not adopt may hold half-written leftovers: erases them, durably,
-    /// before anything else happens, so no later recovery can replay them.
-    fn erase_leftovers(&mut self) -> Result<()> {
+    /// did not adopt may hold half-written leftovers: erases them (the
+    /// caller syncs before anything else happens), so no later recovery can
+    /// replay them.
+    fn erase_leftovers(&mut self) -> Result<u64> {
         let segment_count = self.media.geometry().segment_count;
         let mut erased = 0;
         for &segment in &self.root.checkpoint.reserved_segments {
@@ -460,11 +493,31 @@ impl<'a> Recovery<'a> {
                 erased += 1;
             }
         }
-        if erased > 0 {
-            self.media.sync()?;
-        }
         self.report.leftover_segments_erased = erased;
-        Ok(())
+        Ok(erased)
+    }
+
+    /// Writes the staged sectors of the segments recovery adopted back in
+    /// place (the caller syncs), so that this run's flushes may reuse the
+    /// staging slots; returns how many differed from what was in place.
+    fn restore_staged(&self) -> Result<u64> {
+        let mut restored = 0;
+        let mut laid = vec![0u8; crate::media::SECTOR_BYTES];
+        let mut in_place = vec![0u8; crate::media::SECTOR_BYTES];
+        for staged in &self.staged {
+            if self.infos[staged.segment.index()].state == SegmentState::Free {
+                continue;
+            }
+            self.media
+                .read(staged.segment, staged.offset_bytes, &mut in_place)?;
+            self.read(staged.segment, staged.offset_bytes, &mut laid)?;
+            if laid != in_place {
+                self.media
+                    .restore_sectors(staged.segment, staged.offset_bytes, &laid)?;
+                restored += 1;
+            }
+        }
+        Ok(restored)
     }
 
     /// Settles every segment's state from the map and what replay kept.
@@ -500,7 +553,10 @@ impl<'a> Recovery<'a> {
             "recovered segments outgrow what was written, or numbering would repeat"
         );
         if writable && !self.report.clean {
-            self.erase_leftovers()?;
+            let written = self.erase_leftovers()? + self.restore_staged()?;
+            if written > 0 {
+                self.media.sync()?;
+            }
         }
         let mut segments = SegmentTable::from_infos(self.infos);
         self.map
@@ -513,6 +569,7 @@ impl<'a> Recovery<'a> {
             next_version: self.next_version,
             counters: self.counters,
             report: self.report,
+            staged: self.staged,
         })
     }
 }

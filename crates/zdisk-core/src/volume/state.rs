@@ -16,16 +16,19 @@
 //! and the GC stream (relocated records), each into its own open segment,
 //! so that data the cleaner has already proven cold does not mix with
 //! fresh writes. A stream buffers the tail of its segment in RAM. Whole
-//! pages go to the medium in batches; a barrier pads the last partial page
-//! with zeros and writes it too, so the medium only ever sees whole pages
-//! written in order (see `media/mod.rs`). Padding is counted, as a real
-//! SSD's would be.
+//! pages go to the medium in batches. A barrier makes the partial last page
+//! durable one of three ways (see `media/mod.rs`): on flash it pads the
+//! page with zeros and writes it, so the medium only ever sees whole pages
+//! written in order, and the padding is counted, as a real SSD's would be;
+//! with power-loss protection it hands the page to the drive; on a medium
+//! with staging (a file, a block device) it writes the complete sectors in
+//! place and stages the partial one (`staging.rs`).
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::map::{Location, Map, RangeState, Slot};
-use crate::media::{Media, MediaGeometry};
+use crate::media::{Media, MediaGeometry, SECTOR_BYTES};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
 use crate::record::{
     encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
@@ -36,6 +39,7 @@ use crate::units::{Lba, PageIndex, SegmentId};
 
 use super::outbound::{Outbound, PageWrite, WriteKind};
 use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
+use super::staging::{Staged, StagingSlots};
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +53,9 @@ pub(crate) enum StreamKind {
 pub(crate) struct Stream {
     pub segment: Option<SegmentId>,
     pub seq: u64,
-    /// Segment offset of `buf[0]`; always a page multiple.
+    /// Segment offset of `buf[0]`: a page multiple, or on a medium with
+    /// staging a sector multiple once a barrier wrote a partial page's
+    /// complete sectors.
     pub base_offset: u64,
     /// Bytes appended but not yet written to the medium.
     pub buf: Vec<u8>,
@@ -95,6 +101,8 @@ pub(crate) struct State {
     streams: [Stream; 2],
     /// Whole pages appended and not yet on the medium (see `outbound.rs`).
     outbound: Outbound,
+    /// Which staging slot each stream's next barrier writes.
+    staging: StagingSlots,
     counters: Counters,
     /// Generation of the newest root written.
     generation: u64,
@@ -104,7 +112,8 @@ pub(crate) struct State {
     /// Set after a failed medium write: the log may have a hole, so no more writes.
     failed: Option<String>,
     /// Set when `close` starts: no new host writes, so that none can land
-    /// after the clean checkpoint's snapshot.
+    /// after the clean checkpoint's snapshot, and barriers pad instead of
+    /// staging, since recovery reads no staging slot after a clean root.
     closing: bool,
 }
 
@@ -140,6 +149,7 @@ impl State {
             space: start.space,
             streams: [Stream::default(), Stream::default()],
             outbound: Outbound::default(),
+            staging: StagingSlots::default(),
             counters: start.counters,
             generation: start.generation,
             roots: start.roots,
@@ -694,22 +704,37 @@ impl State {
     /// the state lock is released: see `outbound.rs`), keeping the
     /// partial tail.
     fn write_whole_pages(&mut self, kind: StreamKind) -> Result<()> {
-        let page = self.page_size() as usize;
-        let stream = &mut self.streams[kind as usize];
-        let whole = stream.buf.len() / page * page;
-        if whole == 0 {
+        let page = self.page_size();
+        let stream = &self.streams[kind as usize];
+        let end = stream.write_offset() / page * page;
+        if end <= stream.base_offset {
             return Ok(());
         }
+        self.write_out(kind, (end - stream.base_offset) as usize)
+    }
+
+    /// Queues the first `len` buffered bytes of a stream for writing: whole
+    /// pages, or on a medium with staging, whole sectors from a sector
+    /// boundary.
+    fn write_out(&mut self, kind: StreamKind, len: usize) -> Result<()> {
+        let page = self.page_size();
+        let stream = &mut self.streams[kind as usize];
         let segment = stream.segment.expect("stream has an open segment");
-        let first_page = PageIndex((stream.base_offset / page as u64) as u32);
-        let tail = stream.buf[whole..].to_vec();
-        let mut pages = std::mem::replace(&mut stream.buf, tail);
-        pages.truncate(whole);
         let offset = stream.base_offset;
-        stream.base_offset += whole as u64;
-        self.outbound
-            .push(WriteKind::Pages, segment, first_page, offset, pages);
-        self.counters.media_write_bytes += whole as u64;
+        let tail = stream.buf[len..].to_vec();
+        let mut data = std::mem::replace(&mut stream.buf, tail);
+        data.truncate(len);
+        stream.base_offset += len as u64;
+        // Whole pages, or on a medium with staging, whole sectors from a
+        // sector boundary (after a barrier staged a partial page).
+        let kind = if offset.is_multiple_of(page) && (len as u64).is_multiple_of(page) {
+            WriteKind::Pages
+        } else {
+            WriteKind::Sectors
+        };
+        let first_page = PageIndex((offset / page) as u32);
+        self.outbound.push(kind, segment, first_page, offset, data);
+        self.counters.media_write_bytes += len as u64;
         Ok(())
     }
 
@@ -758,12 +783,12 @@ impl State {
     /// `segment_end`: the padding completes a segment's last page because
     /// the next record does not fit; it is counted apart from a flush's.
     fn pad_and_write(&mut self, kind: StreamKind, segment_end: bool) -> Result<()> {
-        let page = self.page_size() as usize;
+        let page = self.page_size();
         let stream = &mut self.streams[kind as usize];
         if stream.buf.is_empty() {
             return Ok(());
         }
-        let padded = stream.buf.len().div_ceil(page) * page;
+        let padded = (stream.write_offset().div_ceil(page) * page - stream.base_offset) as usize;
         let padding = (padded - stream.buf.len()) as u64;
         stream.buf.resize(padded, 0);
         if segment_end {
@@ -843,11 +868,51 @@ impl State {
         for kind in [StreamKind::Host, StreamKind::Gc] {
             if self.media.has_power_loss_protection() {
                 self.stage_tail(kind)?;
+            } else if self.media.has_staging() && !self.closing {
+                self.stage_sector(kind)?;
             } else {
                 self.pad_and_write(kind, false)?;
             }
         }
         Ok(self.space.note_barrier())
+    }
+
+    /// On a medium with staging: writes a stream's complete sectors in
+    /// place and the partial last one to a staging slot, unless the slot
+    /// last written for the stream holds it already. The sector stays in
+    /// the buffer and is written in place once complete (see `staging.rs`).
+    fn stage_sector(&mut self, kind: StreamKind) -> Result<()> {
+        let stream = &self.streams[kind as usize];
+        let Some(segment) = stream.segment else {
+            return Ok(());
+        };
+        let sector = SECTOR_BYTES as u64;
+        let complete = stream.write_offset() / sector * sector;
+        if complete > stream.base_offset {
+            self.write_out(kind, (complete - stream.base_offset) as usize)?;
+        }
+        let stream = &self.streams[kind as usize];
+        let (offset, len) = (stream.base_offset, stream.buf.len());
+        if len == 0 || self.staging.holds(kind as usize, segment, offset, len) {
+            return Ok(());
+        }
+        let staged = Staged {
+            segment,
+            seq: stream.seq,
+            offset_bytes: offset,
+            data: stream.buf.clone(),
+        };
+        let bytes = staged.encode(&self.key);
+        let slot = self.staging.slot_for(kind as usize);
+        if let Err(error) = self.media.write_staging(slot, &bytes) {
+            return self.fail(error);
+        }
+        // Durable once a sync covers the barrier being issued.
+        let gen = self.space.barrier_gen() + 1;
+        self.staging.note_written(slot, gen, &staged);
+        self.counters.staging_bytes += bytes.len() as u64;
+        self.counters.media_write_bytes += bytes.len() as u64;
+        Ok(())
     }
 
     /// With power-loss protection: writes a stream's whole pages and hands
@@ -870,9 +935,11 @@ impl State {
         Ok(())
     }
 
-    /// Frees reclaimable segments once barrier `gen` is durable.
+    /// Frees reclaimable segments once barrier `gen` is durable; the
+    /// staging it covers is then kept from the next barriers.
     pub(crate) fn note_synced(&mut self, gen: u64) {
         self.space.note_synced(gen);
+        self.staging.note_synced(gen);
     }
 
     /// A cleaned victim (see `Space::retire`).
