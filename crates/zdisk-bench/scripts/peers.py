@@ -9,20 +9,24 @@ For each it measures, best of --rounds rounds:
 - 4 KiB random read MB/s: fio's nbd engine, QD16 x 2 jobs (btrfs: fio psync
   on the file, 2 jobs, after dropping the page cache: not the same client,
   so shown for information only);
-- 1 MiB sequential read MB/s: nbdcopy of the whole export to null:;
+- 1 MiB sequential read MB/s: fio's nbd engine, QD8 x 2 jobs, each job
+  reading its half of the corpus three times;
 - stored bytes and ratio: zdisk's stored_bytes and compression_ratio,
   btrfs's disk usage from compsize;
 - server CPU: cores the server used on average during the write;
 - for zdisk, after the reads: the idle pass (the cold-data recompression
-  that starts after 5 s without requests) is left to finish (up to
-  --idle-limit seconds), and stored bytes, ratio and 4 KiB random reads
-  are measured again.
+  that starts after 5 s without requests, on data not read for 60 s) is
+  left to finish (up to --idle-limit seconds), and stored bytes, ratio
+  and both reads are measured again: what reading cold data back costs.
 Ratios are against nbdkit memory and against btrfs from the same run.
 A codec may name a unit size: lz4@16K creates the image with --unit-max 16K.
+--before BIN adds rows for an older zdisk binary (plain codecs, no idle
+pass), so that a change's before and after come from one run.
 
 Needs root (loop mount), nbdkit, nbdcopy, fio, btrfs-progs, btrfs-compsize.
 Usage: peers.py --zdisk BIN [--dir /dev/shm/peers] [--corpus-mib 512]
        [--codecs lz4,zstd,zstd@8K] [--rounds 2] [--idle-limit 240] [--json FILE] [--skip-btrfs]
+       [--before OLD_BIN [--before-codecs lz4,zstd]]
 """
 
 import argparse
@@ -54,17 +58,29 @@ def wait_socket(path, proc):
         time.sleep(0.05)
 
 
+def fio_read_mb_s(args):
+    out = run(["fio", "--numjobs=2", "--group_reporting", "--output-format=json"] + args).stdout
+    # fio's nbd engine prints a line before its JSON.
+    result = json.loads(out[out.index("{"):])
+    return result["jobs"][0]["read"]["bw_bytes"] / 1e6
+
+
 def fio_randread(uri=None, filename=None, size=None):
-    args = ["fio", "--name=rr", "--rw=randread", "--bs=4k", "--numjobs=2",
-            "--group_reporting", "--time_based", "--runtime=8", "--output-format=json"]
+    args = ["--name=rr", "--rw=randread", "--bs=4k", "--time_based", "--runtime=8"]
     if uri:
         args += ["--ioengine=nbd", f"--uri={uri}", "--iodepth=16", f"--size={size}"]
     else:
         args += ["--ioengine=psync", f"--filename={filename}", "--iodepth=1"]
-    out = run(args).stdout
-    # fio's nbd engine prints a line before its JSON.
-    result = json.loads(out[out.index("{"):])
-    return result["jobs"][0]["read"]["bw_bytes"] / 1e6
+    return fio_read_mb_s(args)
+
+
+def fio_seqread(uri, size):
+    """1 MiB sequential reads, QD8 x 2 jobs, each job reading its half
+    three times."""
+    half = size // 2
+    return fio_read_mb_s(["--name=sr", "--rw=read", "--bs=1M", "--ioengine=nbd", f"--uri={uri}",
+                          "--iodepth=8", f"--size={half}", f"--offset_increment={half}",
+                          "--loops=3"])
 
 
 class Export:
@@ -83,11 +99,10 @@ class Export:
         run(["nbdcopy", corpus, self.uri])
         t1 = time.time()
         cores = (cpu_seconds(self.proc.pid) - cpu0) / (t1 - t0)
-        run(["nbdcopy", self.uri, "null:"])
-        t2 = time.time()
+        seqread = fio_seqread(self.uri, corpus_bytes)
         randread = fio_randread(uri=self.uri, size=corpus_bytes)
         return {"write_mb_s": corpus_bytes / (t1 - t0) / 1e6,
-                "seq_read_mb_s": export_bytes / (t2 - t1) / 1e6,
+                "seq_read_mb_s": seqread,
                 "randread_4k_mb_s": randread, "server_cores": cores}
 
     def stop(self):
@@ -112,9 +127,10 @@ def served_stats():
         return json.load(reply)
 
 
-def zdisk_round(zdisk, work, spec, corpus, corpus_bytes, export_bytes, idle_limit):
+def zdisk_round(zdisk, work, spec, corpus, corpus_bytes, export_bytes, idle_limit, before=False):
     codec, _, unit = spec.partition("@")
-    image = os.path.join(work, f"zdisk-{spec.replace(':', '-').replace('@', '-')}.zdisk")
+    name = f"zdisk-{'before-' if before else ''}{spec.replace(':', '-').replace('@', '-')}"
+    image = os.path.join(work, f"{name}.zdisk")
     sock = os.path.join(work, "zdisk.sock")
     for path in (image, sock):
         if os.path.exists(path):
@@ -128,6 +144,8 @@ def zdisk_round(zdisk, work, spec, corpus, corpus_bytes, export_bytes, idle_limi
         result = server.measure(corpus, corpus_bytes, export_bytes)
         stats = served_stats()
         result.update(stored_bytes=stats["stored_bytes"], ratio=stats["compression_ratio"])
+        if before:
+            return result  # an older zdisk: no idle pass to wait for
         # The idle pass: wait until what it rewrote stops changing.
         t0 = time.time()
         last = None
@@ -141,7 +159,8 @@ def zdisk_round(zdisk, work, spec, corpus, corpus_bytes, export_bytes, idle_limi
         result.update(idle_seconds=time.time() - t0,
                       stored_idle_bytes=stats["stored_bytes"],
                       ratio_idle=stats["compression_ratio"],
-                      randread_4k_idle_mb_s=fio_randread(uri=server.uri, size=corpus_bytes))
+                      randread_4k_idle_mb_s=fio_randread(uri=server.uri, size=corpus_bytes),
+                      seq_read_idle_mb_s=fio_seqread(server.uri, corpus_bytes))
     finally:
         server.stop()
     os.remove(image)
@@ -188,10 +207,20 @@ def btrfs_round(work, corpus, corpus_bytes):
         os.remove(loop_file)
 
 
+def print_table(header, body):
+    table = [header] + body
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for index, r in enumerate(table):
+        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if index == 0:
+            print("  " + "-" * (sum(widths) + 2 * (len(widths) - 1)))
+
+
 def best(rounds):
     """Best of the rounds: highest speeds; sizes are the same each round."""
     out = dict(rounds[0])
-    for key in ("write_mb_s", "seq_read_mb_s", "randread_4k_mb_s", "randread_4k_idle_mb_s"):
+    for key in ("write_mb_s", "seq_read_mb_s", "randread_4k_mb_s", "randread_4k_idle_mb_s",
+                "seq_read_idle_mb_s"):
         if key not in out:
             continue
         out[key] = max(r[key] for r in rounds)
@@ -209,6 +238,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--idle-limit", type=float, default=240,
                         help="seconds to wait for zdisk's idle pass to finish")
+    parser.add_argument("--before", metavar="BIN",
+                        help="an older zdisk to measure in the same run (no idle pass)")
+    parser.add_argument("--before-codecs", default="lz4,zstd")
     parser.add_argument("--json")
     parser.add_argument("--skip-btrfs", action="store_true")
     args = parser.parse_args()
@@ -242,6 +274,9 @@ def main():
     for codec in args.codecs.split(","):
         plan.append((f"zdisk {codec}", lambda c=codec: zdisk_round(
             args.zdisk, args.dir, c, corpus, corpus_bytes, export_bytes, args.idle_limit)))
+    for codec in (args.before_codecs.split(",") if args.before else []):
+        plan.append((f"before: zdisk {codec}", lambda c=codec: zdisk_round(
+            args.before, args.dir, c, corpus, corpus_bytes, export_bytes, 0, before=True)))
     if not args.skip_btrfs:
         plan.append(("btrfs compress-force=zstd:1", lambda: btrfs_round(args.dir, corpus, corpus_bytes)))
     results = {name: [] for name, _ in plan}
@@ -256,32 +291,39 @@ def main():
 
     base = rows["nbdkit memory"]
     btrfs = rows.get("btrfs compress-force=zstd:1")
-    header = ["", "write MB/s", "x nbdkit", "x btrfs", "4K rand read MB/s", "x nbdkit",
-              "1M seq read MB/s", "x nbdkit", "stored MiB", "ratio", "server cores",
-              "after idle: stored MiB", "ratio", "4K rand read MB/s", "x nbdkit"]
-    table = [header]
-    for name, row in rows.items():
-        def ratio(key, against):
-            if against is None or not against.get(key) or not row.get(key):
-                return "-"
-            return f"{row[key] / against[key]:.2f}"
-        table.append([
-            name, f"{row['write_mb_s']:.0f}", ratio("write_mb_s", base), ratio("write_mb_s", btrfs),
-            f"{row['randread_4k_mb_s']:.0f}", ratio("randread_4k_mb_s", base),
-            f"{row['seq_read_mb_s']:.0f}", ratio("seq_read_mb_s", base),
-            f"{row['stored_bytes'] / (1 << 20):.0f}" if row.get("stored_bytes") else "-",
-            f"{row['ratio']:.2f}" if row.get("ratio") else "-",
-            f"{row['server_cores']:.2f}" if row.get("server_cores") is not None else "-",
-            f"{row['stored_idle_bytes'] / (1 << 20):.0f}" if row.get("stored_idle_bytes") else "-",
-            f"{row['ratio_idle']:.2f}" if row.get("ratio_idle") else "-",
-            f"{row['randread_4k_idle_mb_s']:.0f}" if row.get("randread_4k_idle_mb_s") else "-",
-            ratio("randread_4k_idle_mb_s", {"randread_4k_idle_mb_s": base["randread_4k_mb_s"]}),
-        ])
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for index, r in enumerate(table):
-        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if index == 0:
-            print("  " + "-" * (sum(widths) + 2 * (len(widths) - 1)))
+    def ratio(row, key, against, against_key=None):
+        value, reference = row.get(key), (against or {}).get(against_key or key)
+        return f"{value / reference:.2f}" if value and reference else "-"
+
+    def mib(value):
+        return f"{value / (1 << 20):.0f}" if value else "-"
+
+    print("fresh: right after the copy")
+    print_table(
+        ["", "write MB/s", "x nbdkit", "x btrfs", "4K rand read MB/s", "x nbdkit",
+         "1M seq read MB/s", "x nbdkit", "stored MiB", "x btrfs", "ratio", "server cores"],
+        [[name, f"{row['write_mb_s']:.0f}", ratio(row, "write_mb_s", base),
+          ratio(row, "write_mb_s", btrfs),
+          f"{row['randread_4k_mb_s']:.0f}", ratio(row, "randread_4k_mb_s", base),
+          f"{row['seq_read_mb_s']:.0f}", ratio(row, "seq_read_mb_s", base),
+          mib(row.get("stored_bytes")), ratio(row, "stored_bytes", btrfs),
+          f"{row['ratio']:.2f}" if row.get("ratio") else "-",
+          f"{row['server_cores']:.2f}" if row.get("server_cores") is not None else "-"]
+         for name, row in rows.items()])
+    idle_rows = [(name, row) for name, row in rows.items() if "stored_idle_bytes" in row]
+    if idle_rows:
+        print("after the idle pass (zdisk only; reads against fresh nbdkit memory)")
+        print_table(
+            ["", "idle s", "stored MiB", "x btrfs", "ratio", "4K rand read MB/s", "x nbdkit",
+             "1M seq read MB/s", "x nbdkit"],
+            [[name, f"{row['idle_seconds']:.0f}", mib(row["stored_idle_bytes"]),
+              ratio(row, "stored_idle_bytes", btrfs, "stored_bytes"),
+              f"{row['ratio_idle']:.2f}" if row.get("ratio_idle") else "-",
+              f"{row['randread_4k_idle_mb_s']:.0f}",
+              ratio(row, "randread_4k_idle_mb_s", base, "randread_4k_mb_s"),
+              f"{row['seq_read_idle_mb_s']:.0f}",
+              ratio(row, "seq_read_idle_mb_s", base, "seq_read_mb_s")]
+             for name, row in idle_rows])
     print("btrfs reads go through the kernel (fio psync on the file, page cache dropped), "
           "not through NBD: compare them with care.")
     if args.json:

@@ -216,7 +216,7 @@ impl Drive for ImageDrive {
             logical_size_bytes: options.logical_bytes.unwrap_or(self.logical_bytes),
             codec: options.codec.unwrap_or(self.codec),
             gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
-            unit_blocks: zdisk_core::meta::DEFAULT_UNIT_BLOCKS,
+            unit_blocks: zdisk_core::meta::default_unit_blocks(options.codec.unwrap_or(self.codec)),
             media_kind: MediaKind::File,
             media_params: Vec::new(),
         };

@@ -64,12 +64,23 @@ pub struct Settings {
     pub codec: Codec,
     pub gc_policy: GcPolicy,
     /// Most blocks a write compresses together as one unit (1: every block
-    /// alone). Format 1 roots have none: they read as the default.
+    /// alone). Format 1 roots have none: they read as the codec's default.
     pub unit_blocks: u8,
 }
 
-/// Blocks per compression unit unless a volume says otherwise (32 KiB).
-pub const DEFAULT_UNIT_BLOCKS: u8 = 8;
+/// Blocks per compression unit for a new volume whose creator did not
+/// choose: 8 KiB for LZ4, 32 KiB for zstd and DEFLATE, 4 KiB for none.
+/// Measured on the /usr tar (README, "Performance"): LZ4 in 8 KiB units
+/// serves 4 KiB random reads at 0.89x nbdkit memory against 0.51x in 32
+/// KiB units, for 7% more stored bytes; zstd needs 32 KiB units to store
+/// less than btrfs, whose zstd compresses up to 128 KiB at a time.
+pub fn default_unit_blocks(codec: Codec) -> u8 {
+    match codec {
+        Codec::None => 1,
+        Codec::Lz4 => 2,
+        Codec::Zstd { .. } | Codec::Deflate { .. } => 8,
+    }
+}
 
 /// Where an open segment's records stood when a checkpoint was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,7 +305,7 @@ impl Root {
             }
             blocks
         } else {
-            DEFAULT_UNIT_BLOCKS
+            default_unit_blocks(codec)
         };
 
         let clean = input.u8()? != 0;

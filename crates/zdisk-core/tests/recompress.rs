@@ -263,3 +263,60 @@ fn recompress_gc_rewrites_cold_victims_and_off_leaves_them() {
     assert_reads(&volume, &model, "after cleaning without recompression");
     volume.halt();
 }
+
+/// A clock the test moves by hand.
+#[derive(Debug, Default)]
+struct HandClock {
+    nanos: std::sync::atomic::AtomicU64,
+}
+
+impl HandClock {
+    fn advance(&self, by: std::time::Duration) {
+        self.nanos
+            .fetch_add(by.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl zdisk_core::Clock for HandClock {
+    fn unix_secs(&self) -> u64 {
+        1_700_000_000
+    }
+
+    fn monotonic(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.nanos.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+#[test]
+fn data_being_read_is_not_cold() {
+    let clock = Arc::new(HandClock::default());
+    let media = media();
+    let options = OpenOptions {
+        clock: clock.clone(),
+        ..options(Recompress::Idle)
+    };
+    let warm_for = options.read_warm_for;
+    let volume = create(&media, options);
+    let model = fill(&volume, 11);
+    assert_reads(&volume, &model, "before the idle pass");
+    idle_until_done(&volume);
+    assert_eq!(
+        volume.stats().recompressed_bytes,
+        0,
+        "the pass recompressed data read a moment ago"
+    );
+    assert_reads(&volume, &model, "after compaction alone");
+    clock.advance(warm_for + std::time::Duration::from_secs(1));
+    assert!(
+        idle_until_done(&volume) > 0,
+        "nothing was done once reads stopped"
+    );
+    let after = volume.stats();
+    assert!(
+        after.recompressed_bytes >= after.mapped_bytes / 2,
+        "only {} of {} bytes recompressed once the data went cold",
+        after.recompressed_bytes,
+        after.mapped_bytes
+    );
+    assert_reads(&volume, &model, "after recompression");
+}

@@ -29,6 +29,7 @@
 //! `server` starts threads.
 
 mod budget;
+mod buffers;
 #[cfg(any(test, feature = "testing"))]
 mod fuzz;
 mod handshake;

@@ -7,6 +7,7 @@
 
 use zdisk_core::{Error, ExtentState};
 
+use crate::buffers::Buffers;
 use crate::request::{Command, Session};
 use crate::session::ConnLog;
 use crate::wire::*;
@@ -56,6 +57,7 @@ fn ok_reply(cookie: u64) -> Vec<u8> {
 pub(crate) fn execute(
     session: &Session,
     log: &ConnLog,
+    buffers: &Buffers,
     cookie: u64,
     command: Command,
     payload: &[u8],
@@ -63,7 +65,7 @@ pub(crate) fn execute(
     let device = &*session.device;
     let result = match command {
         Command::Read { offset, length } => {
-            return read_reply(session, log, cookie, offset, length)
+            return read_reply(session, log, buffers, cookie, offset, length)
         }
         Command::BlockStatus {
             offset,
@@ -107,7 +109,14 @@ fn device_error_reply(
     error_reply(session, cookie, errno_for(error), &error.to_string())
 }
 
-fn read_reply(session: &Session, log: &ConnLog, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
+fn read_reply(
+    session: &Session,
+    log: &ConnLog,
+    buffers: &Buffers,
+    cookie: u64,
+    offset: u64,
+    length: u32,
+) -> Vec<u8> {
     let header_bytes = if session.structured_replies {
         CHUNK_HEADER_BYTES + 8
     } else {
@@ -124,14 +133,16 @@ fn read_reply(session: &Session, log: &ConnLog, cookie: u64, offset: u64, length
         return out;
     }
     // Header and data share one buffer so the reply is a single write.
-    let mut out = Vec::with_capacity(header_bytes + length as usize);
+    let mut header = Vec::with_capacity(header_bytes);
     if session.structured_replies {
-        put_offset_data_header(&mut out, cookie, offset, length);
+        put_offset_data_header(&mut header, cookie, offset, length);
     } else {
-        put_simple_reply(&mut out, 0, cookie);
+        put_simple_reply(&mut header, 0, cookie);
     }
-    debug_assert_eq!(out.len(), header_bytes);
-    out.resize(header_bytes + length as usize, 0);
+    debug_assert_eq!(header.len(), header_bytes);
+    let mut out = buffers.take(header_bytes + length as usize);
+    out[..header_bytes].copy_from_slice(&header);
+    // The device fills all of it or fails (then the reply is replaced).
     match session.device.read(offset, &mut out[header_bytes..]) {
         Ok(()) => out,
         Err(error) => device_error_reply(

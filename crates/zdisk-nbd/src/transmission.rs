@@ -34,9 +34,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::budget::{InFlight, InFlightLimits, MemoryBudget};
+use crate::buffers::Buffers;
 use crate::reply::{error_reply, execute};
 use crate::request::{validate, Command, Session};
-use crate::session::{discard, read_message, read_vec, ConnLog, SessionEnd};
+use crate::session::{discard, read_message, ConnLog, SessionEnd};
 use crate::wire::*;
 
 /// Rejected requests logged per connection before the log goes quiet about
@@ -121,6 +122,8 @@ pub(crate) struct Connection {
     /// Called once when sending fails, to wake the reader (shuts the socket).
     on_send_failure: Box<dyn Fn() + Send + Sync>,
     in_flight: InFlight,
+    /// Large buffers kept for the next read reply or write payload.
+    buffers: Buffers,
     requests: AtomicU64,
     rejections: AtomicU64,
 }
@@ -141,6 +144,7 @@ impl Connection {
             send_failure: Mutex::new(None),
             on_send_failure,
             in_flight: InFlight::new(limits, server_budget),
+            buffers: Buffers::default(),
             requests: AtomicU64::new(0),
             rejections: AtomicU64::new(0),
         }
@@ -197,7 +201,10 @@ impl Connection {
         let mut state = lock(&outbox.queue);
         state.busy = false;
         match sent {
-            Ok(sent) if sent == reply.len() => drop(permit),
+            Ok(sent) if sent == reply.len() => {
+                drop(permit);
+                self.buffers.give(reply);
+            }
             Ok(sent) => state.replies.push_front((reply, sent, permit)),
             Err(error) => {
                 drop(state);
@@ -251,6 +258,7 @@ impl Connection {
             }
             lock(&outbox.queue).busy = false;
             drop(permit);
+            self.buffers.give(reply);
         }
     }
 
@@ -306,12 +314,13 @@ impl Permit {
             execute(
                 &connection.session,
                 &connection.log,
+                &connection.buffers,
                 cookie,
                 command,
                 &payload,
             )
         }));
-        drop(payload);
+        connection.buffers.give(payload);
         let reply = outcome.unwrap_or_else(|_| {
             // A panic below us is a bug in the device; answer the client
             // rather than leave it waiting for this cookie forever.
@@ -404,7 +413,11 @@ fn handle_request<R: Read + ?Sized>(
     match validated {
         Ok(command) => {
             let payload = match command {
-                Command::Write { length, .. } => read_vec(reader, length as usize)?,
+                Command::Write { length, .. } => {
+                    let mut payload = connection.buffers.take(length as usize);
+                    reader.read_exact(&mut payload)?;
+                    payload
+                }
                 _ => Vec::new(),
             };
             let cookie = header.cookie;

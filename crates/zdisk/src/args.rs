@@ -87,7 +87,8 @@ pub struct CreateArgs {
     #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
     pub gc_policy: GcPolicy,
     /// Compress up to this much of a write's consecutive blocks together
-    /// (4K: every block alone; default 32K; at most 128K).
+    /// (4K: every block alone; default 8K with lz4, 32K with zstd or deflate;
+    /// at most 128K).
     #[arg(long, value_parser = unit_arg)]
     pub unit_max: Option<u8>,
     /// Overwrite an existing image file.

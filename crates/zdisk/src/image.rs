@@ -196,8 +196,9 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
             &args.layout,
             args.codec.unwrap_or_default(),
             args.gc_policy,
-            args.unit_max
-                .unwrap_or(zdisk_core::meta::DEFAULT_UNIT_BLOCKS),
+            args.unit_max.unwrap_or_else(|| {
+                zdisk_core::meta::default_unit_blocks(args.codec.unwrap_or_default())
+            }),
             args.force,
             options,
         )?,

@@ -182,7 +182,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         let policy = args.gc_policy.unwrap_or_default();
         let units = args
             .unit_max
-            .unwrap_or(zdisk_core::meta::DEFAULT_UNIT_BLOCKS);
+            .unwrap_or_else(|| zdisk_core::meta::default_unit_blocks(codec));
         let volume = image::create(&args.image, &layout, codec, policy, units, false, options)?;
         log::info!(
             "{} did not exist; created it with defaults (logical {}, physical {} sparse file, codec {codec})",

@@ -175,8 +175,9 @@ enum IdleChoice {
 
 /// The idle pass's next move: the emptiest sealed segment if at most half
 /// of it lives, else the one with the oldest data not yet rewritten by
-/// the cold-data pass (at most half of its live bytes are).
-fn idle_choice(state: &State) -> IdleChoice {
+/// the cold-data pass (at most half of its live bytes are) and not read
+/// lately (`read_recently`).
+fn idle_choice(state: &State, read_recently: &dyn Fn(SegmentId) -> bool) -> IdleChoice {
     let half = state.segment_size_bytes() / 2;
     let sealed = || {
         state
@@ -190,6 +191,7 @@ fn idle_choice(state: &State) -> IdleChoice {
         .min_by_key(|(_, info)| info.live_bytes);
     let oldest_warm = sealed()
         .filter(|(_, info)| info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2)
+        .filter(|(segment, _)| !read_recently(*segment))
         .min_by_key(|(_, info)| info.max_version);
     match emptiest.or(oldest_warm) {
         Some((segment, info)) if info.holds_ranges && state.needed_by_recovery(segment) => {
@@ -313,7 +315,7 @@ impl Volume {
         let choice = {
             let state = self.lock();
             state.check_writable()?;
-            idle_choice(&state)
+            idle_choice(&state, &|segment| self.read_recently(segment))
         };
         match choice {
             IdleChoice::Victim(segment) => {
@@ -322,9 +324,22 @@ impl Volume {
                 };
                 let mut victim = victim_of(&state, segment);
                 drop(state);
-                victim.recompress = true;
+                // Compacting a segment being read keeps its codec: data
+                // being read is not cold, and stays warm where it goes
+                // (the GC stream's segment before and after the move:
+                // half a segment fits in two).
+                let warm = self.read_recently(segment);
+                victim.recompress = !warm;
                 self.idle_checkpoints.store(0, Ordering::Relaxed);
-                self.clean_victim(&victim)
+                let gc_segment = || self.lock().streams()[StreamKind::Gc as usize].segment;
+                let target_before = gc_segment();
+                let cleaned = self.clean_victim(&victim);
+                if warm {
+                    for target in [target_before, gc_segment()].into_iter().flatten() {
+                        self.note_segment_read(target);
+                    }
+                }
+                cleaned
             }
             IdleChoice::CheckpointFirst => {
                 if self.idle_checkpoints.fetch_add(1, Ordering::Relaxed) >= 2 {

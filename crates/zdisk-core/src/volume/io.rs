@@ -211,6 +211,13 @@ impl Volume {
     /// again at any block that failed (the cleaner may have moved it).
     pub(crate) fn read_blocks(&self, first: Lba, out: &mut [u8]) -> Result<()> {
         let Lookup { wanted, buffered } = self.look_up(first, out)?;
+        let mut last_segment = None;
+        for wanted in &wanted {
+            if last_segment != Some(wanted.loc.segment) {
+                last_segment = Some(wanted.loc.segment);
+                self.note_segment_read(wanted.loc.segment);
+            }
+        }
         let mut failed: Vec<(usize, Error)> = Vec::new();
         for (bytes, members) in &buffered {
             decode_into(&self.record_key, first, bytes, members, out, &mut failed);
@@ -287,10 +294,16 @@ impl Volume {
         out: &mut [u8],
     ) -> Vec<(usize, Error)> {
         let media_read: u64 = runs.iter().map(|run| run.span_bytes).sum();
-        let mut scratch = vec![0u8; media_read as usize];
+        // The worker's buffer from its earlier reads: zeroing a fresh one
+        // for every request showed as 8% of a sequential read's profile.
+        let mut buffer = READ_SCRATCH.with(|kept| kept.take());
+        if buffer.len() < media_read as usize {
+            buffer.resize(media_read as usize, 0);
+        }
+        let scratch = &mut buffer[..media_read as usize];
         let results = {
             let mut ranges = Vec::with_capacity(runs.len());
-            let mut rest = scratch.as_mut_slice();
+            let mut rest = &mut *scratch;
             for run in runs {
                 let (buf, tail) = std::mem::take(&mut rest).split_at_mut(run.span_bytes as usize);
                 rest = tail;
@@ -328,6 +341,9 @@ impl Volume {
                 }
             }
             base += run.span_bytes as usize;
+        }
+        if buffer.len() <= READ_SCRATCH_KEPT_BYTES {
+            READ_SCRATCH.with(|kept| kept.replace(buffer));
         }
         self.lock().tally(Tally::MediaRead(media_read));
         failed
@@ -719,7 +735,13 @@ pub(crate) fn decode_block(
     decompress_block(codec, payload, out).map_err(damaged)
 }
 
+/// The largest read buffer a thread keeps for its next request.
+const READ_SCRATCH_KEPT_BYTES: usize = 4 << 20;
+
 thread_local! {
+    /// Where a thread reads records from the medium (up to
+    /// `READ_SCRATCH_KEPT_BYTES` kept between requests).
+    static READ_SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
     /// Where a unit is decompressed when only some of its blocks are wanted.
     static UNIT_SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }

@@ -50,7 +50,7 @@ use crate::meta::{read_roots, MediaKind, RetainedRoot, Root, Settings, Superbloc
 use crate::record::RecordKey;
 use crate::segments::SegmentState;
 use crate::stats::{Counters, SegmentCounts, Stats};
-use crate::units::{Lba, BLOCK_SIZE_U64};
+use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use recovery::Recovered;
 use roots::{build_root, RootContents};
@@ -87,6 +87,11 @@ pub struct Volume {
     last_host_io_nanos: AtomicU64,
     /// Checkpoints the idle pass wrote since it last rewrote a segment.
     idle_checkpoints: AtomicU32,
+    /// Per segment: when a host read last needed one of its records, in
+    /// whole seconds of `options.clock.monotonic()` plus one (0: not
+    /// since the volume opened). Not persisted: after a restart all data
+    /// counts as unread.
+    segment_read_secs: Vec<AtomicU32>,
     gc_low_free_segments: u64,
     gc_high_free_segments: u64,
     /// Whether a large write may spread its compression over idle cores.
@@ -286,6 +291,9 @@ impl Volume {
             open_report: Mutex::new(OpenReport::default()),
             gc_active: AtomicBool::new(false),
             idle_checkpoints: AtomicU32::new(0),
+            segment_read_secs: (0..geometry.segment_count)
+                .map(|_| AtomicU32::new(0))
+                .collect(),
             last_host_io_nanos: AtomicU64::new(options.clock.monotonic().as_nanos() as u64),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
@@ -418,6 +426,31 @@ impl Volume {
         }
         let now = self.options.clock.monotonic().as_nanos() as u64;
         self.last_host_io_nanos.store(now, Ordering::Relaxed);
+    }
+
+    fn clock_secs(&self) -> u32 {
+        u32::try_from(self.options.clock.monotonic().as_secs())
+            .unwrap_or(u32::MAX - 1)
+            .saturating_add(1)
+    }
+
+    /// A host read needed a record in `segment`.
+    fn note_segment_read(&self, segment: SegmentId) {
+        if let Some(mark) = self.segment_read_secs.get(segment.0 as usize) {
+            mark.store(self.clock_secs(), Ordering::Relaxed);
+        }
+    }
+
+    /// A host read needed a record in `segment` within
+    /// `options.read_warm_for`.
+    fn read_recently(&self, segment: SegmentId) -> bool {
+        let mark = self
+            .segment_read_secs
+            .get(segment.0 as usize)
+            .map_or(0, |mark| mark.load(Ordering::Relaxed));
+        mark != 0
+            && u64::from(self.clock_secs().saturating_sub(mark))
+                < self.options.read_warm_for.as_secs().max(1)
     }
 
     /// No host request (reads included: data being read is not cold, and

@@ -38,7 +38,7 @@ impl CreateOptions {
             logical_size_bytes,
             codec: Codec::default(),
             gc_policy: GcPolicy::default(),
-            unit_blocks: crate::meta::DEFAULT_UNIT_BLOCKS,
+            unit_blocks: crate::meta::default_unit_blocks(Codec::default()),
             media_kind: MediaKind::File,
             media_params: Vec::new(),
         }
@@ -61,6 +61,9 @@ pub struct OpenOptions {
     /// How long without host requests makes the volume idle
     /// (for `Recompress::Idle` and idle-time compaction).
     pub idle_after: Duration,
+    /// Data read within this long is not cold: the cold-data pass leaves
+    /// its segment's codec alone (it may still compact it).
+    pub read_warm_for: Duration,
     /// Run the cleaner and periodic checkpoints on a background thread.
     pub background: bool,
     /// Log bytes written between periodic checkpoints.
@@ -100,6 +103,7 @@ impl Default for OpenOptions {
             unit_blocks: None,
             recompress: Recompress::Idle,
             idle_after: Duration::from_secs(5),
+            read_warm_for: Duration::from_secs(60),
             background: true,
             checkpoint_interval_bytes: 1 << 30,
             write_batch_bytes: 128 * 1024,

@@ -9,6 +9,8 @@
 #   space.py verify-known URI BLOCKS BAD - read every block: those listed in
 #       the comma-separated BAD list must fail with EIO, every other block
 #       must hold its pattern.
+#   space.py verify-known-or-zero URI BLOCKS BAD - the same, but a block may
+#       also read as zeros (its write was lost, never replaced by garbage).
 import errno
 import hashlib
 import os
@@ -101,15 +103,18 @@ def write_known(uri, blocks):
     print(f"wrote {blocks} known blocks")
 
 
-def verify_known(uri, blocks, bad):
+def verify_known(uri, blocks, bad, zero_ok=False):
     h = connect(uri)
     failures = []
     eio = 0
+    zeros = 0
     for lba in range(blocks):
         try:
             data = h.pread(BLOCK, lba * BLOCK)
             if lba in bad:
                 failures.append(f"block {lba} is listed as damaged but read back")
+            elif zero_ok and data == bytes(BLOCK):
+                zeros += 1
             elif data != pattern(lba):
                 failures.append(f"block {lba} returned wrong data")
         except nbd.Error as e:
@@ -122,7 +127,8 @@ def verify_known(uri, blocks, bad):
     if failures:
         print("\n".join(failures[:20]), file=sys.stderr)
         sys.exit(1)
-    print(f"{blocks - eio} blocks intact, {eio} damaged blocks read as EIO")
+    print(f"{blocks - eio - zeros} blocks intact, {zeros} read as never written, "
+          f"{eio} damaged blocks read as EIO")
 
 
 if __name__ == "__main__":
@@ -134,3 +140,6 @@ if __name__ == "__main__":
     elif mode == "verify-known":
         bad = {int(x) for x in sys.argv[4].split(",") if x}
         verify_known(uri, int(sys.argv[3]), bad)
+    elif mode == "verify-known-or-zero":
+        bad = {int(x) for x in sys.argv[4].split(",") if x}
+        verify_known(uri, int(sys.argv[3]), bad, zero_ok=True)
