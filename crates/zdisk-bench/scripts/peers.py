@@ -265,6 +265,14 @@ def main():
                 remaining -= len(chunk)
             tar.kill()
             tar.wait()
+    elif os.path.dirname(os.path.abspath(corpus)) != os.path.abspath(args.dir):
+        # On tmpfs with the rest: a corpus in the page cache of a disk
+        # file can be evicted while a peer sits idle (this host's DAMON
+        # reclaim took 90 MB of it within a minute), and then the next
+        # peer's copy would wait for the disk.
+        copy = os.path.join(args.dir, "corpus.tar")
+        shutil.copyfile(corpus, copy)
+        corpus = copy
     corpus_bytes = os.path.getsize(corpus)
     export_bytes = (corpus_bytes + (64 << 20)) // (1 << 20) * (1 << 20)
     print(f"corpus: {corpus} ({corpus_bytes / (1 << 20):.0f} MiB); rounds: {args.rounds}", flush=True)
