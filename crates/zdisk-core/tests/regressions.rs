@@ -507,3 +507,96 @@ fn writes_racing_close_are_refused_or_kept() {
         }
     }
 }
+
+/// A medium whose syncs and root writes take a while, as a disk's do.
+struct SlowSync {
+    inner: Arc<MemMedia>,
+}
+
+impl Media for SlowSync {
+    fn geometry(&self) -> MediaGeometry {
+        self.inner.geometry()
+    }
+    fn physical_size_bytes(&self) -> u64 {
+        self.inner.physical_size_bytes()
+    }
+    fn write_pages(
+        &self,
+        segment: SegmentId,
+        first_page: PageIndex,
+        data: &[u8],
+    ) -> zdisk_core::Result<()> {
+        self.inner.write_pages(segment, first_page, data)
+    }
+    fn read(
+        &self,
+        segment: SegmentId,
+        offset_bytes: u64,
+        buf: &mut [u8],
+    ) -> zdisk_core::Result<()> {
+        self.inner.read(segment, offset_bytes, buf)
+    }
+    fn erase_segment(&self, segment: SegmentId) -> zdisk_core::Result<()> {
+        self.inner.erase_segment(segment)
+    }
+    fn sync(&self) -> zdisk_core::Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        self.inner.sync()
+    }
+    fn write_meta_slot(&self, slot: usize, data: &[u8]) -> zdisk_core::Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        self.inner.write_meta_slot(slot, data)
+    }
+    fn read_meta_slot(&self, slot: usize) -> zdisk_core::Result<Vec<u8>> {
+        self.inner.read_meta_slot(slot)
+    }
+    fn describe(&self) -> String {
+        "memory with slow syncs".into()
+    }
+}
+
+/// Many writers overwriting a nearly full volume on a medium with slow
+/// syncs: each writer's flushes and cleaning steps make room that others
+/// take first. That is contention, not a full medium: no write may fail
+/// with ENOSPC while the others get on (the ladder once gave up after a
+/// fixed number of rungs, which `bench --scenario wa` hit on a disk).
+#[test]
+fn contended_writers_on_a_slow_medium_never_see_enospc() {
+    const SEGMENTS: u32 = 48;
+    const SEGMENT_BYTES: u64 = 256 << 10;
+    let inner = Arc::new(MemMedia::with_size(4096, SEGMENT_BYTES, SEGMENTS).expect("media"));
+    let media = Arc::new(SlowSync { inner });
+    // Live incompressible data for about 70% of the log.
+    let blocks = SEGMENTS as u64 * SEGMENT_BYTES / BLOCK * 7 / 10;
+    let mut create_options = CreateOptions::new(blocks * BLOCK);
+    create_options.media_kind = MediaKind::Memory;
+    let volume = Volume::create(media, create_options, OpenOptions::default()).expect("create");
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(17);
+    for lba in 0..blocks {
+        volume
+            .write(lba * BLOCK, &random_block(&mut rng), false)
+            .expect("fill");
+    }
+    let failures = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for writer in 0..24u64 {
+            let (volume, failures) = (&volume, &failures);
+            scope.spawn(move || {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(100 + writer);
+                for _ in 0..400 {
+                    let lba = rng.next_u64() % blocks;
+                    if let Err(error) = volume.write(lba * BLOCK, &random_block(&mut rng), false) {
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("block {lba}: {error}"));
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap();
+    assert!(failures.is_empty(), "writes failed: {failures:?}");
+    assert!(volume.check(true).expect("check").is_clean());
+}

@@ -29,10 +29,23 @@ impl Volume {
         need_of: impl Fn(&State) -> Need,
     ) -> Result<(StateGuard<'_>, u64)> {
         let mut climbed = Climbed::default();
-        let rungs_max = 4 * self.geometry.segment_count as u64 + 16;
+        // Rungs climbed while nothing changed anywhere: the bound that
+        // stops a climb going round in circles. Under contention a writer
+        // may climb many more: each flush or cleaning step it takes makes
+        // room that other writers may take first.
+        let stalled_max = 4 * self.geometry.segment_count as u64 + 16;
+        let mut stalled = 0u64;
+        let mut last_mark = None;
+        // Where space stood the last time this climb reached the top.
+        let mut last_full = None;
         loop {
             let state = self.lock();
             state.check_writable()?;
+            let mark = state.space().progress_mark();
+            if last_mark != Some(mark) {
+                last_mark = Some(mark);
+                stalled = 0;
+            }
             let need = need_of(&state);
             let host = matches!(need.writer, Writer::Host { .. } | Writer::Range);
             if host && state.is_closing() {
@@ -48,8 +61,24 @@ impl Volume {
                 reserved_segments: floor,
             };
             drop(state);
-            if rung == Rung::Full || climbed.rungs >= rungs_max {
+            if stalled >= stalled_max {
                 return Err(full);
+            }
+            stalled += 1;
+            if rung == Rung::Full {
+                // Other threads may be cleaning meanwhile: this thread's
+                // cleaning step finds nothing when another writer just
+                // cleaned the victim worth cleaning, whose space comes
+                // back at the next barrier. While space keeps changing,
+                // wait for the cleaning step under way and climb again;
+                // only a top reached twice with nothing changed is full.
+                if reach == Reach::Nested || last_full == Some(mark) {
+                    return Err(full);
+                }
+                last_full = Some(mark);
+                drop(self.maintenance.lock().expect("maintenance lock poisoned"));
+                climbed.restart();
+                continue;
             }
             if host && matches!(rung, Rung::Flush | Rung::Clean { .. }) {
                 // The background thread may help too.

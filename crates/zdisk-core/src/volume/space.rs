@@ -167,15 +167,19 @@ pub(crate) struct Climbed {
     pub checkpointed: bool,
     /// The last cleaning step found nothing to clean.
     pub clean_failed: bool,
-    /// Rungs climbed so far.
-    pub rungs: u64,
 }
 
 impl Climbed {
+    /// Forgets what failed, to climb again from the bottom.
+    pub(crate) fn restart(&mut self) {
+        self.checkpointed = false;
+        self.clean_failed = false;
+        self.renewed = false;
+    }
+
     /// Notes that `rung` was climbed; `progress` is false for a cleaning
     /// step that found no victim.
     pub(crate) fn note(&mut self, rung: Rung, progress: bool) {
-        self.rungs += 1;
         self.renewed = matches!(rung, Rung::Renew { .. });
         match rung {
             Rung::Checkpoint => {
@@ -566,6 +570,16 @@ impl Space {
         more_to_reserve
             || self.reservation_low()
             || !self.numbering_room(need.segments, need.versions)
+    }
+
+    /// What changes when anyone makes progress: free and reclaimable
+    /// segments, and the versions host writes and relocations number.
+    pub(crate) fn progress_mark(&self) -> (u64, u64, u64) {
+        (
+            self.free_count(),
+            self.reclaimable_count(),
+            self.next_version,
+        )
     }
 
     /// Garbage the sealed segments hold in victims of at least
