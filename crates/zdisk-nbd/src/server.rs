@@ -213,16 +213,26 @@ impl Listener {
     fn accept(&self) -> io::Result<(Socket, String)> {
         match self {
             Listener::Tcp(listener) => {
+                // TCP sizes its own buffers (and stops if told a size).
                 let (stream, peer) = listener.accept()?;
                 Ok((Socket::Tcp(stream), peer.to_string()))
             }
             Listener::Unix { listener, .. } => {
                 let (stream, _) = listener.accept()?;
-                Ok((Socket::Unix(stream), "unix socket".to_string()))
+                let socket = Socket::Unix(stream);
+                socket.request_send_buffer(UNIX_SEND_BUFFER_BYTES);
+                Ok((socket, "unix socket".to_string()))
             }
         }
     }
 }
+
+/// The send buffer asked for each Unix-socket connection: a 1 MiB read
+/// reply and its header fit (the kernel doubles the figure for its
+/// bookkeeping), so it goes out in one write rather than through the
+/// sender thread; 1 MiB sequential reads took 10% less server CPU per
+/// byte. The kernel holds it, and only while a client is slow to read.
+const UNIX_SEND_BUFFER_BYTES: usize = 1 << 20;
 
 /// State shared between the server and its shutdown handles.
 struct Shared {

@@ -21,6 +21,24 @@ impl Socket {
         }
     }
 
+    /// Asks the kernel for a send buffer of `bytes` (it may grant less:
+    /// `net.core.wmem_max` caps it), so that a large read reply goes out
+    /// in one write instead of being handed to the sender thread in
+    /// pieces. Best effort: a refusal leaves the default.
+    pub fn request_send_buffer(&self, bytes: usize) {
+        let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+        // SAFETY: a valid descriptor, an int option and its size.
+        unsafe {
+            libc::setsockopt(
+                self.raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+
     pub fn try_clone(&self) -> io::Result<Socket> {
         Ok(match self {
             Socket::Tcp(stream) => Socket::Tcp(stream.try_clone()?),
