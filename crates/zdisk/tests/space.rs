@@ -203,17 +203,9 @@ fn flipped_bytes() -> TestResult {
     // byte: records and checkpoint copies alike). Damage to the newest
     // root as well is the next test's.
     let mut bytes = std::fs::read(&image).map_err(|e| e.to_string())?;
-    let written = written_sectors(&bytes, METADATA_BYTES..bytes.len());
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5eed);
-    for _ in 0..40 {
-        let at = written[rng.gen_range(0..written.len())] * 512 + rng.gen_range(0..512);
-        bytes[at] ^= 1 << rng.gen_range(0..8);
-    }
+    let written = flip_log_bits(&mut bytes, 40, 0x5eed);
     std::fs::write(&image, &bytes).map_err(|e| e.to_string())?;
-    println!(
-        "flipped one bit at each of 40 random offsets among {} written sectors",
-        written.len()
-    );
+    println!("flipped one bit at each of 40 random offsets among {written} written sectors");
 
     let output = zdisk(&["check", image.to_str().unwrap(), "--json"]);
     let report: serde_json::Value =
@@ -270,14 +262,23 @@ fn flipped_bytes() -> TestResult {
 /// The metadata slots (and their staging areas) before segment 0.
 const METADATA_BYTES: usize = 1 << 20;
 
-/// Indices of the 512-byte sectors in `range` holding a non-zero byte.
-fn written_sectors(bytes: &[u8], range: std::ops::Range<usize>) -> Vec<usize> {
-    bytes[range.clone()]
+/// Flips one bit at each of `flips` random offsets (from `seed`) in the
+/// written part of the log of the image in `bytes`: any 512-byte sector
+/// past the metadata area holding a non-zero byte. Returns how many
+/// sectors that is.
+fn flip_log_bits(bytes: &mut [u8], flips: usize, seed: u64) -> usize {
+    let written: Vec<usize> = bytes[METADATA_BYTES..]
         .chunks(512)
         .enumerate()
         .filter(|(_, sector)| sector.iter().any(|&b| b != 0))
-        .map(|(index, _)| range.start / 512 + index)
-        .collect()
+        .map(|(index, _)| METADATA_BYTES + index * 512)
+        .collect();
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    for _ in 0..flips {
+        let at = written[rng.gen_range(0..written.len())] + rng.gen_range(0..512);
+        bytes[at] ^= 1 << rng.gen_range(0..8);
+    }
+    written.len()
 }
 
 /// The newest root unreadable and records damaged in the log it would
@@ -306,17 +307,9 @@ fn damaged_root_and_log() -> TestResult {
     let mut bytes = std::fs::read(&image).map_err(|e| e.to_string())?;
     let slot = (generation % 2) as usize * (512 << 10);
     bytes[slot + 100] ^= 0x10;
-    let log = written_sectors(&bytes, METADATA_BYTES..bytes.len());
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x0b5e55ed);
-    for _ in 0..20 {
-        let at = log[rng.gen_range(0..log.len())] * 512 + rng.gen_range(0..512);
-        bytes[at] ^= 1 << rng.gen_range(0..8);
-    }
+    let written = flip_log_bits(&mut bytes, 20, 0x0b5e55ed);
     std::fs::write(&image, &bytes).map_err(|e| e.to_string())?;
-    println!(
-        "damaged root generation {generation} and 20 bytes among {} log sectors",
-        log.len()
-    );
+    println!("damaged root generation {generation} and 20 bytes among {written} log sectors");
 
     let output = zdisk(&["check", image.to_str().unwrap()]);
     let text = stdout(&output);
