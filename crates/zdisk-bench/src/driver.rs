@@ -488,6 +488,20 @@ pub fn settle(volume: &Volume) -> Result<(), String> {
     ))
 }
 
+/// Virtual time: runs one round of the volume's background work at the
+/// current time, as `run` does before each operation. It occupies the
+/// drive's resources, which the next command may have to wait for, but not
+/// the caller's clock. Real time: nothing (the volume's own thread does it).
+pub fn background_tick(target: &mut Target) -> Result<(), String> {
+    if let Clock::Virtual(clock) = &target.clock {
+        clock.begin_op(target.now_ns);
+        let result = target.volume.maintenance_tick();
+        clock.end_op();
+        result.map_err(|e| format!("background work: {e}"))?;
+    }
+    Ok(())
+}
+
 /// Runs a single host command (trim, flush) at the current time.
 pub fn run_command(
     target: &mut Target,

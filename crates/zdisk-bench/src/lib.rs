@@ -5,15 +5,18 @@
 //! Scenarios (`scenarios/`, one file each): `sweep` (compressibility), `dirty` (clean /
 //! dirty / after TRIM), `flush` (flush after every write, with and without
 //! power-loss protection), `qd` (queue depth 1–32), `wa` (steady-state
-//! write amplification under random overwrites, against theory).
-//! Results print as tables, and optionally as JSON lines (one object per
-//! scenario) and a chart.
+//! write amplification under random overwrites, against theory),
+//! `restart`, and `sparse-wal` (a write-ahead log in the packed and the
+//! sparse layout, `wal`). Results print as tables, and optionally as JSON
+//! lines (one object per scenario, or per measurement for `sparse-wal`) and
+//! a chart.
 
 pub mod drive;
 pub mod driver;
 pub mod pattern;
 pub mod plot;
 pub mod scenarios;
+pub mod wal;
 
 use std::fmt;
 use std::io::Write;
@@ -32,6 +35,7 @@ pub enum Scenario {
     QueueDepth,
     WriteAmplification,
     Restart,
+    SparseWal,
 }
 
 impl Scenario {
@@ -43,8 +47,9 @@ impl Scenario {
             "qd" => Ok(Scenario::QueueDepth),
             "wa" => Ok(Scenario::WriteAmplification),
             "restart" => Ok(Scenario::Restart),
+            "sparse-wal" => Ok(Scenario::SparseWal),
             other => Err(format!(
-                "unknown scenario {other:?}: use sweep, dirty, flush, qd, wa or restart"
+                "unknown scenario {other:?}: use sweep, dirty, flush, qd, wa, restart or sparse-wal"
             )),
         }
     }
@@ -57,6 +62,7 @@ impl Scenario {
             Scenario::QueueDepth => "qd",
             Scenario::WriteAmplification => "wa",
             Scenario::Restart => "restart",
+            Scenario::SparseWal => "sparse-wal",
         }
     }
 }
@@ -91,31 +97,43 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
                 scenarios::write_amplification(drive, &config.settings, &progress)
             }
             Scenario::Restart => scenarios::restart(drive, &config.settings, &progress),
+            Scenario::SparseWal => scenarios::sparse_wal(drive, &config.settings, &progress),
         }
         .map_err(|e| format!("scenario {}: {e}", scenario.name()))?;
-        if let Some(object) = outcome.json.as_object_mut() {
+        let host_seconds = started.elapsed().as_secs_f64();
+        for object in std::iter::once(&mut outcome.json)
+            .chain(outcome.lines.iter_mut())
+            .filter_map(|value| value.as_object_mut())
+        {
             object.insert("drive".into(), drive.describe().into());
-            object.insert(
-                "host_seconds".into(),
-                started.elapsed().as_secs_f64().into(),
-            );
+            object.insert("host_seconds".into(), host_seconds.into());
         }
-        say!(
-            "\n{} ({:.1} s)",
-            scenario.name(),
-            started.elapsed().as_secs_f64()
-        )?;
+        say!("\n{} ({host_seconds:.1} s)", scenario.name())?;
         print_out(format_args!("{}", render_table(&outcome.table)))?;
+        for (caption, table) in &outcome.tables {
+            say!("\n{caption}")?;
+            print_out(format_args!("{}", render_table(table)))?;
+        }
         outcomes.push((scenario, outcome));
     }
     if let Some(path) = &config.json {
         let mut file = std::fs::File::create(path)
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        let mut objects = 0;
         for (_, outcome) in &outcomes {
-            writeln!(file, "{}", outcome.json).map_err(|e| e.to_string())?;
+            let lines = if outcome.lines.is_empty() {
+                std::slice::from_ref(&outcome.json)
+            } else {
+                &outcome.lines[..]
+            };
+            for line in lines {
+                writeln!(file, "{line}").map_err(|e| e.to_string())?;
+                objects += 1;
+            }
         }
         say!(
-            "\nJSON written to {} (one object per scenario)",
+            "\nJSON written to {} ({objects} objects, one per line: one per scenario, \
+             or per measurement for sparse-wal)",
             path.display()
         )?;
     }

@@ -111,6 +111,7 @@ fn draw<DB: DrawingBackend>(
                 )?
             }
             Scenario::QueueDepth => queue_depth(area, &outcome.json)?,
+            Scenario::SparseWal => sparse_wal(area, &outcome.json)?,
             Scenario::Restart => bars(
                 area,
                 "restart time",
@@ -280,7 +281,8 @@ pub fn grouped_bars<DB: DrawingBackend>(
         .flat_map(|(_, values)| values.iter().copied())
         .fold(0.0, f64::max)
         .max(1e-9)
-        * 1.15;
+        // Room above the bars for the legend, which grows with the series.
+        * (1.15 + 0.05 * series.len() as f64);
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 18))
         .margin(12)
@@ -371,6 +373,146 @@ fn queue_depth<DB: DrawingBackend>(
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+/// Left: media bytes the sparse layout saves per commit size, for each
+/// drive configuration, beside the layout arithmetic. Right: the reclaim
+/// run, logical bytes against stored bytes as commits go (log scale).
+fn sparse_wal<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    json: &Value,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    let (width, _) = area.dim_in_pixel();
+    let (left, right) = area.split_horizontally(width / 2);
+    let rows: Vec<&Value> = json["results"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["layout"] == "sparse")
+        .collect();
+    let mut sizes: Vec<u64> = rows
+        .iter()
+        .filter_map(|r| r["commit_bytes"].as_u64())
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut configs: Vec<(bool, u64)> = Vec::new();
+    for r in &rows {
+        let config = (
+            r["plp"] == true,
+            r["commits_per_flush"].as_u64().unwrap_or(1),
+        );
+        if !configs.contains(&config) {
+            configs.push(config);
+        }
+    }
+    let pick = |plp: bool, per_flush: u64, key: &str| -> Vec<f64> {
+        sizes
+            .iter()
+            .map(|&size| {
+                rows.iter()
+                    .find(|r| {
+                        r["plp"] == plp
+                            && r["commits_per_flush"] == per_flush
+                            && r["commit_bytes"] == size
+                    })
+                    .map_or(0.0, |r| number(&r[key]).max(0.0))
+            })
+            .collect()
+    };
+    let mut series: Vec<(String, Vec<f64>)> = configs
+        .iter()
+        .map(|&(plp, per_flush)| {
+            (
+                format!("PLP {}, {per_flush}/flush", if plp { "on" } else { "off" }),
+                pick(plp, per_flush, "reduction_percent"),
+            )
+        })
+        .collect();
+    if let Some(&(plp, _)) = configs.first() {
+        series.push((
+            "layout arithmetic, 1/flush".into(),
+            pick(plp, 1, "model_reduction_percent"),
+        ));
+    }
+    let groups: Vec<String> = sizes.iter().map(|s| format!("{s} B")).collect();
+    grouped_bars(
+        &left,
+        "sparse vs packed WAL: media bytes saved",
+        "% fewer media bytes",
+        &groups,
+        &series,
+    )?;
+
+    let runs: Vec<&Value> = json["reclaim"].as_array().into_iter().flatten().collect();
+    // (name, points, colour) per line.
+    type Line = (String, Vec<(f64, f64)>, RGBColor);
+    let mut lines: Vec<Line> = Vec::new();
+    for run in &runs {
+        let trim = run["trim"] == true;
+        let samples: Vec<&Value> = run["samples"].as_array().into_iter().flatten().collect();
+        let points = |key: &str| -> Vec<(f64, f64)> {
+            samples
+                .iter()
+                .map(|s| (number(&s["commits"]), number(&s[key]) / 1024.0))
+                .filter(|p| p.1 > 0.0)
+                .collect()
+        };
+        let (tag, in_use, stored) = if trim {
+            ("trim", RED, RGBColor(230, 140, 0))
+        } else {
+            ("no trim", BLUE, RGBColor(0, 170, 200))
+        };
+        if trim {
+            lines.push((
+                "logical written".into(),
+                points("logical_written_bytes"),
+                BLACK,
+            ));
+        }
+        lines.push((format!("{tag}: in use"), points("mapped_bytes"), in_use));
+        lines.push((format!("{tag}: stored"), points("stored_bytes"), stored));
+    }
+    let all = lines.iter().flat_map(|(_, points, _)| points.iter());
+    let (x_max, y_min, y_max) = all.fold((1.0f64, f64::MAX, 1.0f64), |(x, lo, hi), p| {
+        (x.max(p.0), lo.min(p.1), hi.max(p.1))
+    });
+    let y_min = if y_min == f64::MAX { 1.0 } else { y_min / 2.0 };
+    let mut chart = ChartBuilder::on(&right)
+        .caption(
+            "sparse WAL space: TRIM of checkpointed ranges",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        // Headroom for the legend.
+        .build_cartesian_2d(0f64..x_max, (y_min..y_max * 40.0).log_scale())
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("commits")
+        .y_desc("KiB (log scale)")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(err)?;
+    for (name, points, colour) in lines {
+        chart
+            .draw_series(LineSeries::new(points, colour.stroke_width(2)))
+            .map_err(err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
         .map_err(err)?;

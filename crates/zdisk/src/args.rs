@@ -205,16 +205,16 @@ pub struct BenchArgs {
     /// (an image in use by another process is refused even then).
     #[arg(long, requires = "image")]
     pub force: bool,
-    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart.
+    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart, sparse-wal.
     #[arg(long, value_delimiter = ',', required = true)]
     pub scenario: Vec<String>,
-    /// Write one JSON object per scenario (JSON lines) to FILE.
+    /// Write JSON lines to FILE: one object per scenario (per measurement for sparse-wal).
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Draw a chart to FILE (.png or .svg).
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Bytes moved per measurement (scaled down to fit the drive).
+    /// Bytes moved per measurement (scaled down to fit the drive; sparse-wal: a commit per 32 KiB).
     #[arg(long, value_parser = size_arg, default_value = "256M")]
     pub size: u64,
     /// Data patterns for the sweep: zeros, random, compressible:N, file:PATH (repeatable).

@@ -13,10 +13,17 @@ pub(crate) const KIB: u64 = 1024;
 pub(crate) const MIB: u64 = 1024 * KIB;
 
 /// A scenario's outcome.
+#[derive(Default)]
 pub struct Outcome {
+    /// The scenario's object (also what the chart is drawn from).
     pub json: Value,
     /// Table: header, then rows.
     pub table: Vec<Vec<String>>,
+    /// JSON lines written instead of `json`, one per measurement, when a
+    /// scenario's figures are rows rather than one object.
+    pub lines: Vec<Value>,
+    /// Further tables, each under its caption.
+    pub tables: Vec<(String, Vec<Vec<String>>)>,
 }
 
 /// Knobs shared by the scenarios.

@@ -243,6 +243,7 @@ pub fn dirty(
             "segments_cleaned": stats.segments_cleaned,
         }),
         table,
+        ..Outcome::default()
     })
 }
 

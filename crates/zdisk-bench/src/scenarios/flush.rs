@@ -87,5 +87,6 @@ pub fn flush(
             "results": results,
         }),
         table,
+        ..Outcome::default()
     })
 }

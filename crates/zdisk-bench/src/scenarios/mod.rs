@@ -7,6 +7,7 @@ mod dirty;
 mod flush;
 mod qd;
 mod restart;
+mod sparse_wal;
 mod sweep;
 mod wa;
 
@@ -15,5 +16,6 @@ pub use dirty::{dirty, DIRTY_SIBLINGS};
 pub use flush::flush;
 pub use qd::queue_depths;
 pub use restart::restart;
+pub use sparse_wal::{layout_model_reduction, sparse_wal, COMMIT_SIZES, GROUP_COMMITS};
 pub use sweep::sweep;
 pub use wa::{greedy_theory, write_amplification};

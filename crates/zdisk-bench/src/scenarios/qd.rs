@@ -74,5 +74,6 @@ pub fn queue_depths(
     Ok(Outcome {
         json: json!({ "scenario": "qd", "results": results }),
         table,
+        ..Outcome::default()
     })
 }

@@ -89,5 +89,6 @@ pub fn restart(
             "crash_replayed_records": crash_report.replayed_records,
         }),
         table,
+        ..Outcome::default()
     })
 }

@@ -96,5 +96,6 @@ pub fn sweep(
     Ok(Outcome {
         json: json!({ "scenario": "sweep", "results": results }),
         table,
+        ..Outcome::default()
     })
 }

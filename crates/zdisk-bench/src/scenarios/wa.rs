@@ -200,6 +200,7 @@ pub fn write_amplification(
     Ok(Outcome {
         json: json!({ "scenario": "wa", "results": results }),
         table,
+        ..Outcome::default()
     })
 }
 
