@@ -236,10 +236,10 @@ pub(crate) fn encode_dump(
         raw: ByteWriter::new(),
         done: Vec::new(),
     };
-    for (index, chunk) in map.chunks() {
+    map.for_each_chunk(|index, chunk| {
         encode_chunk(&mut payloads.raw, index, chunk);
         payloads.cut(false);
-    }
+    });
     for (segment, dumped) in segments {
         let out = &mut payloads.raw;
         out.u8(if dumped.cold_bytes > 0 {

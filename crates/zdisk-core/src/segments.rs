@@ -82,6 +82,121 @@ impl SegmentInfo {
 /// checkpoint (its trims could not all be relocated).
 pub(crate) const PARKED: u64 = u64::MAX;
 
+/// One segment's summary: the blocks of the data records appended to it.
+/// While the segment is written, a word per record (`lba << 6 | blocks −
+/// 1`); once sealed, the blocks sorted and each listed once, encoded as
+/// runs (2 to 3 bytes a block for random writes, a few per run of
+/// consecutive ones; it was 8 bytes a block, and twice that in a vector's
+/// spare room), as the cleaner reads them in that order anyway. A segment
+/// freed or cleaned drops its summary.
+#[derive(Debug, Clone, Default)]
+struct Members {
+    /// Blocks listed (duplicates included while the segment is written).
+    count: u64,
+    records: Vec<u64>,
+    /// Runs of the sealed summary: varint(gap << 1 | longer), then, if
+    /// longer, varint(blocks − 2); a gap is counted from the previous run's end.
+    runs: Box<[u8]>,
+}
+
+/// Bits of a summary word that count a record's blocks.
+const MEMBER_BLOCK_BITS: u32 = 6;
+
+impl Members {
+    fn push(&mut self, lba: u64, blocks: u64) {
+        debug_assert!(
+            (1..=1 << MEMBER_BLOCK_BITS).contains(&blocks),
+            "{blocks} blocks"
+        );
+        debug_assert!(lba >> (64 - MEMBER_BLOCK_BITS) == 0, "block {lba}");
+        debug_assert!(
+            self.runs.is_empty(),
+            "a record appended to a sealed summary"
+        );
+        self.records.push(lba << MEMBER_BLOCK_BITS | (blocks - 1));
+        self.count += blocks;
+    }
+
+    fn blocks(&self) -> Vec<u64> {
+        let mut blocks = Vec::with_capacity(self.count as usize);
+        for &word in &self.records {
+            let lba = word >> MEMBER_BLOCK_BITS;
+            blocks.extend(lba..=lba + (word & ((1 << MEMBER_BLOCK_BITS) - 1)));
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        let mut input = &self.runs[..];
+        let mut end = 0u64;
+        while !input.is_empty() {
+            let head = take_varint(&mut input);
+            let length = match head & 1 {
+                0 => 1,
+                _ => take_varint(&mut input) + 2,
+            };
+            let first = end + (head >> 1);
+            blocks.extend(first..first + length);
+            end = first + length;
+        }
+        blocks
+    }
+
+    /// Encodes the summary as runs and frees the record words.
+    fn seal(&mut self) {
+        if self.records.is_empty() {
+            return;
+        }
+        let blocks = self.blocks();
+        let mut runs = Vec::new();
+        let mut end = 0u64;
+        let mut index = 0;
+        while index < blocks.len() {
+            let first = blocks[index];
+            let mut length = 1;
+            while index + (length as usize) < blocks.len()
+                && blocks[index + length as usize] == first + length
+            {
+                length += 1;
+            }
+            let gap = first - end;
+            put_varint(&mut runs, gap << 1 | u64::from(length > 1));
+            if length > 1 {
+                put_varint(&mut runs, length - 2);
+            }
+            end = first + length;
+            index += length as usize;
+        }
+        *self = Members {
+            count: blocks.len() as u64,
+            records: Vec::new(),
+            runs: runs.into_boxed_slice(),
+        };
+        debug_assert_eq!(self.blocks(), blocks);
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// A varint this module encoded (never read from the medium).
+fn take_varint(input: &mut &[u8]) -> u64 {
+    let mut value = 0u64;
+    let mut shift = 0;
+    loop {
+        let (&byte, rest) = input.split_first().expect("a whole varint");
+        *input = rest;
+        value |= u64::from(byte & 0x7F) << shift;
+        if byte & 0x80 == 0 {
+            return value;
+        }
+        shift += 7;
+    }
+}
+
 pub(crate) struct SegmentTable {
     infos: Vec<SegmentInfo>,
     /// Cleaned segments waiting for a barrier, in release order.
@@ -91,7 +206,7 @@ pub(crate) struct SegmentTable {
     /// Blocks whose data records were appended to each segment's current
     /// incarnation (possibly since overwritten): the cleaner's segment
     /// summary, so it can find live records without reading the segment.
-    members: Vec<Vec<u64>>,
+    members: Vec<Members>,
     /// Free segments, oldest-freed first, so that wear spreads evenly.
     free: VecDeque<SegmentId>,
     /// The first `reserved` free segments are named in a durable root as the
@@ -105,7 +220,7 @@ impl SegmentTable {
     pub(crate) fn new(segment_count: u32) -> SegmentTable {
         SegmentTable {
             infos: vec![SegmentInfo::free(); segment_count as usize],
-            members: vec![Vec::new(); segment_count as usize],
+            members: vec![Members::default(); segment_count as usize],
             reclaimable: Default::default(),
             parked: Vec::new(),
             free: (0..segment_count).map(SegmentId).collect(),
@@ -124,7 +239,7 @@ impl SegmentTable {
         SegmentTable {
             reclaimable: Default::default(),
             parked: Vec::new(),
-            members: vec![Vec::new(); infos.len()],
+            members: vec![Members::default(); infos.len()],
             infos,
             free,
             reserved: 0,
@@ -202,7 +317,7 @@ impl SegmentTable {
             "segment {segment} on the free list is not free"
         );
         *info = SegmentInfo::fresh(state, seq);
-        self.members[segment.index()].clear();
+        self.members[segment.index()] = Members::default();
         Some(segment)
     }
 
@@ -231,7 +346,7 @@ impl SegmentTable {
         }
         if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {
             debug_assert!(blocks >= 1, "a data record without blocks");
-            self.members[segment.index()].extend(header.lba..header.lba + blocks);
+            self.members[segment.index()].push(header.lba, blocks);
         }
     }
 
@@ -250,6 +365,7 @@ impl SegmentTable {
         );
         info.fill_bytes = fill_bytes;
         info.state = SegmentState::Sealed;
+        self.members[segment.index()].seal();
     }
 
     /// Returns a segment to the free list.
@@ -267,6 +383,7 @@ impl SegmentTable {
         );
         assert_eq!(info.live_bytes, 0, "segment {segment} freed with live data");
         info.state = SegmentState::Free;
+        self.members[segment.index()] = Members::default();
         self.free.push_back(segment);
     }
 
@@ -284,7 +401,7 @@ impl SegmentTable {
             "segment {segment} unallocated with live data"
         );
         info.state = SegmentState::Free;
-        self.members[segment.index()].clear();
+        self.members[segment.index()] = Members::default();
         self.free.push_front(segment);
         self.reserved += 1;
     }
@@ -298,6 +415,7 @@ impl SegmentTable {
             "segment {segment} cleaned with live data"
         );
         info.state = SegmentState::Reclaimable { release_gen };
+        self.members[segment.index()] = Members::default();
         if release_gen == PARKED {
             self.parked.push(segment);
         } else {
@@ -342,14 +460,30 @@ impl SegmentTable {
     }
 
     /// Notes that `segment` holds a live record of block `lba` (rebuilding
-    /// the summary after recovery).
+    /// the summary after recovery; [`SegmentTable::seal_members`] follows).
     pub(crate) fn add_member(&mut self, segment: SegmentId, lba: u64) {
-        self.members[segment.index()].push(lba);
+        self.members[segment.index()].push(lba, 1);
     }
 
-    /// Blocks whose records were appended to `segment` (some may be stale).
-    pub(crate) fn members(&self, segment: SegmentId) -> &[u64] {
-        &self.members[segment.index()]
+    /// Encodes the summary of every segment not open for writing (after
+    /// recovery has rebuilt them).
+    pub(crate) fn seal_members(&mut self) {
+        for (info, members) in self.infos.iter().zip(self.members.iter_mut()) {
+            if info.state != SegmentState::Open {
+                members.seal();
+            }
+        }
+    }
+
+    /// Blocks whose records were appended to `segment` (some may be
+    /// stale), in order, each once.
+    pub(crate) fn members(&self, segment: SegmentId) -> Vec<u64> {
+        self.members[segment.index()].blocks()
+    }
+
+    /// How many blocks [`SegmentTable::members`] lists, at most.
+    pub(crate) fn member_count(&self, segment: SegmentId) -> u64 {
+        self.members[segment.index()].count
     }
 
     /// `bytes` of cold-data records were appended to `segment`.
@@ -407,6 +541,41 @@ mod tests {
         );
         // Freed segments queue behind the ones that were already free.
         assert_ne!(table.allocate(2, SegmentState::Open), Some(a));
+    }
+
+    /// A summary lists the same blocks before and after it is sealed, and
+    /// a sealed one of random single blocks takes about 2 bytes a block.
+    #[test]
+    fn summaries_seal_into_runs() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(5);
+        let mut members = Members::default();
+        let mut want = Vec::new();
+        for _ in 0..5000 {
+            let lba = rng.gen_range(0..1u64 << 28);
+            let blocks = if rng.gen_ratio(1, 4) {
+                rng.gen_range(1..=32)
+            } else {
+                1
+            };
+            members.push(lba, blocks);
+            want.extend(lba..lba + blocks);
+        }
+        members.push(1 << 40, 64);
+        want.extend((1 << 40)..(1 << 40) + 64);
+        want.sort_unstable();
+        want.dedup();
+        assert_eq!(members.blocks(), want);
+        members.seal();
+        assert!(members.records.is_empty());
+        assert_eq!(members.blocks(), want);
+        assert_eq!(members.count, want.len() as u64);
+        let random = 3750;
+        assert!(
+            members.runs.len() < 3 * random + 4 * (5000 - random),
+            "{} bytes",
+            members.runs.len()
+        );
     }
 
     #[test]

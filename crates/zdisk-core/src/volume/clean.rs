@@ -91,7 +91,7 @@ fn relocation_need(state: &State, victim: SegmentId, extra_bytes: u64) -> Need {
     Need {
         writer: Writer::Cleaner,
         segments,
-        versions: space.table().members(victim).len() as u64 + 1,
+        versions: space.table().member_count(victim) + 1,
         bytes: 0,
     }
 }
@@ -363,9 +363,7 @@ impl Volume {
     fn live_extents(&self, segment: SegmentId) -> Vec<LiveExtent> {
         let state = self.lock();
         let (map, space) = (state.map(), state.space());
-        let mut members = space.table().members(segment).to_vec();
-        members.sort_unstable();
-        members.dedup();
+        let members = space.table().members(segment);
         let mut live = Vec::new();
         let mut live_bytes = 0;
         for lba in members {

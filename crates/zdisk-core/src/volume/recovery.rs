@@ -561,6 +561,7 @@ impl<'a> Recovery<'a> {
         let mut segments = SegmentTable::from_infos(self.infos);
         self.map
             .for_each_data(|lba, loc, _| segments.add_member(loc.segment, lba.0));
+        segments.seal_members();
         Ok(Recovered {
             roots: self.roots,
             map: self.map,

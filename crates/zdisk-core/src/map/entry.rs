@@ -1,0 +1,282 @@
+//! One block's map entry: where its record lives, and its state and
+//! version packed into 16 bytes; and a 256-block chunk of entries, the unit
+//! a checkpoint dump records (docs/format.md).
+
+use crate::units::SegmentId;
+
+pub(crate) const CHUNK_SHIFT: u32 = 8;
+/// Blocks per chunk (1 MiB of logical space): the unit of a checkpoint
+/// dump, and the alignment of every leaf of the map.
+pub(crate) const CHUNK_BLOCKS: u64 = 1 << CHUNK_SHIFT;
+pub(crate) const CHUNK_MASK: u64 = CHUNK_BLOCKS - 1;
+
+/// Where a block's record lives, and which of the record's blocks it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Location {
+    pub segment: SegmentId,
+    /// Byte offset of the record within the segment (a multiple of 16).
+    pub offset: u32,
+    /// Bytes the record occupies, alignment included (a multiple of 16).
+    pub len: u32,
+    /// The block's place among the record's blocks: 0 of 1 for a data
+    /// record; `i` of `n` for block `lba + i` of a unit of `n`.
+    pub member: u8,
+    pub members: u8,
+}
+
+impl Location {
+    /// A one-block record.
+    pub(crate) fn record(segment: SegmentId, offset: u32, len: u32) -> Location {
+        Location {
+            segment,
+            offset,
+            len,
+            member: 0,
+            members: 1,
+        }
+    }
+
+    /// Block `member` of a unit of `members` blocks.
+    pub(crate) fn unit_member(
+        segment: SegmentId,
+        offset: u32,
+        len: u32,
+        member: u8,
+        members: u8,
+    ) -> Location {
+        debug_assert!(member < members, "member {member} of {members}");
+        Location {
+            segment,
+            offset,
+            len,
+            member,
+            members,
+        }
+    }
+
+    /// The record's bytes this block accounts for in live and stored
+    /// bytes: all of a one-block record; an equal share of a unit (the
+    /// shares of a unit's blocks add up to its length exactly).
+    pub(crate) fn share(self) -> u64 {
+        let (len, member, members) = (self.len as u64, self.member as u64, self.members as u64);
+        len * (member + 1) / members - len * member / members
+    }
+
+    /// Block `member` of `members` of the record here.
+    pub(crate) fn with_member_of(self, member: u8, members: u8) -> Location {
+        Location::unit_member(self.segment, self.offset, self.len, member, members)
+    }
+
+    /// Where the record starts: the same for all of a unit's blocks.
+    pub(crate) fn record_key(self) -> (SegmentId, u32) {
+        (self.segment, self.offset)
+    }
+}
+
+/// The state of one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Unwritten or trimmed: reads as zeros, not allocated.
+    Hole,
+    /// Allocated zeros: reads as zeros, takes no payload space.
+    Zero,
+    Data(Location),
+    /// Its data was found damaged; reads fail until it is rewritten.
+    Damaged,
+}
+
+/// The states a whole range can be set to at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RangeState {
+    Hole,
+    Zero,
+    Damaged,
+}
+
+impl RangeState {
+    pub(crate) fn slot(self) -> Slot {
+        match self {
+            RangeState::Hole => Slot::Hole,
+            RangeState::Zero => Slot::Zero,
+            RangeState::Damaged => Slot::Damaged,
+        }
+    }
+}
+
+const STATE_HOLE: u64 = 0;
+const STATE_ZERO: u64 = 1;
+pub(super) const STATE_DATA: u64 = 2;
+const STATE_DAMAGED: u64 = 3;
+/// Versions are stored in 48 bits.
+pub(crate) const VERSION_MAX: u64 = (1 << 48) - 1;
+/// Segments an entry can name: 24 bits (`MediaGeometry` enforces it).
+pub(crate) const SEGMENTS_MAX: u32 = 1 << 24;
+/// Records are at most this long: 14 bits of 16-byte units.
+pub(super) const LEN_MAX: u32 = ((1 << 14) - 1) * 16;
+/// Offsets within a segment: 30 bits of 16-byte units.
+const OFFSET_UNITS_MAX: u64 = (1 << 30) - 1;
+
+/// One packed entry: 16 bytes.
+/// `w0` = segment(24) << 40 | (members − 1)(5) << 35 | member(5) << 30 |
+/// offset/16 (30); `w1` = version(48) << 16 | len/16 (14) << 2 | state(2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Entry {
+    pub w0: u64,
+    pub w1: u64,
+}
+
+impl Entry {
+    pub(crate) fn new(slot: Slot, version: u64) -> Entry {
+        assert!(version <= VERSION_MAX, "version {version} exceeds 48 bits");
+        let entry = Entry::pack(slot, version);
+        debug_assert!(entry.is_well_formed(), "{slot:?} v{version} packs badly");
+        debug_assert_eq!(entry.slot(), slot);
+        debug_assert_eq!(entry.version(), version);
+        entry
+    }
+
+    fn pack(slot: Slot, version: u64) -> Entry {
+        match slot {
+            Slot::Hole => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_HOLE,
+            },
+            Slot::Zero => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_ZERO,
+            },
+            Slot::Damaged => Entry {
+                w0: 0,
+                w1: version << 16 | STATE_DAMAGED,
+            },
+            Slot::Data(loc) => {
+                assert!(
+                    loc.len > 0 && loc.len <= LEN_MAX && loc.len.is_multiple_of(16),
+                    "record length {} out of range",
+                    loc.len
+                );
+                assert!(
+                    loc.segment.0 < SEGMENTS_MAX,
+                    "segment {} beyond 24 bits",
+                    loc.segment
+                );
+                assert!(
+                    loc.offset.is_multiple_of(16) && (loc.offset as u64 / 16) <= OFFSET_UNITS_MAX,
+                    "record offset {} out of range",
+                    loc.offset
+                );
+                assert!(
+                    (1..=32).contains(&loc.members) && loc.member < loc.members,
+                    "member {} of {}",
+                    loc.member,
+                    loc.members
+                );
+                Entry {
+                    w0: ((loc.segment.0 as u64) << 40)
+                        | (((loc.members - 1) as u64) << 35)
+                        | ((loc.member as u64) << 30)
+                        | (loc.offset as u64 / 16),
+                    w1: version << 16 | (loc.len as u64 / 16) << 2 | STATE_DATA,
+                }
+            }
+        }
+    }
+
+    pub(crate) fn slot(self) -> Slot {
+        match self.w1 & 3 {
+            STATE_HOLE => Slot::Hole,
+            STATE_ZERO => Slot::Zero,
+            STATE_DAMAGED => Slot::Damaged,
+            _ => Slot::Data(Location {
+                segment: SegmentId((self.w0 >> 40) as u32),
+                offset: ((self.w0 & OFFSET_UNITS_MAX) * 16) as u32,
+                len: (((self.w1 >> 2) & 0x3FFF) * 16) as u32,
+                member: ((self.w0 >> 30) & 31) as u8,
+                members: ((self.w0 >> 35) & 31) as u8 + 1,
+            }),
+        }
+    }
+
+    pub(crate) fn version(self) -> u64 {
+        self.w1 >> 16
+    }
+
+    /// True for a data entry (the only kind whose `w0` is used).
+    pub(super) fn is_data(self) -> bool {
+        self.w1 & 3 == STATE_DATA
+    }
+
+    /// True for a hole (unwritten or trimmed), whatever its version.
+    pub(super) fn is_hole(self) -> bool {
+        self.w1 & 3 == STATE_HOLE
+    }
+
+    /// The state of an entry that is not data.
+    pub(super) fn range_state(self) -> Option<RangeState> {
+        match self.w1 & 3 {
+            STATE_HOLE => Some(RangeState::Hole),
+            STATE_ZERO => Some(RangeState::Zero),
+            STATE_DAMAGED => Some(RangeState::Damaged),
+            _ => None,
+        }
+    }
+
+    /// True if the bits are laid out as `new` lays them out.
+    pub(super) fn is_well_formed(self) -> bool {
+        match self.w1 & 3 {
+            STATE_DATA => {
+                let len_units = (self.w1 >> 2) & 0x3FFF;
+                let member = (self.w0 >> 30) & 31;
+                let members = ((self.w0 >> 35) & 31) + 1;
+                len_units > 0 && member < members
+            }
+            _ => self.w0 == 0 && (self.w1 >> 2) & 0x3FFF == 0,
+        }
+    }
+}
+
+/// A chunk of [`CHUNK_BLOCKS`] entries, as a checkpoint dump records it.
+#[derive(Debug, Clone)]
+pub(crate) enum Chunk {
+    /// Every block in this state at this version.
+    Uniform {
+        state: RangeState,
+        version: u64,
+    },
+    Mixed(Box<[Entry; CHUNK_BLOCKS as usize]>),
+}
+
+/// Block counts by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct MapCounts {
+    pub data_blocks: u64,
+    pub zero_blocks: u64,
+    pub damaged_blocks: u64,
+    pub stored_bytes: u64,
+}
+
+impl MapCounts {
+    pub(super) fn add(&mut self, slot: Slot, count: u64) {
+        match slot {
+            Slot::Hole => {}
+            Slot::Zero => self.zero_blocks += count,
+            Slot::Damaged => self.damaged_blocks += count,
+            Slot::Data(loc) => {
+                self.data_blocks += count;
+                self.stored_bytes += loc.share() * count;
+            }
+        }
+    }
+
+    pub(super) fn sub(&mut self, slot: Slot, count: u64) {
+        match slot {
+            Slot::Hole => {}
+            Slot::Zero => self.zero_blocks -= count,
+            Slot::Damaged => self.damaged_blocks -= count,
+            Slot::Data(loc) => {
+                self.data_blocks -= count;
+                self.stored_bytes -= loc.share() * count;
+            }
+        }
+    }
+}

@@ -1,0 +1,1103 @@
+//! The logical-to-physical map.
+//!
+//! The map is sparse: a B-tree from each leaf's first block to the leaf, a
+//! range of whole chunks ([`CHUNK_BLOCKS`] blocks) in one of three forms
+//! (`leaf.rs`): a run of one state (a large WRITE_ZEROES costs one leaf
+//! whatever its length), a dense chunk of narrow cells, or a sparse list of
+//! at most 256 entries. Blocks outside every leaf are holes at version 0.
+//! So the map's RAM grows with the entries it stores, never with the
+//! logical size, and stays under 24 bytes per stored entry whatever the
+//! pattern (under 16 for dense data). Leaves split, merge and change form
+//! at thresholds, as a B+-tree's nodes do; a later paged map can write
+//! them out one by one.
+//!
+//! Every entry carries the version of the write that produced it. In normal
+//! operation the newest write always wins, so versions only matter during
+//! recovery, where records are replayed out of order and
+//! [`Map::set_if_newer`] keeps the highest version; equal versions denote the
+//! same data at a new location (a relocated copy), and the later one wins.
+//! Recovery keeps trimmed entries as versioned tombstones so that an older
+//! record replayed later cannot resurrect a trimmed block; [`Map::compact`]
+//! drops them afterwards. In normal operation a trimmed block keeps its
+//! version only inside a dense leaf; elsewhere it reads as version 0, which
+//! only makes the cleaner keep a trim record it could have dropped.
+//!
+//! Invariants (checked by [`Map::check_counts`]): leaves are chunk-aligned
+//! and disjoint; a sparse leaf is not empty, stores no hole at version 0 and,
+//! in normal operation, no hole at all, holds fewer than `DENSE_FROM`
+//! entries per chunk, and spans at most 2^32 blocks; a run is never data, and
+//! a hole only during recovery; in normal operation a dense leaf keeps
+//! `DENSE_KEEP` blocks that are not holes. `data_blocks`, `zero_blocks`,
+//! `damaged_blocks`, `stored_bytes`, the dump's chunk count and the heap
+//! bytes always equal a recount.
+
+mod column;
+mod entry;
+mod leaf;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+
+use crate::units::Lba;
+use column::alloc_bytes;
+pub(crate) use entry::{Chunk, Entry, Location, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX};
+use entry::{MapCounts, CHUNK_MASK, CHUNK_SHIFT};
+use leaf::{
+    chunk_positions, grow_sparse, shares_chunk, shrink_sparse, sparse_heap_bytes, sparse_part,
+    Leaf, Piece, DENSE_FROM, DENSE_KEEP, MERGED_MAX, SPAN_MAX, SPARSE_MAX, SPARSE_MIN,
+};
+
+/// The sparse logical-to-physical map.
+pub(crate) struct Map {
+    /// Leaves by their first block.
+    leaves: BTreeMap<u64, Leaf>,
+    counts: MapCounts,
+    /// Keep trimmed entries with their versions (during recovery).
+    keep_tombstones: bool,
+    /// Chunks a checkpoint dump of the map records.
+    chunk_items: u64,
+    /// Heap bytes of the leaves' cells and keys.
+    leaf_heap_bytes: u64,
+}
+
+/// `total` after a part of it went from `before` to `after`.
+fn adjusted(total: u64, before: u64, after: u64) -> u64 {
+    total + after - before
+}
+
+impl Map {
+    pub(crate) fn new(keep_tombstones: bool) -> Map {
+        Map {
+            leaves: BTreeMap::new(),
+            counts: MapCounts::default(),
+            keep_tombstones,
+            chunk_items: 0,
+            leaf_heap_bytes: 0,
+        }
+    }
+
+    pub(crate) fn counts(&self) -> MapCounts {
+        self.counts
+    }
+
+    /// Heap bytes used: the leaves' cells and keys with the allocator's
+    /// overhead, and an estimate of the B-tree's nodes.
+    pub(crate) fn memory_bytes(&self) -> u64 {
+        self.leaf_heap_bytes + btree_bytes(self.leaves.len())
+    }
+
+    /// Chunk items a checkpoint dump of the map holds (the dump's format
+    /// records 256-block chunks; `Space` sizes the next dump by this).
+    pub(crate) fn chunk_count(&self) -> usize {
+        self.chunk_items as usize
+    }
+
+    /// The leaf holding block `lba`, with its first block. A leaf starting
+    /// at the block's chunk (every dense leaf) is found with one exact
+    /// search; any other needs a search for the leaf before it.
+    #[inline]
+    fn leaf_at(&self, lba: u64) -> Option<(u64, &Leaf)> {
+        let chunk = lba & !CHUNK_MASK;
+        if let Some(leaf) = self.leaves.get(&chunk) {
+            return Some((chunk, leaf));
+        }
+        let (&start, leaf) = self.leaves.range(..chunk).next_back()?;
+        (lba - start < leaf.blocks()).then_some((start, leaf))
+    }
+
+    /// The entry for `lba` (a hole at version 0 if never written).
+    #[inline]
+    pub(crate) fn get(&self, lba: Lba) -> Entry {
+        match self.leaf_at(lba.0) {
+            None => Entry::default(),
+            Some((start, leaf)) => leaf.get(lba.0 - start),
+        }
+    }
+
+    /// Sets one block unconditionally; returns the previous entry.
+    pub(crate) fn set(&mut self, lba: Lba, slot: Slot, version: u64) -> Entry {
+        let new = Entry::new(slot, version);
+        let old = self.put(lba.0, new);
+        self.counts.sub(old.slot(), 1);
+        self.counts.add(slot, 1);
+        debug_assert_eq!(self.get(lba).slot(), slot);
+        old
+    }
+
+    /// Sets one block if `version` is at least the current version; returns
+    /// the previous entry if it was replaced.
+    pub(crate) fn set_if_newer(&mut self, lba: Lba, slot: Slot, version: u64) -> Option<Entry> {
+        if self.get(lba).version() > version {
+            return None;
+        }
+        Some(self.set(lba, slot, version))
+    }
+
+    /// True if a sparse leaf keeps `entry`: a hole at version 0 is what an
+    /// absent entry means, and outside recovery no hole is kept.
+    fn stores(&self, entry: Entry) -> bool {
+        entry != Entry::default() && (self.keep_tombstones || !entry.is_hole())
+    }
+
+    // --- Leaves in and out of the tree, with the totals that follow them.
+
+    fn insert_leaf(&mut self, start: u64, leaf: Leaf) {
+        debug_assert!(
+            start & CHUNK_MASK == 0,
+            "leaf at {start} is not chunk-aligned"
+        );
+        debug_assert!(self.leaf_at(start).is_none(), "leaf at {start} overlaps");
+        debug_assert!(
+            self.leaves
+                .range(start..)
+                .next()
+                .is_none_or(|(&next, _)| next >= start + leaf.blocks()),
+            "leaf at {start} overlaps the next"
+        );
+        self.chunk_items += leaf.chunk_items();
+        self.leaf_heap_bytes += leaf.heap_bytes();
+        self.leaves.insert(start, leaf);
+    }
+
+    fn remove_leaf(&mut self, start: u64) -> Leaf {
+        let leaf = self.leaves.remove(&start).expect("a leaf starts there");
+        self.chunk_items -= leaf.chunk_items();
+        self.leaf_heap_bytes -= leaf.heap_bytes();
+        leaf
+    }
+
+    /// Stores `new` for block `lba` and returns what it replaces; counts
+    /// are the caller's.
+    fn put(&mut self, lba: u64, new: Entry) -> Entry {
+        let stores = self.stores(new);
+        let keep_tombstones = self.keep_tombstones;
+        let chunk = lba & !CHUNK_MASK;
+        let found = match self.leaves.get_mut(&chunk) {
+            Some(leaf) => Some((chunk, leaf)),
+            None => self
+                .leaves
+                .range_mut(..chunk)
+                .next_back()
+                .filter(|(start, leaf)| lba - **start < leaf.blocks())
+                .map(|(&start, leaf)| (start, leaf)),
+        };
+        let Some((start, leaf)) = found else {
+            if stores {
+                self.put_in_gap(lba, new);
+            }
+            return Entry::default();
+        };
+        let offset = lba - start;
+        match leaf {
+            Leaf::Run { entry, .. } => {
+                let old = *entry;
+                if old == new {
+                    return old;
+                }
+                self.densify_run(start, lba);
+                self.put(lba, new)
+            }
+            Leaf::Dense { stored, column } => {
+                let before = column.heap_bytes();
+                let old = column.get(offset as usize);
+                column.set(offset as usize, new);
+                *stored = *stored + u32::from(!new.is_hole()) - u32::from(!old.is_hole());
+                let demote = !keep_tombstones && *stored < DENSE_KEEP;
+                self.leaf_heap_bytes = adjusted(self.leaf_heap_bytes, before, column.heap_bytes());
+                if demote {
+                    self.demote(start);
+                    self.tidy(start);
+                }
+                old
+            }
+            Leaf::Sparse { keys, column, .. } => {
+                let key = offset as u32;
+                let before = sparse_heap_bytes(keys, column);
+                // Blocks written in order land after the last key.
+                let position = match keys.last() {
+                    Some(&last) if last < key => Err(keys.len()),
+                    _ => keys.binary_search(&key),
+                };
+                match position {
+                    Ok(index) => {
+                        let old = column.get(index);
+                        if stores {
+                            column.set(index, new);
+                        } else {
+                            let alone = !shares_chunk(keys, index);
+                            keys.remove(index);
+                            column.remove(index);
+                            shrink_sparse(keys, column);
+                            self.chunk_items -= u64::from(alone);
+                        }
+                        let small = !stores && keys.len() < SPARSE_MIN;
+                        self.leaf_heap_bytes = adjusted(
+                            self.leaf_heap_bytes,
+                            before,
+                            sparse_heap_bytes(keys, column),
+                        );
+                        if small {
+                            self.tidy(start);
+                        }
+                        old
+                    }
+                    Err(_) if !stores => Entry::default(),
+                    Err(_) if keys.len() >= SPARSE_MAX => {
+                        self.split_sparse(start);
+                        self.put(lba, new)
+                    }
+                    Err(index) => {
+                        grow_sparse(keys, column);
+                        keys.insert(index, key);
+                        column.insert(index, new);
+                        self.chunk_items += u64::from(!shares_chunk(keys, index));
+                        let dense = keys.len() >= DENSE_FROM && {
+                            let (low, high) = chunk_positions(keys, key);
+                            high - low >= DENSE_FROM
+                        };
+                        self.leaf_heap_bytes = adjusted(
+                            self.leaf_heap_bytes,
+                            before,
+                            sparse_heap_bytes(keys, column),
+                        );
+                        if dense {
+                            self.densify_chunk(start, key as u64 & !CHUNK_MASK);
+                        }
+                        Entry::default()
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stores `new` for block `lba`, which no leaf covers: the sparse leaf
+    /// before it or after it stretches to its chunk if it has room, else
+    /// the chunk gets a sparse leaf of its own.
+    fn put_in_gap(&mut self, lba: u64, new: Entry) {
+        let chunk = lba & !CHUNK_MASK;
+        let chunk_end = chunk + CHUNK_BLOCKS;
+        let before = match self.leaves.range(..lba).next_back() {
+            Some((&start, Leaf::Sparse { keys, .. }))
+                if keys.len() < SPARSE_MAX && chunk_end - start <= SPAN_MAX =>
+            {
+                Some(start)
+            }
+            _ => None,
+        };
+        let after = match self.leaves.range(lba..).next() {
+            Some((&start, Leaf::Sparse { keys, blocks, .. }))
+                if keys.len() < SPARSE_MAX && start + blocks - chunk <= SPAN_MAX =>
+            {
+                Some(start)
+            }
+            _ => None,
+        };
+        if let Some(start) = before {
+            // Nothing lies between that leaf's end and `chunk_end`.
+            if let Some(Leaf::Sparse { blocks, .. }) = self.leaves.get_mut(&start) {
+                *blocks = chunk_end - start;
+            }
+        } else if let Some(start) = after {
+            let Leaf::Sparse {
+                blocks,
+                mut keys,
+                column,
+            } = self.remove_leaf(start)
+            else {
+                unreachable!("matched a sparse leaf")
+            };
+            let shift = (start - chunk) as u32;
+            keys.iter_mut().for_each(|key| *key += shift);
+            let leaf = Leaf::Sparse {
+                blocks: blocks + shift as u64,
+                keys,
+                column,
+            };
+            self.insert_leaf(chunk, leaf);
+        } else {
+            self.insert_leaf(chunk, Leaf::empty_sparse());
+        }
+        let old = self.put(lba, new);
+        debug_assert_eq!(old, Entry::default());
+    }
+
+    /// Splits a full sparse leaf in two at a chunk boundary near its middle.
+    fn split_sparse(&mut self, start: u64) {
+        let Leaf::Sparse {
+            blocks,
+            keys,
+            column,
+        } = self.remove_leaf(start)
+        else {
+            unreachable!("splitting a leaf that is not sparse")
+        };
+        let middle = keys[keys.len() / 2] as u64 & !CHUNK_MASK;
+        let mut cut = middle;
+        let mut index = keys.partition_point(|&key| (key as u64) < cut);
+        if index == 0 {
+            cut = middle + CHUNK_BLOCKS;
+            index = keys.partition_point(|&key| (key as u64) < cut);
+        }
+        assert!(
+            0 < index && index < keys.len(),
+            "a full sparse leaf spans two chunks at least"
+        );
+        self.insert_leaf(start, sparse_part(&keys, &column, 0..index, 0, cut));
+        let right = sparse_part(&keys, &column, index..keys.len(), cut, blocks - cut);
+        self.insert_leaf(start + cut, right);
+    }
+
+    /// Makes the chunk at `chunk` (an offset into the sparse leaf at
+    /// `start`) a dense leaf, leaving the rest of that leaf sparse.
+    fn densify_chunk(&mut self, start: u64, chunk: u64) {
+        let Leaf::Sparse {
+            blocks,
+            keys,
+            column,
+        } = self.remove_leaf(start)
+        else {
+            unreachable!("densifying a leaf that is not sparse")
+        };
+        let (low, high) = chunk_positions(&keys, chunk as u32);
+        if low > 0 {
+            self.insert_leaf(start, sparse_part(&keys, &column, 0..low, 0, chunk));
+        }
+        let mut entries = [Entry::default(); CHUNK_BLOCKS as usize];
+        for index in low..high {
+            entries[(keys[index] as u64 - chunk) as usize] = column.get(index);
+        }
+        self.insert_leaf(start + chunk, Leaf::dense(&entries));
+        let after = chunk + CHUNK_BLOCKS;
+        if high < keys.len() {
+            let right = sparse_part(&keys, &column, high..keys.len(), after, blocks - after);
+            self.insert_leaf(start + after, right);
+        }
+    }
+
+    /// Makes the chunk of `lba` in the run at `start` a dense leaf.
+    fn densify_run(&mut self, start: u64, lba: u64) {
+        let Leaf::Run { blocks, entry } = self.remove_leaf(start) else {
+            unreachable!("densifying a leaf that is not a run")
+        };
+        let chunk = lba & !CHUNK_MASK;
+        let (end, chunk_end) = (start + blocks, chunk + CHUNK_BLOCKS);
+        if chunk > start {
+            let blocks = chunk - start;
+            self.insert_leaf(start, Leaf::Run { blocks, entry });
+        }
+        self.insert_leaf(chunk, Leaf::dense(&[entry; CHUNK_BLOCKS as usize]));
+        if chunk_end < end {
+            let blocks = end - chunk_end;
+            self.insert_leaf(chunk_end, Leaf::Run { blocks, entry });
+        }
+    }
+
+    /// Makes the dense leaf at `start` sparse (it holds too few blocks);
+    /// the caller tidies.
+    fn demote(&mut self, start: u64) {
+        let Leaf::Dense { column, .. } = self.remove_leaf(start) else {
+            unreachable!("demoting a leaf that is not dense")
+        };
+        let (keys, entries): (Vec<u32>, Vec<Entry>) = column
+            .entries()
+            .enumerate()
+            .filter(|(_, entry)| self.stores(*entry))
+            .map(|(offset, entry)| (offset as u32, entry))
+            .unzip();
+        if !keys.is_empty() {
+            self.insert_leaf(start, Leaf::sparse(CHUNK_BLOCKS, keys, &entries));
+        }
+    }
+
+    /// Drops the sparse leaf at `start` if it is empty, or merges it with
+    /// a neighbour if it holds few entries.
+    fn tidy(&mut self, start: u64) {
+        let (len, end) = match self.leaves.get(&start) {
+            Some(Leaf::Sparse { keys, blocks, .. }) => (keys.len(), start + blocks),
+            _ => return,
+        };
+        if len == 0 {
+            self.remove_leaf(start);
+            return;
+        }
+        if len >= SPARSE_MIN {
+            return;
+        }
+        if let Some((&before, Leaf::Sparse { keys, .. })) = self.leaves.range(..start).next_back() {
+            if keys.len() + len <= MERGED_MAX && end - before <= SPAN_MAX {
+                self.merge(before, start);
+                return;
+            }
+        }
+        if let Some((&after, Leaf::Sparse { keys, blocks, .. })) = self.leaves.range(end..).next() {
+            if keys.len() + len <= MERGED_MAX && after + blocks - start <= SPAN_MAX {
+                self.merge(start, after);
+            }
+        }
+    }
+
+    /// Merges two neighbouring sparse leaves (and the gap between them).
+    fn merge(&mut self, left: u64, right: u64) {
+        let (
+            Leaf::Sparse {
+                keys: left_keys,
+                column: left_column,
+                ..
+            },
+            Leaf::Sparse {
+                blocks: right_blocks,
+                keys: right_keys,
+                column: right_column,
+            },
+        ) = (self.remove_leaf(left), self.remove_leaf(right))
+        else {
+            unreachable!("merging leaves that are not sparse")
+        };
+        let shift = right - left;
+        let keys: Vec<u32> = left_keys
+            .iter()
+            .copied()
+            .chain(right_keys.iter().map(|&key| (key as u64 + shift) as u32))
+            .collect();
+        let entries: Vec<Entry> = left_column
+            .entries()
+            .chain(right_column.entries())
+            .collect();
+        self.insert_leaf(left, Leaf::sparse(shift + right_blocks, keys, &entries));
+    }
+
+    /// Splits the leaf holding block `at` (chunk-aligned), if it holds
+    /// blocks on both sides of it.
+    fn carve(&mut self, at: u64) {
+        debug_assert!(at & CHUNK_MASK == 0);
+        let Some((start, _)) = self.leaf_at(at) else {
+            return;
+        };
+        if start == at {
+            return;
+        }
+        let cut = at - start;
+        match self.remove_leaf(start) {
+            Leaf::Run { blocks, entry } => {
+                self.insert_leaf(start, Leaf::Run { blocks: cut, entry });
+                let blocks = blocks - cut;
+                self.insert_leaf(at, Leaf::Run { blocks, entry });
+            }
+            Leaf::Dense { .. } => unreachable!("a dense leaf is one chunk"),
+            Leaf::Sparse {
+                blocks,
+                keys,
+                column,
+            } => {
+                let index = keys.partition_point(|&key| (key as u64) < cut);
+                if index > 0 {
+                    self.insert_leaf(start, sparse_part(&keys, &column, 0..index, 0, cut));
+                }
+                if index < keys.len() {
+                    let right = sparse_part(&keys, &column, index..keys.len(), cut, blocks - cut);
+                    self.insert_leaf(at, right);
+                }
+            }
+        }
+    }
+
+    /// Inserts a run, joined with equal runs it touches.
+    fn insert_run(&mut self, start: u64, blocks: u64, entry: Entry) {
+        debug_assert!(!entry.is_data());
+        let (mut start, mut blocks) = (start, blocks);
+        let before = match self.leaves.range(..start).next_back() {
+            Some((
+                &before,
+                Leaf::Run {
+                    blocks: b,
+                    entry: e,
+                },
+            )) if before + b == start && *e == entry => Some(before),
+            _ => None,
+        };
+        if let Some(before) = before {
+            blocks += start - before;
+            start = before;
+            self.remove_leaf(before);
+        }
+        let end = start + blocks;
+        if let Some(Leaf::Run {
+            blocks: b,
+            entry: e,
+        }) = self.leaves.get(&end)
+        {
+            if *e == entry {
+                blocks += *b;
+                self.remove_leaf(end);
+            }
+        }
+        self.insert_leaf(start, Leaf::Run { blocks, entry });
+    }
+
+    /// Sets whole chunks `from..to` to `entry`: their leaves go, a run
+    /// comes (none for a trim outside recovery).
+    fn replace(&mut self, from: u64, to: u64, entry: Entry, displaced: &mut dyn FnMut(Location)) {
+        debug_assert!(from & CHUNK_MASK == 0 && to & CHUNK_MASK == 0 && from < to);
+        self.carve(from);
+        self.carve(to);
+        let starts: Vec<u64> = self
+            .leaves
+            .range(from..to)
+            .map(|(&start, _)| start)
+            .collect();
+        for start in starts {
+            let leaf = self.remove_leaf(start);
+            let counts = &mut self.counts;
+            let _ = leaf.visit(start, start, start + leaf.blocks(), &mut |piece| {
+                match piece {
+                    Piece::Gap(..) => {}
+                    Piece::Same(first, end, entry) => counts.sub(entry.slot(), end - first),
+                    Piece::One(_, entry) => {
+                        counts.sub(entry.slot(), 1);
+                        if let Slot::Data(loc) = entry.slot() {
+                            displaced(loc);
+                        }
+                    }
+                }
+                ControlFlow::Continue(())
+            });
+        }
+        if self.stores(entry) {
+            self.counts.add(entry.slot(), to - from);
+            self.insert_run(from, to - from, entry);
+        }
+        // Carving may have left small sparse leaves on either side.
+        if let Some((&before, _)) = self.leaves.range(..from).next_back() {
+            self.tidy(before);
+        }
+        if let Some((&after, _)) = self.leaves.range(to..).next() {
+            self.tidy(after);
+        }
+    }
+
+    /// Sets blocks `from..to` one by one (at most a chunk's worth).
+    fn set_blocks(
+        &mut self,
+        from: u64,
+        to: u64,
+        entry: Entry,
+        only_newer: bool,
+        displaced: &mut dyn FnMut(Location),
+    ) {
+        let untouched =
+            self.leaf_at(from).is_none() && self.leaves.range(from..to).next().is_none();
+        if untouched && !self.stores(entry) {
+            return; // trimming blocks that were never written
+        }
+        for lba in from..to {
+            if only_newer && self.get(Lba(lba)).version() > entry.version() {
+                continue;
+            }
+            let old = self.put(lba, entry);
+            self.counts.sub(old.slot(), 1);
+            self.counts.add(entry.slot(), 1);
+            if let Slot::Data(loc) = old.slot() {
+                displaced(loc);
+            }
+        }
+    }
+
+    /// Sets whole chunks `from..to`; with `only_newer`, chunks holding a
+    /// newer entry are set block by block and newer runs are kept.
+    fn set_chunks(
+        &mut self,
+        from: u64,
+        to: u64,
+        entry: Entry,
+        only_newer: bool,
+        displaced: &mut dyn FnMut(Location),
+    ) {
+        // The ranges not replaced whole: (first, end, block by block).
+        let mut spared: Vec<(u64, u64, bool)> = Vec::new();
+        if only_newer {
+            let version = entry.version();
+            let first = self.leaf_at(from).map_or(from, |(start, _)| start);
+            for (&start, leaf) in self.leaves.range(first..to) {
+                let (low, high) = (start.max(from), (start + leaf.blocks()).min(to));
+                match leaf {
+                    Leaf::Run { entry, .. } if entry.version() > version => {
+                        spared.push((low, high, false))
+                    }
+                    Leaf::Run { .. } => {}
+                    Leaf::Dense { column, .. } => {
+                        if column.entries().any(|entry| entry.version() > version) {
+                            spared.push((low, high, true));
+                        }
+                    }
+                    Leaf::Sparse { keys, column, .. } => {
+                        let first = keys.partition_point(|&key| start + (key as u64) < low);
+                        for (index, &key) in keys.iter().enumerate().skip(first) {
+                            let lba = start + key as u64;
+                            if lba >= high {
+                                break;
+                            }
+                            let chunk = lba & !CHUNK_MASK;
+                            let newer = column.get(index).version() > version;
+                            if newer && spared.last() != Some(&(chunk, chunk + CHUNK_BLOCKS, true))
+                            {
+                                spared.push((chunk, chunk + CHUNK_BLOCKS, true));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut cursor = from;
+        for (first, end, block_by_block) in spared {
+            if cursor < first {
+                self.replace(cursor, first, entry, displaced);
+            }
+            if block_by_block {
+                self.set_blocks(first, end, entry, true, displaced);
+            }
+            cursor = end;
+        }
+        if cursor < to {
+            self.replace(cursor, to, entry, displaced);
+        }
+    }
+
+    /// Sets `count` blocks from `first` to `state`, calling `displaced` with
+    /// every data location that stops being referenced. With `only_newer`,
+    /// blocks holding a higher version are left alone (recovery).
+    pub(crate) fn set_range(
+        &mut self,
+        first: Lba,
+        count: u64,
+        state: RangeState,
+        version: u64,
+        only_newer: bool,
+        displaced: &mut dyn FnMut(Location),
+    ) {
+        let end = first.0.checked_add(count).expect("range overflows");
+        let entry = Entry::new(state.slot(), version);
+        let whole_from = first
+            .0
+            .checked_next_multiple_of(CHUNK_BLOCKS)
+            .unwrap_or(end);
+        let whole_to = end & !CHUNK_MASK;
+        if whole_from >= whole_to {
+            self.set_blocks(first.0, end, entry, only_newer, displaced);
+            return;
+        }
+        self.set_blocks(first.0, whole_from, entry, only_newer, displaced);
+        self.set_chunks(whole_from, whole_to, entry, only_newer, displaced);
+        self.set_blocks(whole_to, end, entry, only_newer, displaced);
+    }
+
+    /// Calls `f` with the pieces of blocks `from..to`, in order, until it breaks.
+    fn visit(&self, from: u64, to: u64, mut f: impl FnMut(Piece) -> ControlFlow<()>) {
+        if from >= to {
+            return;
+        }
+        let mut cursor = from;
+        if let Some((start, leaf)) = self.leaf_at(from) {
+            let end = (start + leaf.blocks()).min(to);
+            if leaf.visit(start, from, end, &mut f).is_break() {
+                return;
+            }
+            cursor = end;
+        }
+        if cursor >= to {
+            return;
+        }
+        for (&start, leaf) in self.leaves.range(cursor..to) {
+            if start > cursor && f(Piece::Gap(cursor, start)).is_break() {
+                return;
+            }
+            let end = (start + leaf.blocks()).min(to);
+            if leaf.visit(start, start, end, &mut f).is_break() {
+                return;
+            }
+            cursor = end;
+        }
+        if cursor < to {
+            let _ = f(Piece::Gap(cursor, to));
+        }
+    }
+
+    /// Calls `f` with each block's entry in `first..first+count`, in order.
+    pub(crate) fn for_each_in(&self, first: Lba, count: u64, mut f: impl FnMut(Lba, Entry)) {
+        let end = first.0 + count;
+        self.visit(first.0, end, |piece| {
+            match piece {
+                Piece::Gap(from, to) => (from..to).for_each(|b| f(Lba(b), Entry::default())),
+                Piece::Same(from, to, entry) => (from..to).for_each(|b| f(Lba(b), entry)),
+                Piece::One(lba, entry) => f(Lba(lba), entry),
+            }
+            ControlFlow::Continue(())
+        });
+    }
+
+    /// Runs of equal state starting at `first`, for block status: returns
+    /// (state, blocks) pairs covering at most `count` blocks and `max_runs` runs.
+    /// Large unwritten areas are skipped without visiting each block.
+    pub(crate) fn runs(&self, first: Lba, count: u64, max_runs: usize) -> Vec<(Slot, u64)> {
+        let end = first.0.saturating_add(count);
+        let mut runs: Vec<(Slot, u64)> = Vec::new();
+        let mut push = |slot: Slot, blocks: u64| {
+            let kind = match slot {
+                Slot::Data(_) => Slot::Data(Location::record(crate::units::SegmentId(0), 0, 16)),
+                other => other,
+            };
+            match runs.last_mut() {
+                Some((last, n)) if *last == kind => *n += blocks,
+                _ => runs.push((kind, blocks)),
+            }
+            match runs.len() > max_runs {
+                true => ControlFlow::Break(()),
+                false => ControlFlow::Continue(()),
+            }
+        };
+        self.visit(first.0, end, |piece| match piece {
+            Piece::Gap(from, to) => push(Slot::Hole, to - from),
+            Piece::Same(from, to, entry) => push(entry.slot(), to - from),
+            Piece::One(_, entry) => push(entry.slot(), 1),
+        });
+        runs.truncate(max_runs.max(1));
+        runs
+    }
+
+    /// True if some block in the range holds exactly `version` (the record
+    /// with that version still determines it).
+    pub(crate) fn any_at_version(&self, first: Lba, count: u64, version: u64) -> bool {
+        self.any_in(first, count, |entry_version| entry_version == version)
+    }
+
+    /// True if every block in the range holds a version newer than `version`
+    /// (a record with that version no longer determines any of them).
+    pub(crate) fn all_newer_than(&self, first: Lba, count: u64, version: u64) -> bool {
+        !self.any_in(first, count, |entry_version| entry_version <= version)
+    }
+
+    fn any_in(&self, first: Lba, count: u64, test: impl Fn(u64) -> bool) -> bool {
+        let mut hit = false;
+        self.visit(first.0, first.0.saturating_add(count), |piece| {
+            let version = match piece {
+                Piece::Gap(..) => 0,
+                Piece::Same(_, _, entry) | Piece::One(_, entry) => entry.version(),
+            };
+            hit = test(version);
+            match hit {
+                true => ControlFlow::Break(()),
+                false => ControlFlow::Continue(()),
+            }
+        });
+        hit
+    }
+
+    /// Every chunk that holds an entry, in block order, as a checkpoint
+    /// dump records it (the chunk's index and its entries).
+    pub(crate) fn for_each_chunk(&self, mut f: impl FnMut(u64, &Chunk)) {
+        let mut mixed = Chunk::Mixed(Box::new([Entry::default(); CHUNK_BLOCKS as usize]));
+        let mut emitted = 0u64;
+        for (&start, leaf) in &self.leaves {
+            let index = start >> CHUNK_SHIFT;
+            match leaf {
+                Leaf::Run { blocks, entry } => {
+                    let state = entry.range_state().expect("a run is never data");
+                    let uniform = Chunk::Uniform {
+                        state,
+                        version: entry.version(),
+                    };
+                    for chunk in 0..blocks >> CHUNK_SHIFT {
+                        f(index + chunk, &uniform);
+                    }
+                    emitted += blocks >> CHUNK_SHIFT;
+                }
+                Leaf::Dense { column, .. } => {
+                    if let Chunk::Mixed(entries) = &mut mixed {
+                        for (cell, entry) in entries.iter_mut().zip(column.entries()) {
+                            *cell = entry;
+                        }
+                    }
+                    f(index, &mixed);
+                    if let Chunk::Mixed(entries) = &mut mixed {
+                        entries.fill(Entry::default());
+                    }
+                    emitted += 1;
+                }
+                Leaf::Sparse { keys, column, .. } => {
+                    let mut first = 0;
+                    while first < keys.len() {
+                        let (_, end) = chunk_positions(keys, keys[first]);
+                        let chunk = keys[first] as u64 >> CHUNK_SHIFT;
+                        if let Chunk::Mixed(entries) = &mut mixed {
+                            for position in first..end {
+                                entries[(keys[position] as u64 & CHUNK_MASK) as usize] =
+                                    column.get(position);
+                            }
+                        }
+                        f(index + chunk, &mixed);
+                        if let Chunk::Mixed(entries) = &mut mixed {
+                            for &key in &keys[first..end] {
+                                entries[(key as u64 & CHUNK_MASK) as usize] = Entry::default();
+                            }
+                        }
+                        emitted += 1;
+                        first = end;
+                    }
+                }
+            }
+        }
+        debug_assert_eq!(emitted, self.chunk_items);
+    }
+
+    /// True if some leaf stores an entry in the chunk at `start`.
+    fn chunk_present(&self, start: u64) -> bool {
+        match self.leaf_at(start) {
+            None => false,
+            Some((_, Leaf::Run { .. } | Leaf::Dense { .. })) => true,
+            Some((leaf_start, Leaf::Sparse { keys, .. })) => {
+                let offset = start - leaf_start;
+                let index = keys.partition_point(|&key| (key as u64) < offset);
+                keys.get(index)
+                    .is_some_and(|&key| (key as u64) < offset + CHUNK_BLOCKS)
+            }
+        }
+    }
+
+    /// Installs a chunk read from a checkpoint; a chunk listed twice is an error.
+    pub(crate) fn insert_chunk(&mut self, index: u64, chunk: Chunk) -> Result<(), String> {
+        let start = index
+            .checked_mul(CHUNK_BLOCKS)
+            .filter(|start| start.checked_add(CHUNK_BLOCKS).is_some())
+            .ok_or_else(|| format!("map chunk {index} lies beyond any volume"))?;
+        if self.chunk_present(start) {
+            return Err(format!("map chunk {index} appears twice"));
+        }
+        match chunk {
+            Chunk::Uniform { state, version } => {
+                let entry = Entry::new(state.slot(), version);
+                if self.stores(entry) {
+                    self.counts.add(entry.slot(), CHUNK_BLOCKS);
+                    self.carve(start);
+                    self.carve(start + CHUNK_BLOCKS);
+                    self.insert_run(start, CHUNK_BLOCKS, entry);
+                }
+            }
+            Chunk::Mixed(entries) => {
+                let stored = entries.iter().filter(|e| self.stores(**e)).count();
+                if stored >= DENSE_FROM {
+                    self.carve(start);
+                    self.carve(start + CHUNK_BLOCKS);
+                    entries.iter().for_each(|e| self.counts.add(e.slot(), 1));
+                    self.insert_leaf(start, Leaf::dense(&entries));
+                } else {
+                    for (offset, &entry) in entries.iter().enumerate() {
+                        if self.stores(entry) {
+                            let old = self.put(start + offset as u64, entry);
+                            debug_assert_eq!(old, Entry::default());
+                            self.counts.add(entry.slot(), 1);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every data block and its location.
+    pub(crate) fn for_each_data(&self, mut f: impl FnMut(Lba, Location, u64)) {
+        self.for_each_stored(|lba, entry| {
+            if let Slot::Data(loc) = entry.slot() {
+                f(Lba(lba), loc, entry.version());
+            }
+        });
+    }
+
+    /// Every damaged block, in order.
+    pub(crate) fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
+        self.visit(0, u64::MAX, |piece| {
+            match piece {
+                Piece::Same(from, to, entry) if entry.slot() == Slot::Damaged => {
+                    (from..to).for_each(|lba| f(Lba(lba)))
+                }
+                Piece::One(lba, entry) if entry.slot() == Slot::Damaged => f(Lba(lba)),
+                _ => {}
+            }
+            ControlFlow::Continue(())
+        });
+    }
+
+    /// Every entry held in a dense or sparse leaf, in block order.
+    fn for_each_stored(&self, mut f: impl FnMut(u64, Entry)) {
+        for (&start, leaf) in &self.leaves {
+            match leaf {
+                Leaf::Run { .. } => {}
+                Leaf::Dense { column, .. } => column
+                    .entries()
+                    .enumerate()
+                    .for_each(|(offset, entry)| f(start + offset as u64, entry)),
+                Leaf::Sparse { keys, column, .. } => keys
+                    .iter()
+                    .enumerate()
+                    .for_each(|(index, &key)| f(start + key as u64, column.get(index))),
+            }
+        }
+    }
+
+    /// Drops tombstones and switches to normal operation (end of recovery).
+    pub(crate) fn compact(&mut self) {
+        self.keep_tombstones = false;
+        let starts: Vec<u64> = self.leaves.keys().copied().collect();
+        for &start in &starts {
+            match self.leaves.get(&start) {
+                Some(Leaf::Run { entry, .. }) if entry.is_hole() => {
+                    self.remove_leaf(start);
+                }
+                Some(Leaf::Dense { stored, .. }) if *stored < DENSE_KEEP => self.demote(start),
+                Some(Leaf::Sparse { column, .. }) if column.entries().any(Entry::is_hole) => {
+                    let Leaf::Sparse {
+                        blocks,
+                        keys,
+                        column,
+                    } = self.remove_leaf(start)
+                    else {
+                        unreachable!("matched a sparse leaf")
+                    };
+                    let (keys, entries): (Vec<u32>, Vec<Entry>) = keys
+                        .iter()
+                        .zip(column.entries())
+                        .filter(|(_, entry)| !entry.is_hole())
+                        .unzip();
+                    if !keys.is_empty() {
+                        self.insert_leaf(start, Leaf::sparse(blocks, keys, &entries));
+                    }
+                }
+                _ => {}
+            }
+        }
+        let starts: Vec<u64> = self.leaves.keys().copied().collect();
+        for start in starts {
+            self.tidy(start);
+        }
+    }
+
+    /// Recounts everything from scratch, compares with the running totals,
+    /// and checks the leaves' invariants.
+    pub(crate) fn check_counts(&self) -> Result<(), String> {
+        let mut counts = MapCounts::default();
+        let (mut chunk_items, mut heap_bytes, mut end) = (0u64, 0u64, 0u64);
+        for (&start, leaf) in &self.leaves {
+            let blocks = leaf.blocks();
+            if start < end || start & CHUNK_MASK != 0 || blocks == 0 || blocks & CHUNK_MASK != 0 {
+                return Err(format!(
+                    "leaf at {start} of {blocks} blocks overlaps or is not chunk-aligned"
+                ));
+            }
+            end = start + blocks;
+            chunk_items += leaf.chunk_items();
+            heap_bytes += leaf.heap_bytes();
+            self.check_leaf(start, leaf)?;
+            let _ = leaf.visit(start, start, end, &mut |piece| {
+                match piece {
+                    Piece::Gap(..) => {}
+                    Piece::Same(from, to, entry) => counts.add(entry.slot(), to - from),
+                    Piece::One(_, entry) => counts.add(entry.slot(), 1),
+                }
+                ControlFlow::Continue(())
+            });
+        }
+        if counts != self.counts {
+            return Err(format!(
+                "map counts drifted: running {:?}, recount {:?}",
+                self.counts, counts
+            ));
+        }
+        if chunk_items != self.chunk_items || heap_bytes != self.leaf_heap_bytes {
+            return Err(format!(
+                "map totals drifted: chunks {} (recount {chunk_items}), heap bytes {} (recount {heap_bytes})",
+                self.chunk_items, self.leaf_heap_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_leaf(&self, start: u64, leaf: &Leaf) -> Result<(), String> {
+        let problem = match leaf {
+            Leaf::Run { entry, .. } => {
+                if entry.is_data() || !entry.is_well_formed() {
+                    Some(format!("holds {entry:?}"))
+                } else if !self.stores(*entry) {
+                    Some(format!("is a run of {:?} outside recovery", entry.slot()))
+                } else {
+                    None
+                }
+            }
+            Leaf::Dense { stored, column } => {
+                let count = column.entries().filter(|e| !e.is_hole()).count() as u32;
+                if column.len() != CHUNK_BLOCKS as usize || count != *stored {
+                    Some(format!(
+                        "has {} cells, {count} stored ({stored} counted)",
+                        column.len()
+                    ))
+                } else if !column.is_well_formed() {
+                    Some("has a cell out of its base's reach".into())
+                } else if !self.keep_tombstones && count < DENSE_KEEP {
+                    Some(format!("is dense with {count} blocks stored"))
+                } else {
+                    None
+                }
+            }
+            Leaf::Sparse {
+                blocks,
+                keys,
+                column,
+            } => {
+                let sorted = keys.windows(2).all(|pair| pair[0] < pair[1]);
+                let most_in_a_chunk = (0..keys.len())
+                    .map(|index| {
+                        let (low, high) = chunk_positions(keys, keys[index]);
+                        high - low
+                    })
+                    .max()
+                    .unwrap_or(0);
+                if keys.is_empty() || keys.len() > SPARSE_MAX || keys.len() != column.len() {
+                    Some(format!(
+                        "has {} keys and {} cells",
+                        keys.len(),
+                        column.len()
+                    ))
+                } else if !sorted || keys.last().is_some_and(|&key| key as u64 >= *blocks) {
+                    Some(format!("has keys out of order or beyond {blocks} blocks"))
+                } else if *blocks > SPAN_MAX || most_in_a_chunk >= DENSE_FROM {
+                    Some(format!(
+                        "spans {blocks} blocks, {most_in_a_chunk} in one chunk"
+                    ))
+                } else if !column.is_well_formed() {
+                    Some("has a cell out of its base's reach".into())
+                } else {
+                    let kept = column.entries().find(|e| !self.stores(*e));
+                    kept.map(|entry| format!("stores {entry:?}"))
+                }
+            }
+        };
+        match problem {
+            Some(problem) => Err(format!("map leaf at {start} {problem}")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// An estimate of the heap bytes of a B-tree of `len` leaves. std's nodes
+/// hold at most 11 pairs; filled in block order, as a map mostly is, a
+/// node keeps 6 and hands one to its parent, so about 7 pairs per node.
+fn btree_bytes(len: usize) -> u64 {
+    if len == 0 {
+        return 0;
+    }
+    let pair_bytes = size_of::<u64>() + size_of::<Leaf>();
+    let leaf_node_bytes = 16 + 11 * pair_bytes;
+    let internal_node_bytes = leaf_node_bytes + 12 * size_of::<usize>();
+    let leaf_nodes = len.div_ceil(7) as u64;
+    let internal_nodes = (leaf_nodes - 1).div_ceil(6);
+    leaf_nodes * alloc_bytes(leaf_node_bytes) + internal_nodes * alloc_bytes(internal_node_bytes)
+}
