@@ -54,6 +54,34 @@ fn encode_state(state: &State, target_bytes: usize) -> Vec<Vec<u8>> {
     encode_dump(state.map(), segments, target_bytes)
 }
 
+/// Transient bytes from which a checkpoint hands the allocator's free
+/// memory back to the system.
+const TRIM_FROM_BYTES: usize = 8 << 20;
+
+/// Dropped after a checkpoint's snapshot: gives the allocator's free
+/// memory back to the system if the dump was large. A dump (its encoded
+/// payloads and segment images) is the largest transient allocation the
+/// engine makes, tens of MiB for a sparse map of a million chunks, and the
+/// C allocator would otherwise keep it resident for good. Small dumps (the
+/// simulator writes thousands) are not worth the system calls.
+struct TrimAfter {
+    transient_bytes: usize,
+}
+
+impl Drop for TrimAfter {
+    fn drop(&mut self) {
+        if self.transient_bytes < TRIM_FROM_BYTES {
+            return;
+        }
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only returns free pages to the system; it
+        // takes the allocator's locks itself and touches no live allocation.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
+
 impl Volume {
     /// Checkpoints, cleaning first if the medium has no room for the dump
     /// (the checkpoint's own rungs of the ladder, renewing and flushing,
@@ -105,6 +133,8 @@ impl Volume {
     /// 5. Free the previous dump's segments.
     fn checkpoint_attempt(&self, clean: bool) -> Result<Attempt> {
         let segment_size = self.geometry.segment_size_bytes;
+        // Declared before the snapshot, so dropped after it.
+        let mut trim = TrimAfter { transient_bytes: 0 };
         let (snapshot, gen) = {
             let mut state = self.lock();
             let gen = state.barrier()?;
@@ -115,6 +145,8 @@ impl Volume {
             };
             (snapshot, gen)
         };
+        trim.transient_bytes =
+            snapshot.payloads.iter().map(Vec::len).sum::<usize>() + segment_size as usize;
         self.sync_to(gen)?;
 
         let placement = layout(&snapshot.payloads, segment_size);
