@@ -35,9 +35,9 @@ pub use codec::Codec;
 pub use device::{BlockDevice, Extent, ExtentState};
 pub use error::{Error, Result};
 pub use gc::GcPolicy;
-pub use stats::{Counters, SegmentCounts, Stats};
+pub use stats::{Counters, SegmentCounts, Stats, Wear};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, Recompress,
-    SystemClock, Volume,
+    CheckReport, Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, OpenReport, Random,
+    Recompress, SystemClock, Volume,
 };

@@ -17,7 +17,7 @@ use crate::media::MediaGeometry;
 use crate::stats::Counters;
 use crate::units::SegmentId;
 
-pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
+pub use crate::media::META_MAGIC;
 /// The format version this zdisk writes. Version 2 added compression
 /// units and may leave flushed records in staging slots, which version 1
 /// never reads, so a version-1 zdisk must refuse it.

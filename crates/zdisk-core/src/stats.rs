@@ -6,19 +6,32 @@
 //! lost except for what recovery replays. Everything else in [`Stats`] is
 //! derived from the map and the segment table at the time of the snapshot.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::bytes::{ByteReader, ByteWriter};
 
 macro_rules! counters {
     ($($id:literal => $name:ident: $doc:literal,)*) => {
         /// Cumulative event counters, persisted in the checkpoint root.
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+        #[serde(default)]
         pub struct Counters {
             $(#[doc = $doc] pub $name: u64,)*
         }
 
         impl Counters {
+            /// Every counter's name and one-line meaning.
+            pub const DOCS: &'static [(&'static str, &'static str)] =
+                &[$((stringify!($name), $doc)),*];
+
+            /// The counter called `name`.
+            pub fn get(&self, name: &str) -> Option<u64> {
+                match name {
+                    $(stringify!($name) => Some(self.$name),)*
+                    _ => None,
+                }
+            }
+
             /// Encodes as a count followed by (id, value) pairs, so that
             /// older and newer versions can read each other's roots.
             pub fn encode(&self, out: &mut ByteWriter) {
@@ -72,7 +85,7 @@ counters! {
 }
 
 /// Number of segments in each state.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct SegmentCounts {
     pub free: u64,
     pub open: u64,
@@ -81,8 +94,20 @@ pub struct SegmentCounts {
     pub reclaimable: u64,
 }
 
+/// Wear of an emulated NAND drive's erase blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Wear {
+    /// Erase blocks erased since the image was created (a segment erase
+    /// counts one per plane).
+    pub blocks_erased: u64,
+    /// Fewest, most and mean erases of any one erase block.
+    pub erase_count_min: u32,
+    pub erase_count_max: u32,
+    pub erase_count_mean: f64,
+}
+
 /// A point-in-time view of a volume, with the stable key names scripts use.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stats {
     pub logical_size_bytes: u64,
     pub physical_size_bytes: u64,
@@ -94,6 +119,20 @@ pub struct Stats {
     pub stored_bytes: u64,
     /// Bytes of the medium in use: metadata area plus written parts of non-free segments.
     pub physical_used_bytes: u64,
+    /// Of `physical_used_bytes`, what cleaning would give back: dead
+    /// records, range records and padding in segments in use, and whole
+    /// cleaned segments awaiting reuse.
+    #[serde(default)]
+    pub reclaimable_bytes: u64,
+    /// Of `physical_used_bytes`, the metadata area and the checkpoints'
+    /// segments.
+    #[serde(default)]
+    pub metadata_bytes: u64,
+    /// Stored bytes that could still be added once dead space is cleaned:
+    /// the medium less metadata, live data and the free segments the
+    /// cleaner and the next checkpoint keep in reserve.
+    #[serde(default)]
+    pub available_bytes: u64,
     /// `mapped_bytes / stored_bytes`; null while nothing is stored.
     pub compression_ratio: Option<f64>,
     pub host_write_bytes: u64,
@@ -134,6 +173,9 @@ pub struct Stats {
     /// between 10·i % and 10·(i+1) % live (the last bucket is exactly full).
     pub sealed_utilization_histogram: [u64; 11],
     pub counters: Counters,
+    /// Erase counts of an emulated NAND drive; null on other media.
+    #[serde(default)]
+    pub wear: Option<Wear>,
 }
 
 impl Stats {
@@ -175,6 +217,21 @@ impl Stats {
             "physical_used_bytes",
             "Bytes of the medium in use.",
             self.physical_used_bytes as f64,
+        );
+        gauge(
+            "reclaimable_bytes",
+            "Bytes in use that cleaning would give back.",
+            self.reclaimable_bytes as f64,
+        );
+        gauge(
+            "metadata_bytes",
+            "Bytes in use by metadata and checkpoints.",
+            self.metadata_bytes as f64,
+        );
+        gauge(
+            "available_bytes",
+            "Stored bytes that could still be added.",
+            self.available_bytes as f64,
         );
         gauge(
             "compression_ratio",
@@ -279,6 +336,17 @@ impl Stats {
             "Bytes zeroed by the host.",
             c.host_zero_bytes,
         );
+        if let Some(wear) = &self.wear {
+            counter(
+                "blocks_erased_total",
+                "Erase blocks erased.",
+                wear.blocks_erased,
+            );
+            out.push_str(&format!(
+                "# HELP zdisk_erase_count_max Most erases of one erase block.\n# TYPE zdisk_erase_count_max gauge\nzdisk_erase_count_max {}\n",
+                wear.erase_count_max
+            ));
+        }
         out
     }
 }
@@ -308,5 +376,22 @@ mod tests {
         future.u64(6);
         let decoded = Counters::decode(&mut ByteReader::new(&future.buf)).unwrap();
         assert_eq!(decoded.host_write_bytes, 5);
+    }
+
+    #[test]
+    fn every_counter_has_a_meaning_and_a_value_by_name() {
+        let counters = Counters {
+            flushes: 7,
+            ..Counters::default()
+        };
+        assert_eq!(counters.get("flushes"), Some(7));
+        assert_eq!(counters.get("nonsense"), None);
+        let json = serde_json::to_value(counters).unwrap();
+        let keys = json.as_object().unwrap();
+        assert_eq!(keys.len(), Counters::DOCS.len());
+        for (name, doc) in Counters::DOCS {
+            assert!(keys.contains_key(*name), "{name}");
+            assert!(doc.ends_with('.'), "{name}: {doc}");
+        }
     }
 }

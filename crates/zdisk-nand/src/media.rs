@@ -463,4 +463,15 @@ impl Media for NandMedia {
         let now = self.start_ns(&inner);
         inner.model.recycling_ready(now)
     }
+
+    fn wear(&self) -> Option<zdisk_core::Wear> {
+        let inner = self.lock();
+        let stats = inner.model.stats();
+        Some(zdisk_core::Wear {
+            blocks_erased: inner.model.erase_count_total(),
+            erase_count_min: stats.erase_count_min,
+            erase_count_max: stats.erase_count_max,
+            erase_count_mean: stats.erase_count_mean,
+        })
+    }
 }

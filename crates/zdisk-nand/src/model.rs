@@ -563,6 +563,11 @@ impl Model {
             .unwrap_or(0)
     }
 
+    /// Erases of every erase block since the image was created.
+    pub fn erase_count_total(&self) -> u64 {
+        self.erase_counts.iter().map(|&c| c as u64).sum()
+    }
+
     pub fn stats(&self) -> NandStats {
         let mut stats = self.stats.clone();
         if !self.erase_counts.is_empty() {

@@ -39,6 +39,12 @@ pub use mem::{CrashConfig, MemMedia};
 /// The unit in which a medium with staging writes segments, and in which
 /// any unsynced write may tear.
 pub const SECTOR_BYTES: usize = 512;
+
+/// The bytes every metadata slot of a zdisk image opens with (see
+/// docs/format.md); here, so that a medium can tell damaged metadata from
+/// a file that never was an image.
+pub const META_MAGIC: &[u8; 8] = b"ZDISKMT1";
+
 /// Staging slots of a medium with staging: two per writer stream, so that a
 /// flush can always write one while the other keeps what the last
 /// completed flush covered.
@@ -239,6 +245,11 @@ pub trait Media: Send + Sync {
     /// background cleaner then waits (foreground cleaning does not).
     fn recycling_ready(&self) -> bool {
         true
+    }
+
+    /// Erase counts, on a medium that wears (an emulated NAND drive).
+    fn wear(&self) -> Option<crate::stats::Wear> {
+        None
     }
 }
 

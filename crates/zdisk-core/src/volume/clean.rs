@@ -174,10 +174,14 @@ enum IdleChoice {
 }
 
 /// The idle pass's next move: the emptiest sealed segment if at most half
-/// of it lives, else the one with the oldest data not yet rewritten by
-/// the cold-data pass (at most half of its live bytes are) and not read
-/// lately (`read_recently`).
-fn idle_choice(state: &State, read_recently: &dyn Fn(SegmentId) -> bool) -> IdleChoice {
+/// of it lives, else, when it may `recompress`, the one with the oldest
+/// data not yet rewritten by the cold-data pass (at most half of its live
+/// bytes are) and not read lately (`read_recently`).
+fn idle_choice(
+    state: &State,
+    recompress: bool,
+    read_recently: &dyn Fn(SegmentId) -> bool,
+) -> IdleChoice {
     let half = state.segment_size_bytes() / 2;
     let sealed = || {
         state
@@ -190,6 +194,7 @@ fn idle_choice(state: &State, read_recently: &dyn Fn(SegmentId) -> bool) -> Idle
         .filter(|(_, info)| info.live_bytes <= half)
         .min_by_key(|(_, info)| info.live_bytes);
     let oldest_warm = sealed()
+        .filter(|_| recompress)
         .filter(|(_, info)| info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2)
         .filter(|(segment, _)| !read_recently(*segment))
         .min_by_key(|(_, info)| info.max_version);
@@ -298,24 +303,26 @@ impl Volume {
         Ok(Some(victim_of(&state, segment)))
     }
 
-    /// One step of the idle pass (`Recompress::Idle` or `Gc`, the volume
-    /// idle): compacts the emptiest sealed segment if at most half of it
-    /// lives, otherwise rewrites the one with the oldest data the pass has
-    /// not rewritten yet. The pass never scans a victim for range records:
+    /// One step of the idle pass (the volume idle): compacts the emptiest
+    /// sealed segment if at most half of it lives (`idle_compact`, or any
+    /// `Recompress` mode but `Off`), otherwise, with `Recompress::Idle` or
+    /// `Gc`, rewrites the one with the oldest data the pass has not
+    /// rewritten yet. The pass never scans a victim for range records:
     /// while its candidates hold some a recovery may still replay, it
     /// writes a checkpoint first (two at most: the older root's recovery
     /// counts too). When nothing is left, a flush releases what it
     /// cleaned. Returns false if there was nothing worth doing or no room
     /// to do it in.
     pub fn idle_step(&self) -> Result<bool> {
-        if self.read_only || self.options.recompress == crate::volume::Recompress::Off {
+        let recompress = self.options.recompress != crate::volume::Recompress::Off;
+        if self.read_only || !(recompress || self.options.idle_compact) {
             return Ok(false);
         }
         let maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
         let choice = {
             let state = self.lock();
             state.check_writable()?;
-            idle_choice(&state, &|segment| self.read_recently(segment))
+            idle_choice(&state, recompress, &|segment| self.read_recently(segment))
         };
         match choice {
             IdleChoice::Victim(segment) => {
@@ -329,7 +336,7 @@ impl Volume {
                 // (the GC stream's segment before and after the move:
                 // half a segment fits in two).
                 let warm = self.read_recently(segment);
-                victim.recompress = !warm;
+                victim.recompress = recompress && !warm;
                 self.idle_checkpoints.store(0, Ordering::Relaxed);
                 let gc_segment = || self.lock().streams()[StreamKind::Gc as usize].segment;
                 let target_before = gc_segment();

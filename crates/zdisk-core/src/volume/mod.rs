@@ -34,7 +34,9 @@ mod state;
 mod tests;
 
 pub use check::CheckReport;
-pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, Recompress, SystemClock};
+pub use options::{
+    Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, Random, Recompress, SystemClock,
+};
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -54,7 +56,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use recovery::Recovered;
 use roots::{build_root, RootContents};
-use space::{Ahead, Reservation, Space};
+use space::{Ahead, Reservation, Space, Writer};
 use state::{Start, State};
 
 /// Number of stripe locks serialising read-modify-write of partial blocks.
@@ -251,6 +253,7 @@ impl Volume {
             // The drive an emulated image models compresses each block
             // alone, once.
             options.recompress = Recompress::Off;
+            options.idle_compact = false;
         }
         let geometry = media.geometry();
         let segment_count = geometry.segment_count as u64;
@@ -453,6 +456,11 @@ impl Volume {
                 < self.options.read_warm_for.as_secs().max(1)
     }
 
+    /// The idle pass has something it may do: compact, or recompress.
+    fn idle_pass_enabled(&self) -> bool {
+        self.options.idle_compact || self.options.recompress != Recompress::Off
+    }
+
     /// No host request (reads included: data being read is not cold, and
     /// reads should not share the CPU with the pass) for
     /// `options.idle_after`.
@@ -497,12 +505,14 @@ impl Volume {
         let state = self.lock();
         let counts = state.map().counts();
         let segment_size = self.geometry.segment_size_bytes;
-        let (by_state, histogram, used_segments_bytes) = segment_usage(&state, segment_size);
+        let usage = segment_usage(&state, segment_size);
         let meta_bytes = self
             .media
             .physical_size_bytes()
             .saturating_sub(self.geometry.log_capacity_bytes());
         let counters = state.counters();
+        let metadata_bytes = meta_bytes + usage.checkpoint_bytes;
+        let reserve_bytes = state.floor(Writer::Host { blocks: 0 }) * segment_size;
         let ratio = |num: u64, den: u64| {
             if den == 0 {
                 None
@@ -516,7 +526,13 @@ impl Volume {
             mapped_bytes: counts.data_blocks * BLOCK_SIZE_U64,
             zero_bytes: counts.zero_blocks * BLOCK_SIZE_U64,
             stored_bytes: counts.stored_bytes,
-            physical_used_bytes: meta_bytes + used_segments_bytes,
+            physical_used_bytes: meta_bytes + usage.used_bytes,
+            reclaimable_bytes: usage.dead_bytes,
+            metadata_bytes,
+            available_bytes: self
+                .media
+                .physical_size_bytes()
+                .saturating_sub(metadata_bytes + counts.stored_bytes + reserve_bytes),
             compression_ratio: ratio(counts.data_blocks * BLOCK_SIZE_U64, counts.stored_bytes),
             host_write_bytes: counters.host_write_bytes,
             media_write_bytes: counters.media_write_bytes,
@@ -541,9 +557,10 @@ impl Volume {
                 .saturating_sub(counters.recompress_out_bytes),
             damaged_blocks: counts.damaged_blocks,
             map_memory_bytes: state.map().memory_bytes(),
-            segments_by_state: by_state,
-            sealed_utilization_histogram: histogram,
+            segments_by_state: usage.by_state,
+            sealed_utilization_histogram: usage.histogram,
             counters,
+            wear: self.media.wear(),
         }
     }
 
@@ -658,28 +675,57 @@ fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead:
     (start, report, staged)
 }
 
+/// How the segments are used.
+struct SegmentUsage {
+    by_state: SegmentCounts,
+    /// Sealed segments by live tenth.
+    histogram: [u64; 11],
+    /// Bytes written in segments that are not free.
+    used_bytes: u64,
+    /// Of those, bytes no live record holds, in segments holding data
+    /// (open, sealed, or cleaned and awaiting reuse).
+    dead_bytes: u64,
+    /// Of those, bytes in checkpoint segments.
+    checkpoint_bytes: u64,
+}
+
 /// Segments by state, the utilisation histogram of sealed ones, and the
-/// bytes written in segments that are not free.
-fn segment_usage(state: &State, segment_size: u64) -> (SegmentCounts, [u64; 11], u64) {
-    let mut by_state = SegmentCounts::default();
-    let mut histogram = [0u64; 11];
-    let mut used_bytes = 0;
+/// bytes written in segments that are not free, live, dead or metadata.
+fn segment_usage(state: &State, segment_size: u64) -> SegmentUsage {
+    let mut usage = SegmentUsage {
+        by_state: SegmentCounts::default(),
+        histogram: [0; 11],
+        used_bytes: 0,
+        dead_bytes: 0,
+        checkpoint_bytes: 0,
+    };
     for (_, info) in state.space().table().iter() {
+        let fill = info.fill_bytes.min(segment_size);
         if info.state != SegmentState::Free {
-            used_bytes += info.fill_bytes.min(segment_size);
+            usage.used_bytes += fill;
         }
         match info.state {
-            SegmentState::Free => by_state.free += 1,
-            SegmentState::Open => by_state.open += 1,
-            SegmentState::Sealed => {
-                by_state.sealed += 1;
-                histogram[(info.live_bytes * 10 / segment_size).min(10) as usize] += 1;
+            SegmentState::Free => usage.by_state.free += 1,
+            SegmentState::Open => {
+                usage.by_state.open += 1;
+                usage.dead_bytes += fill.saturating_sub(info.live_bytes);
             }
-            SegmentState::Dump => by_state.checkpoint += 1,
-            SegmentState::Reclaimable { .. } => by_state.reclaimable += 1,
+            SegmentState::Sealed => {
+                usage.by_state.sealed += 1;
+                usage.histogram[(info.live_bytes * 10 / segment_size).min(10) as usize] += 1;
+                usage.dead_bytes += fill.saturating_sub(info.live_bytes);
+            }
+            SegmentState::Dump => {
+                usage.by_state.checkpoint += 1;
+                usage.checkpoint_bytes += fill;
+            }
+            SegmentState::Reclaimable { .. } => {
+                usage.by_state.reclaimable += 1;
+                usage.dead_bytes += fill;
+            }
         }
     }
-    (by_state, histogram, used_bytes)
+    usage
 }
 
 fn maintenance_loop(volume: Weak<Volume>) {
@@ -694,11 +740,21 @@ fn maintenance_loop(volume: Weak<Volume>) {
         // NoSpace; the loop backs off instead of spinning.
         let mut worked = strong.maintenance_tick().unwrap_or(false);
         let mut pause = Duration::from_millis(100);
-        if !worked && strong.options.recompress != Recompress::Off && strong.is_idle() {
-            // Half of one core at most: as long a pause as the step took.
+        if !worked && strong.idle_pass_enabled() && strong.is_idle() {
+            // Within the idle budget: a pause as long as the step's CPU
+            // time and the bytes it moved ask for.
             let started = Instant::now();
+            let moved = |volume: &Volume| {
+                let counters = volume.lock().counters();
+                counters.gc_read_bytes + counters.gc_write_bytes
+            };
+            let moved_before = moved(&strong);
             if strong.idle_step().unwrap_or(false) {
-                pause = started.elapsed();
+                let io_bytes = moved(&strong).saturating_sub(moved_before);
+                pause = strong
+                    .options
+                    .idle_budget
+                    .pause_after(started.elapsed(), io_bytes);
                 worked = pause.is_zero();
             }
         }

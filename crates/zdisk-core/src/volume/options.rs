@@ -61,6 +61,12 @@ pub struct OpenOptions {
     /// How long without host requests makes the volume idle
     /// (for `Recompress::Idle` and idle-time compaction).
     pub idle_after: Duration,
+    /// Compact mostly dead segments while the volume is idle, whatever
+    /// `recompress` says (emulated drives never do: their controller's
+    /// cleaner is the one modelled).
+    pub idle_compact: bool,
+    /// How much of the machine the idle pass may take.
+    pub idle_budget: IdleBudget,
     /// Data read within this long is not cold: the cold-data pass leaves
     /// its segment's codec alone (it may still compact it).
     pub read_warm_for: Duration,
@@ -103,6 +109,8 @@ impl Default for OpenOptions {
             unit_blocks: None,
             recompress: Recompress::Idle,
             idle_after: Duration::from_secs(5),
+            idle_compact: true,
+            idle_budget: IdleBudget::default(),
             read_warm_for: Duration::from_secs(60),
             background: true,
             checkpoint_interval_bytes: 1 << 30,
@@ -116,6 +124,39 @@ impl Default for OpenOptions {
             random: Random::from_entropy(),
             accept_lost_checkpoint: false,
         }
+    }
+}
+
+/// The idle pass's share of the machine: after each step it pauses long
+/// enough that its CPU time stays within `cpu_share` of one core and the
+/// bytes it reads and writes within `io_bytes_per_sec`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IdleBudget {
+    /// Fraction of one core, above 0 and at most 1.
+    pub cpu_share: f64,
+    /// Bytes per second the pass may read and write together.
+    pub io_bytes_per_sec: u64,
+}
+
+impl Default for IdleBudget {
+    fn default() -> Self {
+        IdleBudget {
+            cpu_share: 0.5,
+            io_bytes_per_sec: 64 << 20,
+        }
+    }
+}
+
+impl IdleBudget {
+    /// The pause after a step that took `busy` and moved `io_bytes`.
+    pub fn pause_after(&self, busy: Duration, io_bytes: u64) -> Duration {
+        let share = self.cpu_share.clamp(0.01, 1.0);
+        let for_cpu = busy.mul_f64((1.0 - share) / share);
+        let for_io = match self.io_bytes_per_sec {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs_f64(io_bytes as f64 / rate as f64).saturating_sub(busy),
+        };
+        for_cpu.max(for_io)
     }
 }
 
@@ -221,6 +262,24 @@ mod tests {
         let clock = FixedClock { unix_secs: 42 };
         assert_eq!(clock.unix_secs(), 42);
         assert_eq!(clock.monotonic(), clock.monotonic());
+    }
+
+    #[test]
+    fn the_idle_budget_bounds_cpu_and_io() {
+        let budget = IdleBudget {
+            cpu_share: 0.5,
+            io_bytes_per_sec: 10 << 20,
+        };
+        let ms = Duration::from_millis;
+        // CPU-bound: as long a pause as the step took.
+        assert_eq!(budget.pause_after(ms(40), 0), ms(40));
+        // IO-bound: 20 MiB at 10 MiB/s is 2 s in all, step included.
+        assert_eq!(budget.pause_after(ms(40), 20 << 20), ms(1960));
+        let quarter = IdleBudget {
+            cpu_share: 0.25,
+            io_bytes_per_sec: 0,
+        };
+        assert_eq!(quarter.pause_after(ms(10), 1 << 30), ms(30));
     }
 }
 
