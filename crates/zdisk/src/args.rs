@@ -175,10 +175,14 @@ pub struct ServeArgs {
 
 #[derive(Args, Debug)]
 pub struct StatsArgs {
+    /// The image; while it is served, its server answers.
     pub image: PathBuf,
     /// Print JSON with the stable key names.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "explain")]
     pub json: bool,
+    /// Say what every key means.
+    #[arg(long)]
+    pub explain: bool,
 }
 
 #[derive(Args, Debug)]

@@ -3,7 +3,9 @@
 //! Exit status follows e2fsck: 0 clean, 1 damage found and repaired,
 //! 4 damage or broken invariants remain.
 
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use zdisk_core::OpenOptions;
 
@@ -20,11 +22,15 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
     };
     let volume = crate::image::open(&args.image, options)?;
     let opened = volume.open_report();
-    let report = if args.repair {
-        volume.repair().map_err(|e| e.to_string())?
+    let mut progress = Progress::new();
+    let mut report_progress = |done: u64, total: u64| progress.show(done, total);
+    let checked = if args.repair {
+        volume.repair_with_progress(&mut report_progress)
     } else {
-        volume.check(true).map_err(|e| e.to_string())?
+        volume.check_with_progress(true, &mut report_progress)
     };
+    progress.finish();
+    let report = checked.map_err(|e| e.to_string())?;
     if args.repair {
         volume.close().map_err(|e| e.to_string())?;
     }
@@ -44,8 +50,16 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
             say!("metadata: {problem}")?;
         }
         if opened.replayed_records > 0 {
+            // Replay follows an unclean stop, or a newest root that could
+            // not be used (damaged after a clean stop, say): recovery then
+            // starts from an older one.
+            let why = if opened.slot_problems.is_empty() && opened.lost_checkpoints.is_empty() {
+                "the image was not shut down cleanly"
+            } else {
+                "the newest metadata could not be used, so recovery started from an older checkpoint"
+            };
             say!(
-                "log: replayed {} records from {} segments (the image was not shut down cleanly)",
+                "log: replayed {} records from {} segments ({why})",
                 opened.replayed_records,
                 opened.replayed_segments
             )?;
@@ -97,6 +111,48 @@ pub fn run(args: &CheckArgs) -> Result<ExitCode, String> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// A progress line on standard error, when it is a terminal: rewritten in
+/// place at most ten times a second, and erased at the end.
+struct Progress {
+    terminal: bool,
+    shown: Option<Instant>,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        Progress {
+            terminal: std::io::stderr().is_terminal(),
+            shown: None,
+        }
+    }
+
+    fn show(&mut self, done: u64, total: u64) {
+        if !self.terminal || total == 0 {
+            return;
+        }
+        if self
+            .shown
+            .is_some_and(|at| at.elapsed() < Duration::from_millis(100))
+            && done < total
+        {
+            return;
+        }
+        self.shown = Some(Instant::now());
+        let percent = done * 100 / total;
+        let _ = write!(
+            std::io::stderr(),
+            "\rverifying: {percent:>3}% ({done} of {total} blocks)"
+        );
+    }
+
+    fn finish(&mut self) {
+        if self.terminal && self.shown.is_some() {
+            // Erase the line: the report follows on standard output.
+            let _ = write!(std::io::stderr(), "\r\x1b[K");
+        }
+    }
 }
 
 fn list(blocks: &[u64]) -> String {

@@ -205,7 +205,27 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
     };
     volume.close().map_err(|e| e.to_string())?;
     say!("created {}", describe(&volume, &args.image))?;
+    if args.nand.is_none() {
+        if let Some(note) = oversized_note(&volume) {
+            say!("note: {note}")?;
+        }
+    }
     Ok(())
+}
+
+/// A plain image whose medium exceeds its logical size cannot fill the
+/// excess with data: say so, since it is more likely a slip than a plan.
+pub fn oversized_note(volume: &Volume) -> Option<String> {
+    let sb = volume.superblock();
+    (sb.physical_size_bytes > sb.logical_size_bytes).then(|| {
+        format!(
+            "the physical size ({}) exceeds the logical size ({}): data can never take more \
+             than the logical size, so the rest only gives the cleaner room \
+             (a larger --logical would let clients use it)",
+            format_size(sb.physical_size_bytes),
+            format_size(sb.logical_size_bytes)
+        )
+    })
 }
 
 /// Creates an emulated NAND drive image.

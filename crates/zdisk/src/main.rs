@@ -5,6 +5,7 @@
 mod args;
 mod bench;
 mod check;
+mod control;
 mod image;
 mod logging;
 mod metrics;
@@ -34,7 +35,7 @@ enum Command {
     Create(CreateArgs),
     /// Serve an image over NBD, creating it with defaults if it does not exist.
     Serve(ServeArgs),
-    /// Print an image's statistics.
+    /// Print an image's statistics (asking its server while it is served).
     Stats(StatsArgs),
     /// Verify an image's invariants and every stored extent's checksum.
     Check(CheckArgs),

@@ -82,6 +82,14 @@ fn check_layout_flags(args: &ServeArgs, existing: bool) -> Result<(), String> {
             args.image.display()
         ));
     }
+    if args.virtual_time && !existing {
+        return Err(format!(
+            "--virtual-time applies to emulated drives, and serve would create {} as a plain image \
+             (create an emulated one with zdisk create {} --nand PROFILE)",
+            args.image.display(),
+            args.image.display()
+        ));
+    }
     Ok(())
 }
 
@@ -190,6 +198,9 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
             format_size(layout.logical.unwrap_or(0)),
             format_size(volume.superblock().physical_size_bytes),
         );
+        if let Some(note) = image::oversized_note(&volume) {
+            log::warn!("{note}");
+        }
         volume
     };
     log::info!("serving {}", image::describe(&volume, &args.image));
@@ -209,6 +220,15 @@ fn serve(
     let device: Arc<dyn BlockDevice> = volume.clone();
     let server = Server::with_listener(bound, device, config).map_err(|e| e.to_string())?;
     let bound = server.local_addr().map_err(|e| e.to_string())?;
+    let control = match crate::control::serve(&args.image, volume.clone()) {
+        Ok(control) => Some(control),
+        Err(e) => {
+            log::warn!(
+                "no control socket ({e}): zdisk stats cannot ask this server; --metrics ADDR serves statistics over HTTP"
+            );
+            None
+        }
+    };
     if let Some(addr) = &args.metrics {
         let local = crate::metrics::spawn(addr, volume.clone())?;
         log::info!("statistics at http://{local}/stats and http://{local}/metrics");
@@ -234,6 +254,7 @@ fn serve(
         }
     });
     let served = server.run();
+    drop(control);
     signal_handle.close();
     let _ = waiter.join();
     served.map_err(|e| format!("server failed: {e}"))
@@ -282,7 +303,7 @@ fn log_connect_hints(bound: &ListenAddr, export: &str, args: &ServeArgs) {
     if tls_query.is_none() {
         hint(format!("qemu-img info '{uri}'"));
         hint(nbd_client);
-        hint(format!("touch /tmp/zdisk.raw && nbdfuse /tmp/zdisk.raw '{uri}' &   # then: losetup -f --show /tmp/zdisk.raw"));
+        hint(format!("touch /tmp/zdisk.raw && nbdfuse -P /tmp/zdisk.pid /tmp/zdisk.raw '{uri}' &   # then, once /tmp/zdisk.pid exists: losetup -f --show /tmp/zdisk.raw (README: a kernel filesystem)"));
     }
     log::info!("stop with Ctrl-C (SIGINT), SIGTERM or SIGHUP for a clean shutdown");
 }

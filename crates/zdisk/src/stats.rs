@@ -1,12 +1,107 @@
-//! `zdisk stats`: statistics of an image at rest.
+//! `zdisk stats`: an image's statistics, at rest or while it is served.
+//!
+//! A served image is locked, so its statistics come from its server,
+//! through the control socket (`control.rs`); an image nobody serves is
+//! opened read-only. The human output leads with what a person asks
+//! first (how big, how much is stored, how much room is used and left,
+//! what compression saves), then lists every key with its unit, and with
+//! `--explain` what it means. `FIELDS` is the one list of keys and
+//! meanings: a test holds it to the JSON and to the README's table.
 
+use serde_json::Value;
 use zdisk_core::units::format_size;
-use zdisk_core::{OpenOptions, Stats};
+use zdisk_core::{Counters, OpenOptions, Stats};
 
 use crate::args::StatsArgs;
+use crate::control::{self, AskError};
 use crate::output::say;
 
+/// A key of the statistics: its unit and its one-line meaning.
+pub struct Field {
+    pub key: &'static str,
+    pub unit: &'static str,
+    pub meaning: &'static str,
+}
+
+const fn field(key: &'static str, unit: &'static str, meaning: &'static str) -> Field {
+    Field { key, unit, meaning }
+}
+
+/// Every top-level key of `zdisk stats --json`, in the order printed.
+pub const FIELDS: &[Field] = &[
+    field("logical_size_bytes", "bytes", "size clients see"),
+    field("physical_size_bytes", "bytes", "size of the image file or device"),
+    field("mapped_bytes", "bytes", "logical bytes holding data (not holes, not zeros)"),
+    field("zero_bytes", "bytes", "logical bytes allocated as zeros (written zeros, WRITE_ZEROES with NO_HOLE); they take no space"),
+    field("stored_bytes", "bytes", "bytes of live extents on the medium, record headers included: the space the data takes"),
+    field("physical_used_bytes", "bytes", "allocated: metadata area plus the written part of every segment in use (live and dead data)"),
+    field("reclaimable_bytes", "bytes", "of the allocated bytes, what cleaning gives back: dead records and padding, and cleaned segments awaiting reuse"),
+    field("metadata_bytes", "bytes", "of the allocated bytes, the metadata area and the checkpoints"),
+    field("available_bytes", "bytes", "stored bytes that still fit once dead space is cleaned (the medium less metadata, live data and the cleaner's reserve)"),
+    field("compression_ratio", "ratio", "mapped_bytes / stored_bytes; null while nothing is stored"),
+    field("host_write_bytes", "bytes", "bytes clients wrote"),
+    field("media_write_bytes", "bytes", "bytes written to the medium: host data after compression, cleaning, checkpoints, padding, staging"),
+    field("padding_bytes", "bytes", "zeros written to complete partial pages at flushes (emulated drives without power-loss protection, and at a clean shutdown)"),
+    field("segment_tail_bytes", "bytes", "zeros completing a segment's last page when the next record did not fit"),
+    field("staging_bytes", "bytes", "bytes flushes wrote to staging slots on a file or block device: the partial last sector, instead of padding a page"),
+    field("write_amplification", "ratio", "media_write_bytes / host_write_bytes; below 1 when compression stores less than the host wrote (0.13-0.23 under pgbench), above 1 from cleaning, checkpoints and padding; null before the first write"),
+    field("gc_write_bytes", "bytes", "bytes the cleaner and the idle pass relocated"),
+    field("gc_read_bytes", "bytes", "bytes the cleaner and the idle pass read"),
+    field("free_segments", "segments", "segments ready for writing"),
+    field("segments_cleaned", "segments", "segments the cleaner and the idle pass have reclaimed"),
+    field("segment_count", "segments", "segments on the medium"),
+    field("segment_size_bytes", "bytes", "size of a segment, the unit of log writing and cleaning"),
+    field("page_size_bytes", "bytes", "size of a page, the unit the medium is written in"),
+    field("codec", "name", "codec new writes use"),
+    field("gc_policy", "name", "how the cleaner picks victims: cost-benefit or greedy"),
+    field("unit_max_bytes", "bytes", "the largest compression unit new writes use"),
+    field("recompress", "name", "the cold-data pass's mode: off, idle or gc"),
+    field("recompressed_bytes", "bytes", "logical bytes the cold-data pass has rewritten"),
+    field("recompress_saved_bytes", "bytes", "stored bytes the cold-data pass saved (before minus after)"),
+    field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired"),
+    field("map_memory_bytes", "bytes", "RAM the block map takes"),
+    field("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
+    field("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
+    field("counters", "various", "cumulative counters, persisted across restarts (listed below)"),
+    field("wear", "erases", "emulated NAND drives: erase blocks erased, and the fewest, most and mean erases of one block; null on other media"),
+];
+
 pub fn run(args: &StatsArgs) -> Result<(), String> {
+    let (stats, source) = match control::ask_stats(&args.image) {
+        Ok(stats) => (stats, Source::Server),
+        Err(AskError::Failed(message)) => return Err(message),
+        Err(AskError::NotServed(why)) => (at_rest(args, &why)?, Source::Image),
+    };
+    if args.json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(&stats).map_err(|e| e.to_string())?
+        )?;
+    } else {
+        let header = match source {
+            Source::Server => format!(
+                "{}: being served; figures from its server",
+                args.image.display()
+            ),
+            Source::Image => format!(
+                "{}: not being served; figures from the image",
+                args.image.display()
+            ),
+        };
+        crate::output::write(format_args!("{header}\n{}", human(&stats, args.explain)))?;
+    }
+    Ok(())
+}
+
+/// Where the figures came from.
+enum Source {
+    Server,
+    Image,
+}
+
+/// Reads the statistics of an image nobody serves through its control
+/// socket (`why` says what the socket said).
+fn at_rest(args: &StatsArgs, why: &str) -> Result<Stats, String> {
     let options = OpenOptions {
         read_only: true,
         background: false,
@@ -14,63 +109,206 @@ pub fn run(args: &StatsArgs) -> Result<(), String> {
     };
     let volume = crate::image::open(&args.image, options).map_err(|e| {
         if e.contains("in use by another zdisk process") {
-            format!("{e}; while it is served, ask the server instead: curl http://ADDR/stats (start it with --metrics ADDR)")
+            format!(
+                "{e}, which answers no statistics ({why}): a server older than this zdisk, \
+                 or a check, create or bench; a server started with --metrics ADDR answers \
+                 at http://ADDR/stats"
+            )
         } else {
             e
         }
     })?;
-    let stats = volume.stats();
-    if args.json {
-        say!(
-            "{}",
-            serde_json::to_string_pretty(&stats).map_err(|e| e.to_string())?
-        )?;
+    Ok(volume.stats())
+}
+
+fn percent(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".to_string()
     } else {
-        crate::output::write(format_args!("{}", human(&stats)))?;
+        format!("{:.0}%", part as f64 * 100.0 / whole as f64)
     }
-    Ok(())
 }
 
-fn ratio(value: Option<f64>) -> String {
-    value.map_or("-".to_string(), |v| format!("{v:.3}"))
-}
-
-/// A readable rendering of the stats, one `key: value` per line.
-pub fn human(stats: &Stats) -> String {
-    let size = |bytes: u64| format!("{bytes} ({})", format_size(bytes));
-    let lines = [
-        ("logical_size_bytes", size(stats.logical_size_bytes)),
-        ("physical_size_bytes", size(stats.physical_size_bytes)),
-        ("mapped_bytes", size(stats.mapped_bytes)),
-        ("zero_bytes", size(stats.zero_bytes)),
-        ("stored_bytes", size(stats.stored_bytes)),
-        ("physical_used_bytes", size(stats.physical_used_bytes)),
-        ("compression_ratio", ratio(stats.compression_ratio)),
-        ("host_write_bytes", size(stats.host_write_bytes)),
-        ("media_write_bytes", size(stats.media_write_bytes)),
-        ("padding_bytes", size(stats.padding_bytes)),
-        ("segment_tail_bytes", size(stats.segment_tail_bytes)),
-        ("staging_bytes", size(stats.staging_bytes)),
-        ("write_amplification", ratio(stats.write_amplification)),
-        ("gc_write_bytes", size(stats.gc_write_bytes)),
-        ("gc_read_bytes", size(stats.gc_read_bytes)),
-        (
-            "free_segments",
-            format!("{} of {}", stats.free_segments, stats.segment_count),
-        ),
-        ("segments_cleaned", stats.segments_cleaned.to_string()),
-        ("damaged_blocks", stats.damaged_blocks.to_string()),
-        ("codec", stats.codec.clone()),
-        ("gc_policy", stats.gc_policy.clone()),
-        ("unit_max_bytes", size(stats.unit_max_bytes)),
-        ("recompress", stats.recompress.clone()),
-        ("recompressed_bytes", size(stats.recompressed_bytes)),
-        ("recompress_saved_bytes", size(stats.recompress_saved_bytes)),
-        ("map_memory_bytes", size(stats.map_memory_bytes)),
-    ];
+/// The summary a person reads first, then every key with its unit (and,
+/// with `explain`, its meaning).
+pub fn human(stats: &Stats, explain: bool) -> String {
+    let size = format_size;
+    let data = stats.mapped_bytes + stats.zero_bytes;
     let mut out = String::new();
-    for (key, value) in lines {
-        out.push_str(&format!("{key:<24}{value}\n"));
+    let mut line = |label: &str, text: String| out.push_str(&format!("{label:<16}{text}\n"));
+    line("logical size", size(stats.logical_size_bytes));
+    line(
+        "data stored",
+        format!(
+            "{} written by clients ({} of data, {} of zeros), taking {}",
+            size(data),
+            size(stats.mapped_bytes),
+            size(stats.zero_bytes),
+            size(stats.stored_bytes)
+        ),
+    );
+    line(
+        "physical used",
+        format!(
+            "{} of {}: {} live, {} reclaimable, {} metadata",
+            size(stats.physical_used_bytes),
+            size(stats.physical_size_bytes),
+            size(stats.stored_bytes),
+            size(stats.reclaimable_bytes),
+            size(stats.metadata_bytes)
+        ),
+    );
+    line("available", size(stats.available_bytes));
+    let savings = if data == 0 {
+        "- (nothing written yet)".to_string()
+    } else {
+        format!(
+            "{} ({} of data and zeros take {}; compression ratio {})",
+            percent(data.saturating_sub(stats.stored_bytes), data),
+            size(data),
+            size(stats.stored_bytes),
+            stats
+                .compression_ratio
+                .map_or("-".to_string(), |r| format!("{r:.2}"))
+        )
+    };
+    line("savings", savings);
+    out.push('\n');
+    let json = serde_json::to_value(stats).unwrap_or(Value::Null);
+    let mut entry = |key: &str, value: String, unit: &str, meaning: &str| {
+        out.push_str(&format!("{key:<30} {value:<28} {unit}\n"));
+        if explain {
+            out.push_str(&format!("{:<4}{meaning}\n", ""));
+        }
+    };
+    for field in FIELDS {
+        if field.key == "counters" {
+            continue;
+        }
+        let value = render(field, json.get(field.key).unwrap_or(&Value::Null));
+        entry(field.key, value, field.unit, field.meaning);
+    }
+    for (name, doc) in Counters::DOCS {
+        let value = stats.counters.get(name).unwrap_or(0);
+        let unit = if name.ends_with("_bytes") {
+            "bytes"
+        } else {
+            "count"
+        };
+        let value = if unit == "bytes" {
+            format!("{value} ({})", size(value))
+        } else {
+            value.to_string()
+        };
+        entry(&format!("counters.{name}"), value, unit, doc);
+    }
+    if !explain {
+        out.push_str("\n(zdisk stats --explain says what each key means)\n");
     }
     out
+}
+
+/// One key's value, readable.
+fn render(field: &Field, value: &Value) -> String {
+    match (field.key, value) {
+        (_, Value::Null) => "-".to_string(),
+        ("sealed_utilization_histogram", Value::Array(buckets)) => buckets
+            .iter()
+            .map(|count| count.to_string())
+            .collect::<Vec<_>>()
+            .join(" "),
+        (_, Value::Object(members)) => members
+            .iter()
+            .map(|(name, value)| format!("{name} {value}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        (_, Value::String(text)) => text.clone(),
+        (_, Value::Number(number)) => match (field.unit, number.as_u64()) {
+            ("bytes", Some(bytes)) => format!("{bytes} ({})", format_size(bytes)),
+            ("ratio", _) => number
+                .as_f64()
+                .map_or(number.to_string(), |r| format!("{r:.3}")),
+            _ => number.to_string(),
+        },
+        (_, other) => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Stats {
+        let json = serde_json::json!({
+            "logical_size_bytes": 8u64 << 30, "physical_size_bytes": 4u64 << 30,
+            "mapped_bytes": 1u64 << 30, "zero_bytes": 1u64 << 28, "stored_bytes": 1u64 << 29,
+            "physical_used_bytes": 700u64 << 20, "reclaimable_bytes": 180u64 << 20,
+            "metadata_bytes": 8u64 << 20, "available_bytes": 3u64 << 30,
+            "compression_ratio": 2.0, "host_write_bytes": 5u64 << 30,
+            "media_write_bytes": 1u64 << 30, "padding_bytes": 0, "segment_tail_bytes": 0,
+            "staging_bytes": 0, "write_amplification": 0.2, "gc_write_bytes": 0,
+            "gc_read_bytes": 0, "free_segments": 900, "segments_cleaned": 3,
+            "segment_count": 1024, "segment_size_bytes": 4u64 << 20, "page_size_bytes": 4096,
+            "codec": "lz4", "gc_policy": "cost-benefit", "unit_max_bytes": 8192,
+            "recompress": "idle", "recompressed_bytes": 0, "recompress_saved_bytes": 0,
+            "damaged_blocks": 0, "map_memory_bytes": 1234,
+            "segments_by_state": {"free": 900, "open": 2, "sealed": 120, "checkpoint": 2, "reclaimable": 0},
+            "sealed_utilization_histogram": [93, 0, 0, 0, 0, 0, 0, 0, 0, 27, 0],
+            "counters": {"host_write_bytes": 5u64 << 30},
+            "wear": null,
+        });
+        serde_json::from_value(json).expect("sample statistics")
+    }
+
+    #[test]
+    fn every_key_has_a_unit_and_a_meaning_and_no_field_is_stale() {
+        let json = serde_json::to_value(sample()).unwrap();
+        let keys = json.as_object().unwrap();
+        for key in keys.keys() {
+            assert!(
+                FIELDS.iter().any(|field| field.key == key),
+                "{key} has no meaning in FIELDS"
+            );
+        }
+        for field in FIELDS {
+            assert!(keys.contains_key(field.key), "{} is not a key", field.key);
+            assert!(!field.unit.is_empty() && !field.meaning.is_empty());
+        }
+    }
+
+    #[test]
+    fn the_readme_lists_every_key() {
+        let readme = include_str!("../../../README.md");
+        let table = &readme[readme.find("## Statistics").expect("a Statistics section")..];
+        for field in FIELDS {
+            assert!(
+                table.contains(&format!("`{}`", field.key)),
+                "README's statistics table lacks {}",
+                field.key
+            );
+        }
+    }
+
+    #[test]
+    fn the_summary_comes_first_and_explain_adds_meanings() {
+        let stats = sample();
+        let plain = human(&stats, false);
+        let lines: Vec<&str> = plain.lines().collect();
+        assert!(lines[0].starts_with("logical size") && lines[0].contains("8 GiB"));
+        assert!(lines[1].starts_with("data stored") && lines[1].contains("1.25 GiB"));
+        assert!(lines[2].starts_with("physical used") && lines[2].contains("180 MiB reclaimable"));
+        assert!(lines[3].starts_with("available") && lines[3].contains("3 GiB"));
+        // 1.25 GiB of data and zeros in 512 MiB: 60% saved.
+        assert!(
+            lines[4].starts_with("savings") && lines[4].contains("60%"),
+            "{}",
+            lines[4]
+        );
+        assert!(plain.contains("write_amplification"));
+        assert!(!plain.contains("below 1 when compression"));
+        let explained = human(&stats, true);
+        assert!(explained.contains("below 1 when compression stores less"));
+        assert!(explained.contains("counters.flushes"));
+        assert!(explained.contains("93 0 0 0 0 0 0 0 0 27 0"));
+    }
 }

@@ -73,6 +73,16 @@ impl CheckReport {
 impl Volume {
     /// Checks every invariant; with `verify_data`, also reads every live extent.
     pub fn check(&self, verify_data: bool) -> Result<CheckReport> {
+        self.check_with_progress(verify_data, &mut |_, _| {})
+    }
+
+    /// [`Volume::check`], calling `progress(blocks_verified, blocks)` as
+    /// the live blocks' data is verified.
+    pub fn check_with_progress(
+        &self,
+        verify_data: bool,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<CheckReport> {
         let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
         let mut report = CheckReport {
             lost: self.open_report().lost_checkpoints,
@@ -92,7 +102,7 @@ impl Volume {
             .map()
             .for_each_damaged(|lba| report.damaged_blocks.push(lba.0));
         if verify_data {
-            self.verify_extents(&state, &extents, &mut report)?;
+            self.verify_extents(&state, &extents, &mut report, progress)?;
         }
         report.damaged_blocks.sort_unstable();
         report.damaged_blocks.dedup();
@@ -107,9 +117,12 @@ impl Volume {
         state: &State,
         extents: &[Extent],
         report: &mut CheckReport,
+        progress: &mut dyn FnMut(u64, u64),
     ) -> Result<()> {
+        let total = extents.len() as u64;
         let mut start = 0;
         while start < extents.len() {
+            progress(start as u64, total);
             let key = extents[start].0.record_key();
             let end = start
                 + extents[start..]
@@ -119,6 +132,7 @@ impl Volume {
             self.verify_record(state, &extents[start..end], report)?;
             start = end;
         }
+        progress(total, total);
         Ok(())
     }
 
@@ -185,7 +199,13 @@ impl Volume {
     /// damaged block (they become holes). Returns the report with
     /// `repaired_blocks` filled in; the change is durable when this returns.
     pub fn repair(&self) -> Result<CheckReport> {
-        let mut report = self.check(true)?;
+        self.repair_with_progress(&mut |_, _| {})
+    }
+
+    /// [`Volume::repair`], reporting the check's progress as
+    /// [`Volume::check_with_progress`] does.
+    pub fn repair_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<CheckReport> {
+        let mut report = self.check_with_progress(true, progress)?;
         if !self.read_only && !report.lost.is_empty() {
             // The checkpoint below replaces the lost root: from then on
             // the volume is what recovery found, consistently.

@@ -1,0 +1,198 @@
+//! `zdisk stats` on an image while it is served, through the real binary:
+//! the server answers through its control socket (no `--metrics` needed),
+//! a socket left by `kill -9` is ignored by the client and replaced by the
+//! next server, a clean stop removes it, and a user who may not read the
+//! image may not ask its server either. The human output leads with the
+//! summary a person asks for.
+
+mod support;
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use libtest_mimic::{Arguments, Trial};
+
+use support::*;
+
+type TestFn = fn() -> TestResult;
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, TestFn)> = vec![
+        ("stats_of_a_served_image_come_from_its_server", served_stats),
+        (
+            "a_user_who_cannot_read_the_image_cannot_ask_its_server",
+            permissions,
+        ),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| Trial::ignorable_test(name, test))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// Where the server of `image` (in a directory of its own) puts its
+/// control socket.
+fn control_socket(image: &Path) -> PathBuf {
+    let real = std::fs::canonicalize(image).expect("image exists");
+    let name = real.file_name().unwrap().to_string_lossy().into_owned();
+    real.with_file_name(format!(".{name}.zdisk-control"))
+}
+
+fn stats_json(image: &Path) -> Result<serde_json::Value, Failed> {
+    let output = run(
+        zdisk_bin().to_str().unwrap(),
+        &["stats", image.to_str().unwrap(), "--json"],
+    )?;
+    serde_json::from_slice(&output.stdout).map_err(|e| format!("bad stats JSON: {e}").into())
+}
+
+fn stats_text(image: &Path) -> Result<String, Failed> {
+    let output = run(
+        zdisk_bin().to_str().unwrap(),
+        &["stats", image.to_str().unwrap()],
+    )?;
+    Ok(stdout(&output))
+}
+
+fn served_stats() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("stats-served");
+    let image = scratch.join("vol.zdisk");
+    let image_arg = image.to_str().unwrap();
+    run(
+        zdisk_bin().to_str().unwrap(),
+        &["create", image_arg, "--logical", "64M"],
+    )?;
+    let mut data = pseudo_random(4 << 20, 5);
+    data.extend(std::iter::repeat_n(b'z', 4 << 20));
+    let source = scratch.join("data.bin");
+    std::fs::write(&source, &data)?;
+
+    let mut server = Server::start(&image, &scratch.join("nbd.sock"), &[])?;
+    let socket = control_socket(&image);
+    ensure!(
+        std::fs::symlink_metadata(&socket).is_ok_and(|m| m.file_type().is_socket()),
+        "no control socket at {}",
+        socket.display()
+    );
+    run(
+        "nbdcopy",
+        &["--flush", source.to_str().unwrap(), &server.uri()],
+    )?;
+    // The image is locked; the answer comes from the server, and is live.
+    let live = stats_json(&image)?;
+    ensure!(
+        live["mapped_bytes"] == 8 << 20,
+        "mapped_bytes {} after an 8 MiB copy",
+        live["mapped_bytes"]
+    );
+    ensure!(
+        live["stored_bytes"].as_u64().unwrap() < 6 << 20,
+        "half of the copy compresses away: {live}"
+    );
+    let text = stats_text(&image)?;
+    let lines: Vec<&str> = text.lines().collect();
+    ensure!(
+        lines[0].contains("being served"),
+        "the header says where the figures come from: {text}"
+    );
+    for (line, label) in lines[1..6].iter().zip([
+        "logical size",
+        "data stored",
+        "physical used",
+        "available",
+        "savings",
+    ]) {
+        ensure!(line.starts_with(label), "expected {label:?} first: {text}");
+    }
+    // A symbolic link to the image finds the same server.
+    let link = scratch.join("link.zdisk");
+    std::os::unix::fs::symlink(&image, &link)?;
+    ensure!(
+        stats_json(&link)?["mapped_bytes"] == 8 << 20,
+        "through a link"
+    );
+
+    // kill -9 leaves the socket: the client reads the image instead.
+    server.stop_with("KILL")?;
+    ensure!(socket.exists(), "kill -9 cannot remove the socket");
+    let text = stats_text(&image)?;
+    ensure!(
+        text.lines()
+            .next()
+            .unwrap_or("")
+            .contains("not being served"),
+        "after kill -9: {text}"
+    );
+    ensure!(
+        stats_json(&image)?["mapped_bytes"] == 8 << 20,
+        "the stale socket's image, read directly"
+    );
+    // The next server replaces the stale socket; a clean stop removes it.
+    let mut server = Server::start(&image, &scratch.join("nbd.sock"), &[])?;
+    ensure!(
+        server.log().contains("removed a stale control socket"),
+        "{}",
+        server.log()
+    );
+    ensure!(
+        stats_text(&image)?.contains("being served"),
+        "the new server answers"
+    );
+    server.stop()?;
+    ensure!(!socket.exists(), "a clean stop leaves {}", socket.display());
+    Ok(Completion::Completed)
+}
+
+fn permissions() -> TestResult {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip_unless(Err("needs root (to ask as another user)".into())).unwrap();
+    }
+    if let Some(skip) = skip_unless(require_tools(&["setpriv"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("stats-perm");
+    std::fs::set_permissions(&scratch.path, std::fs::Permissions::from_mode(0o755))?;
+    let image = scratch.join("private.zdisk");
+    let image_arg = image.to_str().unwrap();
+    run(
+        zdisk_bin().to_str().unwrap(),
+        &["create", image_arg, "--logical", "64M"],
+    )?;
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o600))?;
+    let mut server = Server::start(&image, &scratch.join("nbd.sock"), &[])?;
+    let as_nobody = |image: &str| {
+        std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(zdisk_bin())
+            .args(["stats", image])
+            .output()
+    };
+    let output = as_nobody(image_arg)?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(
+        output.status.code() == Some(2),
+        "nobody read a private image's stats: {stderr}"
+    );
+    ensure!(
+        stderr.contains("refuses this user") && stderr.trim_end().lines().count() == 1,
+        "{stderr}"
+    );
+    server.stop()?;
+    // A readable image's server answers anyone who may read it.
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o644))?;
+    let mut server = Server::start(&image, &scratch.join("nbd.sock"), &[])?;
+    let output = as_nobody(image_arg)?;
+    ensure!(
+        output.status.success() && stdout(&output).contains("being served"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    server.stop()?;
+    Ok(Completion::Completed)
+}
