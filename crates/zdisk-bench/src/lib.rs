@@ -75,8 +75,54 @@ pub struct BenchConfig {
     pub progress: bool,
 }
 
+/// Checks, before a run that may take long, that its output files can be
+/// written: a result lost at the end of a long run is the worst kind.
+pub fn check_outputs(config: &BenchConfig) -> Result<(), String> {
+    if let Some(path) = &config.plot {
+        plot::check_extension(path)?;
+    }
+    for (flag, path) in [("--json", &config.json), ("--plot", &config.plot)] {
+        if let Some(path) = path {
+            check_writable(path).map_err(|e| format!("{flag} {}: {e}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// True if `path` can be written, without changing what is there: an
+/// existing file is opened for writing (not truncated), a new one is
+/// probed with a scratch file beside it.
+fn check_writable(path: &std::path::Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(metadata) if metadata.is_dir() => Err("is a directory".into()),
+        Ok(_) => std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map(|_| ())
+            .map_err(|e| format!("cannot be written ({e})")),
+        Err(_) => {
+            let parent = match path.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => parent,
+                _ => std::path::Path::new("."),
+            };
+            if !parent.is_dir() {
+                return Err(format!("{} is not a directory", parent.display()));
+            }
+            let probe = parent.join(format!(".zdisk-bench-probe-{}", std::process::id()));
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&probe)
+                .map_err(|e| format!("cannot create a file in {} ({e})", parent.display()))?;
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+    }
+}
+
 /// Runs the scenarios on `drive`, printing tables to stdout.
 pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Outcome)>, String> {
+    check_outputs(config)?;
     let progress = Progress::new(config.progress);
     let mut outcomes = Vec::new();
     let siblings: &[&str] = if config.scenarios.contains(&Scenario::Dirty) {

@@ -32,17 +32,31 @@ fn register_font() -> Result<(), String> {
         .clone()
 }
 
+/// Refuses a chart path that is neither .png nor .svg.
+pub fn check_extension(path: &Path) -> Result<(), String> {
+    match extension(path).as_str() {
+        "png" | "svg" => Ok(()),
+        _ => Err(format!(
+            "{}: the chart file must end in .png or .svg",
+            path.display()
+        )),
+    }
+}
+
+fn extension(path: &Path) -> String {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase()
+}
+
 /// Draws every outcome into one chart file.
 pub fn plot(outcomes: &[(Scenario, Outcome)], title: &str, path: &Path) -> Result<(), String> {
     register_font()?;
     let panels = outcomes.len().max(1);
     let size = (900u32, 420 * panels as u32);
-    let extension = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .unwrap_or("")
-        .to_ascii_lowercase();
-    match extension.as_str() {
+    check_extension(path)?;
+    match extension(path).as_str() {
         "png" => {
             let root = BitMapBackend::new(path, size).into_drawing_area();
             draw(&root, outcomes, title)?;
@@ -55,10 +69,7 @@ pub fn plot(outcomes: &[(Scenario, Outcome)], title: &str, path: &Path) -> Resul
             root.present()
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))
         }
-        _ => Err(format!(
-            "{}: the chart file must end in .png or .svg",
-            path.display()
-        )),
+        _ => unreachable!("checked above"),
     }
 }
 

@@ -60,6 +60,10 @@ pub enum Error {
     /// The image's metadata is unreadable or inconsistent.
     #[error("corrupt image: {0}")]
     CorruptImage(String),
+    /// The file or device holds no zdisk image at all (the message says
+    /// what it seems to hold instead, if that is known).
+    #[error("{0}")]
+    NotAnImage(String),
     /// The image was made by an incompatible version of zdisk.
     #[error("unsupported image: {0}")]
     Unsupported(String),

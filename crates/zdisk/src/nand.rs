@@ -1,6 +1,7 @@
 //! Emulated NAND drives in the CLI: a profile's parameters with the command
 //! line's overrides, for `create --nand` and `bench --profile`.
 
+use zdisk_core::units::format_size;
 use zdisk_nand::{NandConfig, NandParams};
 
 /// Parameters for a named profile with the command line's overrides.
@@ -12,7 +13,22 @@ pub fn params(
 ) -> Result<NandParams, String> {
     let mut params = NandParams::named(profile).map_err(|e| e.to_string())?;
     if let Some(bytes) = physical {
-        params.profile = params.profile.clone().with_physical_bytes(bytes);
+        let scaled = params.profile.clone().with_physical_bytes(bytes);
+        let smallest = params
+            .profile
+            .clone()
+            .with_physical_bytes(0)
+            .physical_bytes();
+        if bytes < smallest {
+            return Err(format!(
+                "--physical {} is smaller than the smallest {profile} drive, which has {} of NAND \
+                 (at least {} erase blocks per plane)",
+                format_size(bytes),
+                format_size(smallest),
+                zdisk_nand::MIN_BLOCKS_PER_PLANE,
+            ));
+        }
+        params.profile = scaled;
     }
     params.config = NandConfig {
         power_loss_protection: plp || params.config.power_loss_protection,

@@ -92,6 +92,70 @@ pub fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     Ok(())
 }
 
+/// Why the file at `path` (of `physical` bytes, its metadata slots read
+/// into `slots`) does not open: damaged zdisk metadata, or something else
+/// altogether, named when its signature is known.
+fn not_an_image(path: &Path, physical: u64, slots: &[Vec<u8>; 2]) -> Error {
+    let magic = super::META_MAGIC.as_slice();
+    if slots.iter().any(|slot| slot.starts_with(magic)) {
+        return Error::CorruptImage(format!(
+            "{}: neither metadata slot holds a readable superblock (both are damaged)",
+            path.display()
+        ));
+    }
+    let what = match what_it_holds(&slots[0], physical) {
+        Some(what) => format!("; it holds {what}"),
+        None => String::new(),
+    };
+    Error::NotAnImage(format!(
+        "{} is not a zdisk image{what} (create one with `zdisk create`)",
+        path.display()
+    ))
+}
+
+/// What the first bytes of a file or device say it holds, for the formats
+/// someone may well point zdisk at by mistake.
+fn what_it_holds(start: &[u8], physical: u64) -> Option<&'static str> {
+    let at = |offset: usize, signature: &[u8]| {
+        start
+            .get(offset..offset + signature.len())
+            .is_some_and(|bytes| bytes == signature)
+    };
+    if physical == 0 {
+        return Some("nothing (it is empty)");
+    }
+    if start.is_empty() {
+        return Some("too few bytes for any zdisk image");
+    }
+    let signatures: [(usize, &[u8], &'static str); 12] = [
+        (0, b"QFI\xfb", "a qcow2 disk image"),
+        (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
+        (0, b"XFSB", "an XFS filesystem"),
+        (0x10040, b"_BHRfS_M", "a btrfs filesystem"),
+        (1080, &[0x53, 0xef], "an ext2/3/4 filesystem"),
+        (512, b"EFI PART", "a GPT-partitioned disk"),
+        (0, b"\x7fELF", "an ELF executable"),
+        (0, &[0x1f, 0x8b], "gzip-compressed data"),
+        (0, &[0x28, 0xb5, 0x2f, 0xfd], "zstd-compressed data"),
+        (257, b"ustar", "a tar archive"),
+        (0, b"SQLite format 3\0", "an SQLite database"),
+        (
+            510,
+            &[0x55, 0xaa],
+            "a disk with an MBR partition table or boot sector",
+        ),
+    ];
+    for (offset, signature, what) in signatures {
+        if at(offset, signature) {
+            return Some(what);
+        }
+    }
+    if start.iter().all(|&byte| byte == 0) {
+        return Some("only zeros where a zdisk image starts (never written?)");
+    }
+    None
+}
+
 fn device_size(file: &File, path: &Path) -> Result<u64> {
     use std::io::{Seek, SeekFrom};
     let mut handle = file;
@@ -224,12 +288,7 @@ impl FileMedia {
             file.read_exact_at(bytes, offset)
                 .map_err(|e| Error::io(format!("reading metadata of {}", path.display()), e))?;
         }
-        let geometry = geometry_of(&slots).ok_or_else(|| {
-            Error::CorruptImage(format!(
-                "{} is not a zdisk image (no valid superblock in either metadata slot)",
-                path.display()
-            ))
-        })?;
+        let geometry = geometry_of(&slots).ok_or_else(|| not_an_image(path, physical, &slots))?;
         geometry.validate()?;
         let needed = FILE_DATA_OFFSET + geometry.log_capacity_bytes();
         if physical < needed {
@@ -437,6 +496,32 @@ impl Media for FileMedia {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_is_not_an_image_is_named() {
+        let mut ext4 = vec![0u8; 4096];
+        ext4[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        assert_eq!(
+            what_it_holds(&ext4, 1 << 20),
+            Some("an ext2/3/4 filesystem")
+        );
+        let mut qcow2 = vec![0u8; 4096];
+        qcow2[..4].copy_from_slice(b"QFI\xfb");
+        assert_eq!(what_it_holds(&qcow2, 1 << 20), Some("a qcow2 disk image"));
+        assert!(what_it_holds(&[0u8; 4096], 1 << 20)
+            .unwrap()
+            .contains("only zeros"));
+        assert_eq!(what_it_holds(&[], 0), Some("nothing (it is empty)"));
+        assert_eq!(what_it_holds(&[7u8; 4096], 1 << 20), None);
+        let slots = [vec![1u8; 16], Vec::new()];
+        let error = not_an_image(Path::new("x.img"), 1 << 20, &slots).to_string();
+        assert!(!error.contains("corrupt"), "{error}");
+        assert!(error.starts_with("x.img is not a zdisk image"), "{error}");
+        let mut damaged = vec![0u8; 64];
+        damaged[..8].copy_from_slice(crate::media::META_MAGIC);
+        let error = not_an_image(Path::new("x.img"), 1 << 20, &[damaged, Vec::new()]);
+        assert!(matches!(error, Error::CorruptImage(_)), "{error}");
+    }
 
     /// Roots and staging slots share the metadata slots without ever
     /// overlapping, and a root that would reach a staging area is refused.
