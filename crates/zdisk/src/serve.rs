@@ -236,11 +236,12 @@ fn serve(
     if let (mode, Some(summary)) = &tls {
         log::info!("TLS {mode}: {summary}");
     }
-    log_connect_hints(&bound, &args.export_name, args);
-
+    // Handlers first: a script may signal as soon as it reads the hints.
     let shutdown = server.shutdown_handle();
     let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP])
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    log_connect_hints(&bound, &args.export_name, args);
+
     let signal_handle = signals.handle();
     let waiter = std::thread::spawn(move || {
         if let Some(signal) = signals.forever().next() {

@@ -219,7 +219,10 @@ fn render(field: &Field, value: &Value) -> String {
             .join(" "),
         (_, Value::Object(members)) => members
             .iter()
-            .map(|(name, value)| format!("{name} {value}"))
+            .map(|(name, value)| match value.as_f64() {
+                Some(x) if value.is_f64() => format!("{name} {x:.2}"),
+                _ => format!("{name} {value}"),
+            })
             .collect::<Vec<_>>()
             .join(", "),
         (_, Value::String(text)) => text.clone(),

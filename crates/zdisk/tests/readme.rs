@@ -1,0 +1,308 @@
+//! The README as a newcomer follows it: its quick start and its
+//! kernel-filesystem recipe run here exactly as written (the blocks marked
+//! `<!-- readme-test: NAME -->`), with the `zdisk` under test first on
+//! PATH, so that they cannot rot; and the messages a newcomer meets when
+//! they slip say what happened, on one line.
+//!
+//! The snippets use 127.0.0.1:10809 and /tmp paths, as a reader would. As
+//! root they run in a network namespace of their own (`unshare --net`),
+//! so the port cannot clash; otherwise the quick start needs the port
+//! free, and is skipped if it is not. The kernel-filesystem recipe needs
+//! root, /dev/fuse and loop devices, and is skipped without them.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Trial};
+
+use support::*;
+
+type TestFn = fn() -> TestResult;
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, TestFn)> = vec![
+        ("the_quick_start_runs_as_written", quick_start),
+        (
+            "the_kernel_filesystem_recipe_runs_as_written",
+            kernel_filesystem,
+        ),
+        ("a_newcomers_slips_get_clear_messages", slips),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| Trial::ignorable_test(name, test))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// The shell block that follows `<!-- readme-test: NAME -->` in the README.
+fn snippet(name: &str) -> Result<String, Failed> {
+    let readme = include_str!("../../../README.md");
+    let marker = format!("<!-- readme-test: {name} -->");
+    let after = readme
+        .split_once(&marker)
+        .ok_or_else(|| format!("README has no {marker}"))?
+        .1;
+    let body = after
+        .trim_start()
+        .strip_prefix("```sh\n")
+        .ok_or_else(|| format!("{marker} is not followed by a sh block"))?;
+    let end = body
+        .find("\n```")
+        .ok_or_else(|| format!("the block after {marker} does not end"))?;
+    Ok(body[..=end].to_string())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Runs `client` (a shell script) while the README's serve block runs in
+/// the background, in `dir`, with the `zdisk` under test on PATH; stops
+/// the server with SIGINT (Ctrl-C) and returns the client's output and
+/// the server's log.
+fn with_readme_server(dir: &Path, client: &str) -> Result<(String, String), Failed> {
+    let serve = snippet("serve")?;
+    // The driver: serve as written, wait until it listens, run the client
+    // as written (stopping at its first failure), then Ctrl-C the server.
+    let driver = format!(
+        r#"set -u
+[ "$(id -u)" = 0 ] && ip link set lo up
+( {serve} ) 2> serve.log &
+server=$!
+for i in $(seq 600); do grep -q 'listening on' serve.log && break; sleep 0.1; done
+grep -q 'listening on' serve.log || {{ echo "zdisk serve did not start"; cat serve.log; exit 1; }}
+bash -e -c '{client}'
+status=$?
+# Ctrl-C: to zdisk, whether the subshell became it or is its parent.
+kill -INT "$server" 2> /dev/null; pkill -INT -P "$server" 2> /dev/null; wait "$server"
+exit $status
+"#,
+        client = client.replace('\'', r"'\''"),
+    );
+    let path = format!(
+        "{}:{}",
+        zdisk_bin().parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut command = if is_root() {
+        let mut command = Command::new("unshare");
+        command.args(["--net", "bash", "-c", &driver]);
+        command
+    } else {
+        let mut command = Command::new("bash");
+        command.args(["-c", &driver]);
+        command
+    };
+    let output = command
+        .current_dir(dir)
+        .env("PATH", path)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run bash: {e}"))?;
+    let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        output.status.success(),
+        "the README's snippets failed ({}):\n{out}\nserver log:\n{log}",
+        output.status
+    );
+    Ok((out, log))
+}
+
+/// Skips unless the snippets can have 127.0.0.1:10809.
+fn port_for_snippets() -> Result<(), String> {
+    if is_root() {
+        return require_tools(&["unshare", "ip"]);
+    }
+    std::net::TcpListener::bind("127.0.0.1:10809")
+        .map(|_| ())
+        .map_err(|e| format!("127.0.0.1:10809 is busy ({e}), and only root gets a private one"))
+}
+
+fn quick_start() -> TestResult {
+    let ready = require_tools(&["bash", "nbdinfo", "nbdcopy", "tar", "/usr/share/doc"])
+        .and_then(|()| port_for_snippets());
+    if let Some(skip) = skip_unless(ready) {
+        return skip;
+    }
+    let scratch = Scratch::new("readme-quick");
+    let (out, log) = with_readme_server(&scratch.path, &snippet("quick-start")?)?;
+    ensure!(
+        log.contains("did not exist; created it"),
+        "serve created demo.zdisk: {log}"
+    );
+    ensure!(out.contains("export-size: 8589934592"), "nbdinfo: {out}");
+    ensure!(
+        out.contains("demo.zdisk: being served") && out.contains("savings"),
+        "zdisk stats asked the server: {out}"
+    );
+    ensure!(
+        log.contains("closed cleanly"),
+        "Ctrl-C stopped the server cleanly: {log}"
+    );
+    Ok(Completion::Completed)
+}
+
+fn kernel_filesystem() -> TestResult {
+    let ready = require_root_fuse_loop()
+        .and_then(|()| {
+            require_tools(&[
+                "bash",
+                "nbdfuse",
+                "fusermount3",
+                "losetup",
+                "mkfs.ext4",
+                "mount",
+                "umount",
+            ])
+        })
+        .and_then(|()| port_for_snippets());
+    if let Some(skip) = skip_unless(ready) {
+        return skip;
+    }
+    let scratch = Scratch::new("readme-kernel");
+    let recipe = snippet("kernel-filesystem")?;
+    // The recipe, then what a reader would see: a mounted ext4 while it
+    // ran (df), and after the teardown no mount, no loop device and no
+    // FUSE file left.
+    let client = format!(
+        "{recipe}wait\n\
+         if mountpoint -q /mnt/zdisk; then echo 'still mounted'; exit 1; fi\n\
+         if losetup -j /tmp/zdisk.raw | grep -q .; then echo 'loop device left'; exit 1; fi\n\
+         if mountpoint -q /tmp/zdisk.raw; then echo 'nbdfuse left'; exit 1; fi\n"
+    );
+    let (out, log) = with_readme_server(&scratch.path, &client)?;
+    ensure!(out.contains("/mnt/zdisk"), "df shows the filesystem: {out}");
+    ensure!(log.contains("closed cleanly"), "{log}");
+    let _ = std::fs::remove_file("/tmp/zdisk.raw");
+    let _ = std::fs::remove_file("/tmp/zdisk.pid");
+    Ok(Completion::Completed)
+}
+
+/// Runs zdisk in `dir`; returns (exit code, stdout, stderr).
+fn zdisk_in(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let output = Command::new(zdisk_bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run zdisk");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// One line on stderr, exit status 2, containing `expect`.
+fn refused(dir: &Path, args: &[&str], expect: &str) -> Result<String, Failed> {
+    let (code, _, stderr) = zdisk_in(dir, args);
+    ensure!(code == Some(2), "zdisk {args:?} exited {code:?}: {stderr}");
+    ensure!(
+        stderr.trim_end().lines().count() == 1,
+        "zdisk {args:?}: not one line: {stderr}"
+    );
+    ensure!(stderr.contains(expect), "zdisk {args:?}: {stderr}");
+    Ok(stderr)
+}
+
+fn slips() -> TestResult {
+    let scratch = Scratch::new("readme-slips");
+    let dir = &scratch.path;
+    // Not an image: say what it is, not that it is corrupt.
+    let mut ext4 = vec![0u8; 2 << 20];
+    ext4[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    std::fs::write(dir.join("disk.img"), &ext4)?;
+    let stderr = refused(dir, &["stats", "disk.img"], "is not a zdisk image")?;
+    ensure!(
+        stderr.contains("ext2/3/4 filesystem") && !stderr.contains("corrupt"),
+        "{stderr}"
+    );
+    // Argument errors: one line.
+    refused(
+        dir,
+        &["create", "x.zdisk", "--logical", "1Q"],
+        "invalid size",
+    )?;
+    refused(dir, &["stats"], "IMAGE")?;
+    // An emulated drive smaller than its profile allows is refused.
+    refused(
+        dir,
+        &["create", "sf.zdisk", "--nand", "sf1200", "--physical", "1M"],
+        "smaller than the smallest sf1200 drive",
+    )?;
+    ensure!(
+        !dir.join("sf.zdisk").exists(),
+        "a refused create left a file"
+    );
+    // --virtual-time on a plain image, new or existing.
+    refused(
+        dir,
+        &["serve", "new.zdisk", "--virtual-time", "--socket", "s.sock"],
+        "--virtual-time applies to emulated drives",
+    )?;
+    ensure!(!dir.join("new.zdisk").exists(), "serve created an image");
+    // A physical size above the logical is noted.
+    let (code, stdout, _) = zdisk_in(
+        dir,
+        &[
+            "create",
+            "big.zdisk",
+            "--logical",
+            "64M",
+            "--physical",
+            "128M",
+        ],
+    );
+    ensure!(code == Some(0), "create failed");
+    ensure!(
+        stdout.contains("note: the physical size (128 MiB) exceeds the logical size (64 MiB)"),
+        "{stdout}"
+    );
+    // bench checks its output paths before it runs.
+    for (flag, path, expect) in [
+        ("--plot", "chart.txt", "must end in .png or .svg"),
+        ("--plot", "missing/chart.png", "is not a directory"),
+        ("--json", "missing/out.json", "is not a directory"),
+    ] {
+        let started = Instant::now();
+        refused(
+            dir,
+            &[
+                "bench",
+                "--profile",
+                "tiny",
+                "--scenario",
+                "sweep,qd",
+                flag,
+                path,
+            ],
+            expect,
+        )?;
+        ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "bench {flag} {path} was refused only after {:?}",
+            started.elapsed()
+        );
+    }
+    // An empty export name: no empty -N in the hints.
+    let mut server = Server::start(
+        &dir.join("big.zdisk"),
+        &dir.join("s.sock"),
+        &["--export-name", ""],
+    )?;
+    server.stop()?;
+    let log = server.log();
+    ensure!(log.contains("nbd-client -unix"), "{log}");
+    ensure!(!log.contains("-N  ") && !log.contains("-N /dev"), "{log}");
+    Ok(Completion::Completed)
+}
