@@ -3,7 +3,8 @@
 //! a socket left by `kill -9` is ignored by the client and replaced by the
 //! next server, a clean stop removes it, and a user who may not read the
 //! image may not ask its server either. The human output leads with the
-//! summary a person asks for.
+//! summary a person asks for. `zdisk check` shows progress on a terminal
+//! (through `script`) and nowhere else.
 
 mod support;
 
@@ -145,6 +146,22 @@ fn served_stats() -> TestResult {
     );
     server.stop()?;
     ensure!(!socket.exists(), "a clean stop leaves {}", socket.display());
+
+    // On a terminal, check shows its progress (on stderr, then erased).
+    if require_tools(&["script"]).is_ok() {
+        let command = format!("{} check {image_arg}", zdisk_bin().display());
+        let output = run("script", &["-qec", &command, "/dev/null"])?;
+        let shown = stdout(&output);
+        ensure!(
+            shown.contains("verifying: 100%") && shown.contains(": clean"),
+            "check on a terminal: {shown:?}"
+        );
+    }
+    let output = run(zdisk_bin().to_str().unwrap(), &["check", image_arg])?;
+    ensure!(
+        !String::from_utf8_lossy(&output.stderr).contains("verifying"),
+        "progress only on a terminal"
+    );
     Ok(Completion::Completed)
 }
 
