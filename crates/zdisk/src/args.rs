@@ -127,7 +127,8 @@ pub struct ServeArgs {
     pub unit_max: Option<u8>,
     /// Rewrite cold data with zstd -9 in 32 KiB units: off, idle (after 5 s
     /// without requests, at most half a core; the default) or gc (also when
-    /// the cleaner moves cold data). Never on emulated drives.
+    /// the cleaner moves cold data). Never on emulated drives. Mostly dead
+    /// segments are compacted when idle in every mode, off included.
     #[arg(long, value_parser = recompress_arg)]
     pub recompress: Option<Recompress>,
     /// Serve read-only: write requests fail with EPERM.
