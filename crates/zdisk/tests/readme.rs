@@ -31,6 +31,7 @@ fn main() {
             kernel_filesystem,
         ),
         ("a_newcomers_slips_get_clear_messages", slips),
+        ("the_readme_synopsis_lists_every_option", synopsis_complete),
     ];
     let trials = tests
         .into_iter()
@@ -304,5 +305,50 @@ fn slips() -> TestResult {
     let log = server.log();
     ensure!(log.contains("nbd-client -unix"), "{log}");
     ensure!(!log.contains("-N  ") && !log.contains("-N /dev"), "{log}");
+    Ok(Completion::Completed)
+}
+
+/// Every long option `zdisk COMMAND --help` lists appears in the README's
+/// synopsis of that command (the lines from `zdisk COMMAND` to the next
+/// command's).
+fn synopsis_complete() -> TestResult {
+    let readme = include_str!("../../../README.md");
+    let commands = &readme[readme.find("## Commands").ok_or("no Commands section")?..];
+    let block = commands
+        .split("```")
+        .nth(1)
+        .ok_or("no synopsis block under Commands")?;
+    for command in ["create", "serve", "stats", "check", "bench"] {
+        let mut synopsis = String::new();
+        let mut inside = false;
+        for line in block.lines() {
+            if line.starts_with("zdisk ") {
+                inside = line.split_whitespace().nth(1) == Some(command);
+            }
+            if inside {
+                synopsis.push_str(line);
+                synopsis.push('\n');
+            }
+        }
+        ensure!(!synopsis.is_empty(), "no synopsis of zdisk {command}");
+        let help = zdisk(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&help.stdout).into_owned();
+        let options: std::collections::BTreeSet<&str> = help
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .filter(|word| word.starts_with("--") && word.len() > 2 && *word != "--help")
+            .collect();
+        ensure!(
+            !options.is_empty(),
+            "zdisk {command} --help lists no options"
+        );
+        for option in options {
+            ensure!(
+                synopsis
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                    .any(|word| word == option),
+                "README's synopsis of zdisk {command} lacks {option}"
+            );
+        }
+    }
     Ok(Completion::Completed)
 }
