@@ -322,6 +322,12 @@ fn damaged_root_and_log() -> TestResult {
         text.contains("recovery skipped an unreadable record"),
         "check did not report the records recovery skipped"
     );
+    // The server stopped cleanly: the replay is blamed on the root.
+    ensure!(
+        !text.contains("not shut down cleanly")
+            && text.contains("recovery started from an older checkpoint"),
+        "check gave the wrong reason for the replay"
+    );
     let (_, report) = check_json(&image)?;
     let skipped = report["open"]["replay_damage"]
         .as_array()
