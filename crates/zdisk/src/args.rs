@@ -40,6 +40,14 @@ pub fn unit_arg(text: &str) -> Result<u8, String> {
     Ok((bytes / block) as u8)
 }
 
+fn on_off_arg(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{text:?} is neither on nor off")),
+    }
+}
+
 fn tls_mode_arg(text: &str) -> Result<TlsMode, String> {
     TlsMode::parse(text)
 }
@@ -131,6 +139,11 @@ pub struct ServeArgs {
     /// segments are compacted when idle in every mode, off included.
     #[arg(long, value_parser = recompress_arg)]
     pub recompress: Option<Recompress>,
+    /// Compact mostly dead segments when idle, even with --recompress off:
+    /// on (the default) or off (with --recompress off too, no background
+    /// work but what free space needs). Never on emulated drives.
+    #[arg(long, value_parser = on_off_arg, default_value = "on", action = clap::ArgAction::Set)]
+    pub idle_compact: bool,
     /// Serve read-only: write requests fail with EPERM.
     #[arg(long)]
     pub read_only: bool,

@@ -157,6 +157,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         gc_policy: args.gc_policy,
         unit_blocks: args.unit_max,
         recompress: args.recompress.unwrap_or_default(),
+        idle_compact: args.idle_compact,
         ..OpenOptions::default()
     };
     let volume = if existing {

@@ -235,6 +235,11 @@ fn slips() -> TestResult {
         "invalid size",
     )?;
     refused(dir, &["stats"], "IMAGE")?;
+    refused(
+        dir,
+        &["serve", "x.zdisk", "--idle-compact", "maybe"],
+        "neither on nor off",
+    )?;
     // An emulated drive smaller than its profile allows is refused.
     refused(
         dir,

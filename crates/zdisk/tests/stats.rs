@@ -4,7 +4,9 @@
 //! next server, a clean stop removes it, and a user who may not read the
 //! image may not ask its server either. The human output leads with the
 //! summary a person asks for. `zdisk check` shows progress on a terminal
-//! (through `script`) and nowhere else.
+//! (through `script`) and nowhere else. An idle server gives the dead
+//! space of an overwritten copy back (physical use falls to the stored
+//! bytes), and keeps it with `--recompress off --idle-compact off`.
 
 mod support;
 
@@ -24,6 +26,10 @@ fn main() {
         (
             "a_user_who_cannot_read_the_image_cannot_ask_its_server",
             permissions,
+        ),
+        (
+            "an_idle_server_gives_dead_space_back_unless_told_not_to",
+            idle_compaction,
         ),
     ];
     let trials = tests
@@ -211,5 +217,86 @@ fn permissions() -> TestResult {
         String::from_utf8_lossy(&output.stderr)
     );
     server.stop()?;
+    Ok(Completion::Completed)
+}
+
+/// Overwrites 16 MiB of incompressible data once, so that the first copy's
+/// segments are dead, and returns the statistics.
+fn overwrite_twice(scratch: &Scratch, server: &Server) -> Result<serde_json::Value, Failed> {
+    for seed in [1, 2] {
+        let source = scratch.join(&format!("data{seed}.bin"));
+        std::fs::write(&source, pseudo_random(16 << 20, seed))?;
+        run(
+            "nbdcopy",
+            &["--flush", source.to_str().unwrap(), &server.uri()],
+        )?;
+    }
+    stats_json(&server.image)
+}
+
+fn number(stats: &serde_json::Value, key: &str) -> Result<u64, Failed> {
+    stats[key]
+        .as_u64()
+        .ok_or_else(|| format!("no {key} in {stats}").into())
+}
+
+fn idle_compaction() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    for compact in ["on", "off"] {
+        let scratch = Scratch::new("stats-idle");
+        let image = scratch.join("idle.zdisk");
+        run(
+            zdisk_bin().to_str().unwrap(),
+            &["create", image.to_str().unwrap(), "--logical", "64M"],
+        )?;
+        let mut server = Server::start(
+            &image,
+            &scratch.join("nbd.sock"),
+            &["--recompress", "off", "--idle-compact", compact],
+        )?;
+        let busy = overwrite_twice(&scratch, &server)?;
+        ensure!(
+            number(&busy, "reclaimable_bytes")? >= 15 << 20,
+            "the first copy is dead space: {busy}"
+        );
+        // The server is idle after 5 s; give the pass time to finish.
+        let started = std::time::Instant::now();
+        let idle = loop {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let stats = stats_json(&image)?;
+            let done = number(&stats, "reclaimable_bytes")? < 1 << 20;
+            if done
+                || started.elapsed()
+                    > std::time::Duration::from_secs(if compact == "on" { 40 } else { 9 })
+            {
+                break stats;
+            }
+        };
+        let (used, stored, metadata) = (
+            number(&idle, "physical_used_bytes")?,
+            number(&idle, "stored_bytes")?,
+            number(&idle, "metadata_bytes")?,
+        );
+        println!(
+            "--idle-compact {compact}: physical_used {} -> {used} bytes, stored {stored}, reclaimable {} -> {}",
+            number(&busy, "physical_used_bytes")?,
+            number(&busy, "reclaimable_bytes")?,
+            number(&idle, "reclaimable_bytes")?,
+        );
+        if compact == "on" {
+            ensure!(
+                used < stored + metadata + (1 << 20),
+                "idle, {used} bytes are used for {stored} stored: {idle}"
+            );
+        } else {
+            ensure!(
+                number(&idle, "reclaimable_bytes")? >= 15 << 20,
+                "--idle-compact off compacted: {idle}"
+            );
+        }
+        server.stop()?;
+    }
     Ok(Completion::Completed)
 }
