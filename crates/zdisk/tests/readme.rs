@@ -167,7 +167,8 @@ fn kernel_filesystem() -> TestResult {
                 "umount",
             ])
         })
-        .and_then(|()| port_for_snippets());
+        .and_then(|()| port_for_snippets())
+        .and_then(|()| paths_free_for_recipe());
     if let Some(skip) = skip_unless(ready) {
         return skip;
     }
@@ -188,6 +189,20 @@ fn kernel_filesystem() -> TestResult {
     let _ = std::fs::remove_file("/tmp/zdisk.raw");
     let _ = std::fs::remove_file("/tmp/zdisk.pid");
     Ok(Completion::Completed)
+}
+
+/// Skips rather than disturb a reader who is using the recipe's paths.
+fn paths_free_for_recipe() -> Result<(), String> {
+    for path in ["/mnt/zdisk", "/tmp/zdisk.raw"] {
+        let mounted = Command::new("mountpoint")
+            .args(["-q", path])
+            .status()
+            .is_ok_and(|status| status.success());
+        if mounted {
+            return Err(format!("{path} is mounted: someone is using the recipe"));
+        }
+    }
+    Ok(())
 }
 
 /// Runs zdisk in `dir`; returns (exit code, stdout, stderr).
