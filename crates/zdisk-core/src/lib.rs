@@ -39,5 +39,5 @@ pub use stats::{Counters, SegmentCounts, Stats};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, Recompress,
-    SystemClock, Volume,
+    SystemClock, Volume, WriteEstimate, WriteEstimator,
 };

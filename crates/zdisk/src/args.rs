@@ -182,6 +182,26 @@ pub struct StatsArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct EstimateArgs {
+    /// A file, disk image or block device (opened read-only), or - for standard input.
+    pub path: PathBuf,
+    /// Codec to predict (repeatable): lz4, zstd[:LEVEL], deflate[:LEVEL] or
+    /// none. Default: lz4, zstd, zstd:9 and deflate.
+    #[arg(long = "codec", value_parser = codec_arg)]
+    pub codecs: Vec<Codec>,
+    /// Compression unit, as serve's --unit-max (default: each codec's default).
+    #[arg(long, value_parser = unit_arg)]
+    pub unit_max: Option<u8>,
+    /// Compress only this percentage of the input (1 MiB pieces spread
+    /// evenly) and scale the figures up.
+    #[arg(long, default_value = "100")]
+    pub sample: f64,
+    /// Print one JSON object per codec, one per line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
 pub struct CheckArgs {
     pub image: PathBuf,
     /// Print the report as JSON.

@@ -18,6 +18,7 @@ mod check;
 mod checkpoint;
 mod clean;
 mod compressors;
+mod estimate;
 mod guard;
 mod io;
 mod moves;
@@ -34,6 +35,7 @@ mod state;
 mod tests;
 
 pub use check::CheckReport;
+pub use estimate::{WriteEstimate, WriteEstimator};
 pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, Recompress, SystemClock};
 pub use recovery::OpenReport;
 

@@ -1,0 +1,268 @@
+//! What zdisk saves and where, seen from outside: `zdisk estimate`'s
+//! prediction against what a real server stores after nbdcopy copies the
+//! same file in.
+//!
+//! The input mixes real files (a tar of /usr), zeros and random data. Each
+//! test runs the real binary and real clients in a scratch directory; a
+//! missing client makes the test report itself ignored with the reason.
+
+mod support;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use libtest_mimic::{Arguments, Trial};
+
+use support::*;
+
+fn main() {
+    let args = Arguments::from_args();
+    let trials = vec![
+        Trial::ignorable_test(
+            "estimate_is_within_3_percent_of_what_nbdcopy_stores",
+            estimate_matches_stored,
+        ),
+        Trial::ignorable_test(
+            "estimate_reads_stdin_samples_and_refuses_bad_input",
+            estimate_inputs,
+        ),
+    ];
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// Writes `path`: pieces of a /usr tar, zeros and random data, in turn,
+/// about `tar_bytes` of tar, a quarter as much of zeros and of random.
+fn mixed_input(path: &Path, tar_bytes: u64) -> Result<u64, Failed> {
+    let tar = path.with_extension("tar");
+    let script = format!(
+        "tar cf - --one-file-system /usr 2>/dev/null | head -c {tar_bytes} > {}",
+        tar.display()
+    );
+    run("sh", &["-c", &script])?;
+    let tar_data = std::fs::read(&tar).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_file(&tar);
+    ensure!(
+        tar_data.len() as u64 > tar_bytes / 2,
+        "only {} bytes of /usr could be archived",
+        tar_data.len()
+    );
+    let mut out = std::fs::File::create(path).map_err(|e| e.to_string())?;
+    let pieces = 4;
+    let piece = tar_data.len().div_ceil(pieces);
+    // Odd sizes, so that pieces do not fall on unit windows.
+    let side = piece / 4 + 1234;
+    for (index, tar_piece) in tar_data.chunks(piece).enumerate() {
+        out.write_all(tar_piece).map_err(|e| e.to_string())?;
+        out.write_all(&vec![0u8; side]).map_err(|e| e.to_string())?;
+        out.write_all(&pseudo_random(side, index as u64 + 1))
+            .map_err(|e| e.to_string())?;
+    }
+    // Whole blocks: nbdcopy sends the server's minimum block size.
+    let written = tar_data.len() + pieces * 2 * side;
+    let tail = written.next_multiple_of(4096) - written;
+    out.write_all(&vec![b't'; tail])
+        .map_err(|e| e.to_string())?;
+    drop(out);
+    Ok(std::fs::metadata(path).map_err(|e| e.to_string())?.len())
+}
+
+fn estimate_json(args: &[&str]) -> Result<Vec<serde_json::Value>, Failed> {
+    let mut all = vec!["estimate", "--json"];
+    all.extend_from_slice(args);
+    let output = zdisk(&all);
+    ensure!(
+        output.status.success(),
+        "zdisk {all:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout(&output)
+        .lines()
+        .map(|line| serde_json::from_str(line).map_err(|e| format!("{e}: {line}").into()))
+        .collect()
+}
+
+fn field(value: &serde_json::Value, name: &str) -> Result<u64, Failed> {
+    value[name]
+        .as_u64()
+        .ok_or_else(|| format!("no {name} in {value}").into())
+}
+
+fn estimate_matches_stored() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "tar", "curl"])) {
+        return skip;
+    }
+    let dir = Scratch::new("estimate");
+    let input = dir.join("mixed.img");
+    let len = mixed_input(&input, 160 << 20)?;
+    let input_path = input.to_str().unwrap();
+    for codec in ["lz4", "zstd"] {
+        let predictions = estimate_json(&["--codec", codec, input_path])?;
+        ensure!(
+            predictions.len() == 1,
+            "one object per codec: {predictions:?}"
+        );
+        let prediction = &predictions[0];
+        let predicted = field(prediction, "physical_bytes")?;
+        let zero_bytes = field(prediction, "zero_bytes")?;
+        let raw_bytes = field(prediction, "incompressible_bytes")?;
+        ensure!(
+            field(prediction, "logical_bytes")? == len.div_ceil(4096) * 4096,
+            "logical bytes: {prediction}"
+        );
+        // The zeros and the random data are seen for what they are.
+        ensure!(
+            zero_bytes >= len / 8 && raw_bytes >= len / 8,
+            "{codec}: zeros {zero_bytes}, incompressible {raw_bytes} of {len}"
+        );
+        ensure!(
+            prediction["compress_mb_s_per_core"].as_f64().unwrap_or(0.0) > 1.0,
+            "{codec}: no speed in {prediction}"
+        );
+
+        let image = dir.join(&format!("{codec}.zdisk"));
+        let output = zdisk(&[
+            "create",
+            image.to_str().unwrap(),
+            "--logical",
+            "1G",
+            "--physical",
+            "1G",
+            "--codec",
+            codec,
+        ]);
+        ensure!(
+            output.status.success(),
+            "create: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let mut server = Server::start(
+            &image,
+            &dir.join("sock"),
+            &["--metrics", &metrics, "--recompress", "off"],
+        )?;
+        run("nbdcopy", &[input_path, &server.uri()])?;
+        let stats = server.stats()?;
+        server.stop()?;
+        let physical_used = field(&stats, "physical_used_bytes")?;
+        let stored = field(&stats, "stored_bytes")?;
+        let error_used = predicted as f64 / physical_used as f64 - 1.0;
+        let error_stored = predicted as f64 / stored as f64 - 1.0;
+        println!(
+            "{codec}: {len} bytes in; estimate {predicted}, physical_used_bytes {physical_used} \
+             ({:+.2}%), stored_bytes {stored} ({:+.2}%)",
+            100.0 * error_used,
+            100.0 * error_stored
+        );
+        ensure!(
+            error_used.abs() <= 0.03,
+            "{codec}: estimate {predicted} vs physical_used_bytes {physical_used}"
+        );
+        ensure!(
+            error_stored.abs() <= 0.005,
+            "{codec}: estimate {predicted} vs stored_bytes {stored}"
+        );
+        let _ = std::fs::remove_file(&image);
+    }
+    Ok(Completion::Completed)
+}
+
+fn estimate_inputs() -> TestResult {
+    let dir = Scratch::new("estimate-inputs");
+    let input = dir.join("input.bin");
+    let mut data = pseudo_random(3 << 20, 7);
+    data.extend(std::iter::repeat_n(b'z', 5 << 20));
+    data.extend(vec![0u8; (2 << 20) + 100]);
+    std::fs::write(&input, &data).map_err(|e| e.to_string())?;
+    let from_file = estimate_json(&["--codec", "lz4", input.to_str().unwrap()])?;
+
+    // The same bytes through a pipe give the same figures.
+    let mut child = Command::new(zdisk_bin())
+        .args(["estimate", "--json", "--codec", "lz4", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let feeder = std::thread::spawn(move || stdin.write_all(&data));
+    let output = child.wait_with_output().map_err(|e| e.to_string())?;
+    feeder.join().expect("feeder").map_err(|e| e.to_string())?;
+    ensure!(
+        output.status.success(),
+        "estimate -: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let from_pipe: serde_json::Value =
+        serde_json::from_str(stdout(&output).trim()).map_err(|e| e.to_string())?;
+    for name in [
+        "logical_bytes",
+        "physical_bytes",
+        "zero_bytes",
+        "incompressible_bytes",
+    ] {
+        ensure!(
+            field(&from_pipe, name)? == field(&from_file[0], name)?,
+            "{name}: pipe {from_pipe} vs file {}",
+            from_file[0]
+        );
+    }
+    ensure!(
+        field(&from_file[0], "incompressible_bytes")? == 3 << 20,
+        "random data: {}",
+        from_file[0]
+    );
+    ensure!(
+        field(&from_file[0], "zero_bytes")? == (2 << 20) + 4096,
+        "zeros (the partial last block is padded with zeros): {}",
+        from_file[0]
+    );
+
+    // A sample of a fifth compresses a fifth and scales up.
+    let sampled = estimate_json(&["--sample", "20", "--codec", "lz4", input.to_str().unwrap()])?;
+    ensure!(
+        field(&sampled[0], "sampled_bytes")? == 2 << 20,
+        "a fifth of ten 1 MiB pieces: {}",
+        sampled[0]
+    );
+    ensure!(
+        field(&sampled[0], "logical_bytes")? == field(&from_file[0], "logical_bytes")?,
+        "{}",
+        sampled[0]
+    );
+
+    // Several codecs: one object each, ranked smallest first.
+    let all = estimate_json(&[input.to_str().unwrap()])?;
+    ensure!(all.len() == 4, "four default codecs: {all:?}");
+    let sizes: Vec<u64> = all
+        .iter()
+        .map(|p| field(p, "physical_bytes"))
+        .collect::<Result<_, _>>()?;
+    ensure!(sizes.windows(2).all(|w| w[0] <= w[1]), "ranked: {sizes:?}");
+
+    // The table, for people.
+    let table = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["estimate", "--codec", "zstd", input.to_str().unwrap()],
+    )?);
+    ensure!(
+        table.contains("zstd:1") && table.contains("smallest: zstd:1"),
+        "{table}"
+    );
+
+    one_line_error(&["estimate", dir.path.to_str().unwrap()], "is a directory")?;
+    one_line_error(
+        &["estimate", dir.join("missing").to_str().unwrap()],
+        "cannot open",
+    )?;
+    one_line_error(
+        &["estimate", "--sample", "0", input.to_str().unwrap()],
+        "--sample",
+    )?;
+    one_line_error(
+        &["estimate", "--codec", "brotli", input.to_str().unwrap()],
+        "unknown codec",
+    )?;
+    Ok(Completion::Completed)
+}
