@@ -32,7 +32,7 @@ pub mod units;
 mod volume;
 
 pub use codec::Codec;
-pub use device::{BlockDevice, Extent, ExtentState};
+pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
 pub use gc::GcPolicy;
 pub use stats::{Counters, SegmentCounts, Stats};

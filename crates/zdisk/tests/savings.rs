@@ -1,6 +1,7 @@
 //! What zdisk saves and where, seen from outside: `zdisk estimate`'s
 //! prediction against what a real server stores after nbdcopy copies the
-//! same file in.
+//! same file in, and the `zdisk:compression` metadata context as nbdinfo
+//! shows it.
 //!
 //! The input mixes real files (a tar of /usr), zeros and random data. Each
 //! test runs the real binary and real clients in a scratch directory; a
@@ -26,6 +27,10 @@ fn main() {
         Trial::ignorable_test(
             "estimate_reads_stdin_samples_and_refuses_bad_input",
             estimate_inputs,
+        ),
+        Trial::ignorable_test(
+            "nbdinfo_map_of_zdisk_compression_shows_zero_raw_and_compressed",
+            nbdinfo_compression_map,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -264,5 +269,122 @@ fn estimate_inputs() -> TestResult {
         &["estimate", "--codec", "brotli", input.to_str().unwrap()],
         "unknown codec",
     )?;
+    Ok(Completion::Completed)
+}
+
+/// (offset, length, status) rows of `nbdinfo --map=CONTEXT`.
+fn nbdinfo_map(context: &str, uri: &str) -> Result<Vec<(u64, u64, u32)>, Failed> {
+    let map = stdout(&run("nbdinfo", &[&format!("--map={context}"), uri])?);
+    let rows: Vec<(u64, u64, u32)> = map
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            Some((
+                parts.next()?.parse().ok()?,
+                parts.next()?.parse().ok()?,
+                parts.next()?.parse().ok()?,
+            ))
+        })
+        .collect();
+    ensure!(!rows.is_empty(), "nbdinfo --map={context} printed {map:?}");
+    Ok(rows)
+}
+
+fn nbdinfo_compression_map() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdinfo", "nbdcopy", "qemu-io"])) {
+        return skip;
+    }
+    let dir = Scratch::new("compression-map");
+    let image = dir.join("map.zdisk");
+    let output = zdisk(&[
+        "create",
+        image.to_str().unwrap(),
+        "--logical",
+        "64M",
+        "--codec",
+        "zstd",
+    ]);
+    ensure!(
+        output.status.success(),
+        "create: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // [text 1M][random 1M][text 1M], then zeros and a trimmed hole.
+    let mut data: Vec<u8> = b"zdisk:compression says how each extent is stored. "
+        .iter()
+        .cycle()
+        .take(1 << 20)
+        .copied()
+        .collect();
+    data.extend(pseudo_random(1 << 20, 3));
+    data.extend_from_within(..1 << 20);
+    let input = dir.join("input.bin");
+    std::fs::write(&input, &data).map_err(|e| e.to_string())?;
+    let server = Server::start(&image, &dir.join("sock"), &["--recompress", "off"])?;
+    let uri = server.uri();
+    run("nbdcopy", &[input.to_str().unwrap(), &uri])?;
+    let qemu = run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            &uri,
+            "-c",
+            "write -z 4M 1M",
+            "-c",
+            "discard 2M 512k",
+        ],
+    )?;
+    ensure!(
+        !stdout(&qemu).contains("failed"),
+        "qemu-io: {}",
+        stdout(&qemu)
+    );
+
+    let rows = nbdinfo_map("zdisk:compression", &uri)?;
+    let covered: u64 = rows.iter().map(|r| r.1).sum();
+    ensure!(
+        covered == 64 << 20,
+        "the map covers {covered} bytes: {rows:?}"
+    );
+    // What covers each byte range, by kind (bits 0-3).
+    let kind_at = |offset: u64| {
+        rows.iter()
+            .find(|(start, length, _)| *start <= offset && offset < start + length)
+            .map(|row| row.2)
+    };
+    let kind = |status: u32| status & 0xf;
+    let codec = |status: u32| status >> 4 & 0xf;
+    let size_class = |status: u32| status >> 8 & 0xf;
+    for offset in (0..1 << 20).step_by(64 << 10) {
+        let status = kind_at(offset).ok_or("no row")?;
+        ensure!(
+            kind(status) == 3 && codec(status) == 2 && status & (1 << 12) != 0,
+            "text at {offset} should be zstd units: {status:#x}"
+        );
+        ensure!(size_class(status) <= 1, "text is small: {status:#x}");
+    }
+    for offset in ((1 << 20)..(2 << 20)).step_by(64 << 10) {
+        let status = kind_at(offset).ok_or("no row")?;
+        ensure!(
+            kind(status) == 2 && size_class(status) == 15,
+            "random data at {offset} should be raw: {status:#x}"
+        );
+    }
+    ensure!(kind_at(2 << 20) == Some(0), "trimmed: {rows:?}");
+    ensure!(
+        kind(kind_at((5 << 19) + 4096).ok_or("no row")?) == 3,
+        "{rows:?}"
+    );
+    ensure!(kind_at(4 << 20) == Some(1), "zeroed: {rows:?}");
+    ensure!(kind_at((4 << 20) + (1 << 20) - 1) == Some(1), "{rows:?}");
+    ensure!(kind_at(6 << 20) == Some(0), "never written: {rows:?}");
+
+    // base:allocation still answers as before, beside it.
+    let base = nbdinfo_map("base:allocation", &uri)?;
+    ensure!(
+        base.first() == Some(&(0, 2 << 20, 0)),
+        "base:allocation: {base:?}"
+    );
     Ok(Completion::Completed)
 }
