@@ -17,7 +17,8 @@ const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
 
-fn register_font() -> Result<(), String> {
+/// Makes the DejaVu font the charts' "sans-serif" (once per process).
+pub fn register_font() -> Result<(), String> {
     static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     REGISTERED
         .get_or_init(|| {

@@ -202,6 +202,16 @@ pub struct EstimateArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct MapArgs {
+    /// An image at rest, or the URI of a server (nbd://HOST:PORT,
+    /// nbd+unix:///?socket=PATH), asked through nbdinfo.
+    pub target: String,
+    /// Also draw the volume to FILE (.png).
+    #[arg(long, value_name = "FILE")]
+    pub png: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
 pub struct CheckArgs {
     pub image: PathBuf,
     /// Print the report as JSON.

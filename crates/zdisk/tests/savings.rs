@@ -1,7 +1,7 @@
 //! What zdisk saves and where, seen from outside: `zdisk estimate`'s
 //! prediction against what a real server stores after nbdcopy copies the
-//! same file in, and the `zdisk:compression` metadata context as nbdinfo
-//! shows it.
+//! same file in, the `zdisk:compression` metadata context as nbdinfo
+//! shows it, and `zdisk map` of a served image and of one at rest.
 //!
 //! The input mixes real files (a tar of /usr), zeros and random data. Each
 //! test runs the real binary and real clients in a scratch directory; a
@@ -31,6 +31,10 @@ fn main() {
         Trial::ignorable_test(
             "nbdinfo_map_of_zdisk_compression_shows_zero_raw_and_compressed",
             nbdinfo_compression_map,
+        ),
+        Trial::ignorable_test(
+            "zdisk_map_summarises_and_draws_a_served_and_a_resting_image",
+            zdisk_map,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -386,5 +390,134 @@ fn nbdinfo_compression_map() -> TestResult {
         base.first() == Some(&(0, 2 << 20, 0)),
         "base:allocation: {base:?}"
     );
+    Ok(Completion::Completed)
+}
+
+fn zdisk_map() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdinfo", "nbdcopy", "qemu-io"])) {
+        return skip;
+    }
+    let dir = Scratch::new("zdisk-map");
+    let image = dir.join("map.zdisk");
+    let output = zdisk(&["create", image.to_str().unwrap(), "--logical", "64M"]);
+    ensure!(
+        output.status.success(),
+        "create: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // [text 8M][random 8M][text 8M]; then zeros at 24M and a trimmed hole at 4M.
+    let text: Vec<u8> = b"zdisk map draws where the space goes; "
+        .iter()
+        .cycle()
+        .take(8 << 20)
+        .copied()
+        .collect();
+    let mut data = text.clone();
+    data.extend(pseudo_random(8 << 20, 5));
+    data.extend(&text);
+    let input = dir.join("input.bin");
+    std::fs::write(&input, &data).map_err(|e| e.to_string())?;
+    let mut server = Server::start(&image, &dir.join("sock"), &["--recompress", "off"])?;
+    let uri = server.uri();
+    run("nbdcopy", &[input.to_str().unwrap(), &uri])?;
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            &uri,
+            "-c",
+            "write -z 24M 8M",
+            "-c",
+            "discard 4M 2M",
+        ],
+    )?;
+    let png = dir.join("map.png");
+    let served = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["map", &uri, "--png", png.to_str().unwrap()],
+    )?);
+    println!("{served}");
+    // The picture is a PNG of the drawn size.
+    let bytes = std::fs::read(&png).map_err(|e| e.to_string())?;
+    ensure!(
+        bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.len() > 2000,
+        "not a PNG: {} bytes",
+        bytes.len()
+    );
+    let width = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+    ensure!(width == 1000, "width {width}");
+    ensure!(
+        served.contains("64 MiB logical, 22 MiB written (8 MiB raw, 14 MiB compressed: lz4 14 MiB), 8 MiB zeros, 34 MiB holes"),
+        "{served}"
+    );
+    // Regions of 4 MiB: text, half hole, random, zeros, unwritten.
+    let region = |start: &str| {
+        served
+            .lines()
+            .find(|line| line.starts_with(&format!("{start}..")))
+            .map(|line| {
+                line.split_whitespace()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+    };
+    let columns = |start: &str| region(start).ok_or(format!("no region {start}: {served}"));
+    ensure!(
+        columns("0")?[3] == "100.0%",
+        "text is 4:1+: {:?}",
+        columns("0")?
+    );
+    ensure!(
+        columns("4M")?[1] == "50.0%",
+        "half trimmed: {:?}",
+        columns("4M")?
+    );
+    ensure!(
+        columns("8M")?[7] == "100.0%",
+        "random is raw: {:?}",
+        columns("8M")?
+    );
+    ensure!(
+        columns("24M")?[2] == "100.0%",
+        "zeros: {:?}",
+        columns("24M")?
+    );
+    ensure!(
+        columns("32M")?[1] == "100.0%",
+        "unwritten: {:?}",
+        columns("32M")?
+    );
+
+    // Served, the image is locked: the error says to ask the server.
+    one_line_error(&["map", image.to_str().unwrap()], "zdisk map nbd://")?;
+    one_line_error(
+        &["map", &uri, "--png", dir.join("map.gif").to_str().unwrap()],
+        "must end in .png",
+    )?;
+    server.stop()?;
+
+    // At rest, the image gives the same map as its server did.
+    let at_rest = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["map", image.to_str().unwrap()],
+    )?);
+    // The same but for the name at the start and the picture's line.
+    let body = |text: &str| {
+        text.split_once(": ").map(|(_, rest)| {
+            rest.lines()
+                .filter(|line| !line.starts_with("picture:"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+    };
+    ensure!(
+        body(&at_rest) == body(&served),
+        "at rest:\n{at_rest}\nserved:\n{served}"
+    );
+    one_line_error(
+        &["map", dir.join("missing.zdisk").to_str().unwrap()],
+        "does not exist",
+    )?;
     Ok(Completion::Completed)
 }
