@@ -241,6 +241,21 @@ fn estimate_inputs() -> TestResult {
         sampled[0]
     );
 
+    // A unit size as serve takes it: lz4 blocks compressed alone.
+    let alone = estimate_json(&[
+        "--unit-max",
+        "4K",
+        "--codec",
+        "lz4",
+        input.to_str().unwrap(),
+    ])?;
+    ensure!(
+        field(&alone[0], "unit_bytes")? == 4096 && field(&from_file[0], "unit_bytes")? == 8192,
+        "units: {} vs {}",
+        alone[0],
+        from_file[0]
+    );
+
     // Several codecs: one object each, ranked smallest first.
     let all = estimate_json(&[input.to_str().unwrap()])?;
     ensure!(all.len() == 4, "four default codecs: {all:?}");
@@ -394,7 +409,13 @@ fn nbdinfo_compression_map() -> TestResult {
 }
 
 fn zdisk_map() -> TestResult {
-    if let Some(skip) = skip_unless(require_tools(&["nbdinfo", "nbdcopy", "qemu-io"])) {
+    if let Some(skip) = skip_unless(require_tools(&[
+        "nbdinfo",
+        "nbdcopy",
+        "qemu-io",
+        // The picture's text (fonts-dejavu-core).
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    ])) {
         return skip;
     }
     let dir = Scratch::new("zdisk-map");
