@@ -11,6 +11,7 @@
 
 use std::fs::File;
 use std::io::{IsTerminal, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileTypeExt;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -262,6 +263,17 @@ impl Input {
                 "{name} is a directory: estimate a file, a disk image or a block device \
                  (for a directory, pipe a tar of it: tar -cf - DIR | zdisk estimate -)"
             ));
+        }
+        // A pipe or other stream (`<(tar -cf - DIR)`) is read to its end.
+        let file_type = metadata.file_type();
+        if !file_type.is_file() && !file_type.is_block_device() {
+            return Ok(Input {
+                reader: Box::new(file),
+                file: None,
+                size_bytes: None,
+                buffer: vec![0u8; WRITE_BYTES],
+                name,
+            });
         }
         // A block device's size is where its end is.
         let size = file

@@ -217,6 +217,24 @@ fn estimate_inputs() -> TestResult {
             from_file[0]
         );
     }
+    // A named pipe, as `<(...)` gives, is read as a stream.
+    let fifo = dir.join("fifo");
+    run("mkfifo", &[fifo.to_str().unwrap()])?;
+    let writer = {
+        let (input, fifo) = (input.clone(), fifo.clone());
+        std::thread::spawn(move || std::fs::copy(&input, &fifo))
+    };
+    let from_fifo = estimate_json(&["--codec", "lz4", fifo.to_str().unwrap()])?;
+    writer
+        .join()
+        .expect("fifo writer")
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        field(&from_fifo[0], "physical_bytes")? == field(&from_file[0], "physical_bytes")?,
+        "fifo {} vs file {}",
+        from_fifo[0],
+        from_file[0]
+    );
     ensure!(
         field(&from_file[0], "incompressible_bytes")? == 3 << 20,
         "random data: {}",
