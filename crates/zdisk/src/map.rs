@@ -143,11 +143,16 @@ impl Tally {
         self.bytes.iter().sum()
     }
 
-    /// The class holding the most bytes (the first of equals).
+    /// The class holding the most bytes (the first of equals), holes
+    /// counting only when nothing else is there: on a large volume a
+    /// cell spans many blocks, and a little data in it should show.
     fn majority(&self) -> Class {
         let mut best = Class::Hole;
         for class in CLASSES {
-            if self.bytes[class as usize] > self.bytes[best as usize] {
+            if class != Class::Hole
+                && (best == Class::Hole || self.bytes[class as usize] > self.bytes[best as usize])
+                && self.bytes[class as usize] > 0
+            {
                 best = class;
             }
         }
@@ -412,7 +417,8 @@ fn grid(logical: u64) -> (u64, u64) {
 }
 
 /// Draws the grid: the volume left to right and top to bottom, a cell
-/// coloured by the class most of its bytes are in, and a legend.
+/// coloured by the class most of its bytes are in (grey only if all of
+/// it is a hole), and a legend.
 fn draw(path: &Path, name: &str, runs: &[Run], logical: u64) -> Result<(), String> {
     zdisk_bench::plot::register_font()?;
     let (cell, rows) = grid(logical);
@@ -438,6 +444,7 @@ fn draw(path: &Path, name: &str, runs: &[Run], logical: u64) -> Result<(), Strin
     let mut chart = ChartBuilder::on(&top)
         .caption(title, ("sans-serif", 18))
         .margin(10)
+        .margin_right(30)
         .x_label_area_size(35)
         .y_label_area_size(70)
         .build_cartesian_2d(0f64..x_end, y_end..0f64)
@@ -567,6 +574,9 @@ mod tests {
         assert_eq!(t.bytes[Class::Quarter as usize], 8192);
         assert_eq!(t.bytes[Class::Raw as usize], 4096);
         assert_eq!(t.majority(), Class::Quarter);
+        // A little data in a hole shows.
+        assert_eq!(tally(&runs, 0, 12288).majority(), Class::Quarter);
+        assert_eq!(tally(&runs, 0, 8192).majority(), Class::Hole);
         // 8 KiB at 3.5/16 and 4 KiB raw.
         assert!((t.stored - (8192.0 * 3.5 / 16.0 + 4096.0)).abs() < 1e-6);
         assert_eq!(t.codecs[1], 8192);
