@@ -29,6 +29,10 @@ fn main() {
             estimate_inputs,
         ),
         Trial::ignorable_test(
+            "estimate_reads_a_block_device_and_leaves_it_as_it_was",
+            estimate_block_device,
+        ),
+        Trial::ignorable_test(
             "nbdinfo_map_of_zdisk_compression_shows_zero_raw_and_compressed",
             nbdinfo_compression_map,
         ),
@@ -306,6 +310,50 @@ fn estimate_inputs() -> TestResult {
         &["estimate", "--codec", "brotli", input.to_str().unwrap()],
         "unknown codec",
     )?;
+    Ok(Completion::Completed)
+}
+
+fn estimate_block_device() -> TestResult {
+    if let Some(skip) =
+        skip_unless(require_tools(&["losetup"]).and_then(|_| require_root_fuse_loop()))
+    {
+        return skip;
+    }
+    let dir = Scratch::new("estimate-device");
+    let backing = dir.join("backing.raw");
+    let mut data = pseudo_random(2 << 20, 11);
+    data.extend(std::iter::repeat_n(b'q', 6 << 20));
+    std::fs::write(&backing, &data).map_err(|e| e.to_string())?;
+    let device = stdout(&run(
+        "losetup",
+        &["-f", "--show", "--read-only", backing.to_str().unwrap()],
+    )?)
+    .trim()
+    .to_string();
+    struct Detach(String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        }
+    }
+    let _detach = Detach(device.clone());
+    let from_device = estimate_json(&["--codec", "zstd", &device])?;
+    let from_file = estimate_json(&["--codec", "zstd", backing.to_str().unwrap()])?;
+    for name in ["logical_bytes", "physical_bytes", "incompressible_bytes"] {
+        ensure!(
+            field(&from_device[0], name)? == field(&from_file[0], name)?,
+            "{name}: device {} vs file {}",
+            from_device[0],
+            from_file[0]
+        );
+    }
+    ensure!(
+        field(&from_device[0], "logical_bytes")? == 8 << 20,
+        "the device's size: {}",
+        from_device[0]
+    );
+    let after = std::fs::read(&backing).map_err(|e| e.to_string())?;
+    ensure!(after == data, "the device's data changed");
     Ok(Completion::Completed)
 }
 
