@@ -89,6 +89,19 @@ fn draw<DB: DrawingBackend>(
                     ),
                 ],
             )?,
+            Scenario::FileCopy => bars(
+                area,
+                "QD1 copy of incompressible data",
+                "MB/s",
+                &[
+                    ("clean".into(), number(&outcome.json["clean_mb_s"])),
+                    ("dirty".into(), number(&outcome.json["dirty_mb_s"])),
+                    (
+                        "after TRIM".into(),
+                        number(&outcome.json["after_trim_mb_s"]),
+                    ),
+                ],
+            )?,
             Scenario::Flush => {
                 let values: Vec<(String, f64)> = outcome.json["results"]
                     .as_array()
