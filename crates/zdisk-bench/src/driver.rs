@@ -502,8 +502,9 @@ fn run_real(
 }
 
 /// A copy in real time: one thread writes each block once the source
-/// would have read it (the source's schedule is computed, not slept
-/// through twice), so the writes run at QD1 whatever `queue_depth` says.
+/// would have read it, sleeping until then. No thread plays the source:
+/// its schedule follows from its rate and the writes' completion times.
+/// The writes run at QD1 whatever `queue_depth` says.
 fn copy_real(
     volume: &Volume,
     workload: &Workload,
