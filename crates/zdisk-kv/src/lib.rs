@@ -14,6 +14,8 @@
 //!   invariant checker.
 //! - [`device`]: the [`SlotDevice`] trait and its file and RAM devices.
 //! - [`nbd`]: a small NBD client, so the store runs on a zdisk export.
+//! - [`ycsb`]: the YCSB-style workloads (A, B, C, D, F; zipfian keys).
+//! - [`rocks`]: RocksDB's C API, loaded at run time, for the comparison.
 //!
 //! API boundary: the store sees the medium only through [`SlotDevice`];
 //! the CLI (`src/bin/zdisk-kv.rs`) parses arguments and wires the parts.
@@ -22,7 +24,9 @@ pub mod device;
 pub mod error;
 pub mod format;
 pub mod nbd;
+pub mod rocks;
 pub mod store;
+pub mod ycsb;
 
 pub use device::{FileDevice, MemDevice, SlotDevice};
 pub use error::{Error, Result};
