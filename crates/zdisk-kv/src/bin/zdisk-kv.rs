@@ -60,7 +60,7 @@ enum Command {
     },
     /// Runs YCSB-style workloads on the store or on RocksDB; one JSON
     /// object per phase on stdout (and appended to --json).
-    Ycsb(YcsbArgs),
+    Ycsb(Box<YcsbArgs>),
     /// Reads every slot and checks the store's invariants; JSON report.
     Check {
         #[arg(long)]
@@ -396,7 +396,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 return Ok(ExitCode::from(1));
             }
         }
-        Command::Ycsb(args) => run_ycsb(args)?,
+        Command::Ycsb(args) => run_ycsb(*args)?,
         Command::Check { device } => {
             let store = Store::open(open_device(&device, 1).map_err(text)?).map_err(text)?;
             let report = store.check().map_err(text)?;
