@@ -226,6 +226,11 @@ impl Slot {
         Ok(slot_view)
     }
 
+    /// The slot's bytes as they are (sealed if it came from decode or seal).
+    pub fn bytes(&self) -> &[u8; SLOT_BYTES] {
+        &self.bytes
+    }
+
     /// The bytes to write, with the checksum computed.
     pub fn seal(&mut self) -> &[u8; SLOT_BYTES] {
         let used = self.used_bytes();

@@ -12,6 +12,7 @@
 //! - [`format`]: the byte layout (superblock, slots, records).
 //! - [`store`]: get, put, delete, overflow by linear probing, flush, the
 //!   invariant checker.
+//! - [`cache`]: an optional write-through cache of slots in RAM.
 //! - [`device`]: the [`SlotDevice`] trait and its file and RAM devices.
 //! - [`nbd`]: a small NBD client, so the store runs on a zdisk export.
 //! - [`ycsb`]: the YCSB-style workloads (A, B, C, D, F; zipfian keys).
@@ -20,6 +21,7 @@
 //! API boundary: the store sees the medium only through [`SlotDevice`];
 //! the CLI (`src/bin/zdisk-kv.rs`) parses arguments and wires the parts.
 
+pub mod cache;
 pub mod device;
 pub mod error;
 pub mod format;

@@ -37,6 +37,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::cache::SlotCache;
 use crate::device::SlotDevice;
 use crate::error::{Error, Result};
 use crate::format::{check_record, record_bytes, Geometry, Slot, SLOT_BYTES};
@@ -112,6 +113,7 @@ pub struct Store<D> {
     geometry: Geometry,
     stripes: Box<[Mutex<()>]>,
     counters: Counters,
+    cache: SlotCache,
 }
 
 /// The slots an operation has visited, locked, from its home on.
@@ -192,7 +194,15 @@ impl<D: SlotDevice> Store<D> {
             geometry,
             stripes,
             counters: Counters::default(),
+            cache: SlotCache::new(0),
         }
+    }
+
+    /// Gives the store a cache of slots in RAM (write-through; see
+    /// cache.rs). Without one, every slot visited is a device read.
+    pub fn with_cache(mut self, cache_bytes: u64) -> Store<D> {
+        self.cache = SlotCache::new(cache_bytes);
+        self
     }
 
     pub fn geometry(&self) -> Geometry {
@@ -219,12 +229,18 @@ impl<D: SlotDevice> Store<D> {
         key_hash(key) % self.geometry.home_slots
     }
 
+    /// Reads a slot; the caller holds its lock (or the store is quiet).
     fn read_slot(&self, slot: u64) -> Result<Slot> {
+        if let Some(bytes) = self.cache.get(slot) {
+            return Slot::decode(bytes, slot);
+        }
         let mut bytes = Box::new([0u8; SLOT_BYTES]);
         self.device
             .read_at(&mut bytes[..], self.geometry.slot_offset(slot))?;
         self.counters.slot_reads.fetch_add(1, Ordering::Relaxed);
-        Slot::decode(bytes, slot)
+        let decoded = Slot::decode(bytes, slot)?;
+        self.cache.put(slot, decoded.bytes());
+        Ok(decoded)
     }
 
     fn write_slot(&self, slot_no: u64, slot: &mut Slot) -> Result<()> {
@@ -233,6 +249,7 @@ impl<D: SlotDevice> Store<D> {
         debug_assert!(Slot::decode(Box::new(*bytes), slot_no).is_ok());
         self.device
             .write_at(bytes, self.geometry.slot_offset(slot_no))?;
+        self.cache.put(slot_no, bytes);
         self.counters.slot_writes.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -87,9 +87,9 @@ struct YcsbArgs {
     /// RocksDB's compression: lz4 or none.
     #[arg(long, default_value = "lz4")]
     compression: String,
-    /// RocksDB's block cache.
+    /// RAM for caching: RocksDB's block cache, or the store's slot cache.
     #[arg(long, default_value_t = 32 << 20)]
-    block_cache_bytes: usize,
+    cache_bytes: usize,
     /// Records loaded.
     #[arg(long, default_value_t = 1_000_000)]
     records: u64,
@@ -196,6 +196,7 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
     if !(args.seconds > 0.0 && args.seconds.is_finite()) {
         return Err(format!("--seconds {} must be positive", args.seconds));
     }
+    let logical_bytes: Box<dyn Fn() -> u64>;
     let (engine, engine_name): (Box<dyn Engine>, String) = match args.engine.as_str() {
         "kv" => {
             let spec = args.device.as_deref().ok_or("--engine kv needs --device")?;
@@ -212,7 +213,10 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
                 );
                 Store::format(device, config)
             }
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .with_cache(args.cache_bytes as u64);
+            let bytes = store.geometry().device_bytes();
+            logical_bytes = Box::new(move || bytes);
             (Box::new(store), "kv".to_string())
         }
         "rocksdb" => {
@@ -222,7 +226,9 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
                 "none" => zdisk_kv::rocks::Compression::None,
                 other => return Err(format!("--compression {other:?}: lz4 or none")),
             };
-            let engine = zdisk_kv::rocks::RocksDb::open(db, compression, args.block_cache_bytes)?;
+            let engine = zdisk_kv::rocks::RocksDb::open(db, compression, args.cache_bytes)?;
+            let dir = std::path::PathBuf::from(db);
+            logical_bytes = Box::new(move || directory_bytes(&dir));
             (Box::new(engine), format!("rocksdb-{}", args.compression))
         }
         other => return Err(format!("--engine {other:?}: kv or rocksdb")),
@@ -289,6 +295,8 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
             "server_cpu_us_per_op": server_cpu * 1e6 / operations,
             "cpu_us_per_op": (cpu + server_cpu) * 1e6 / operations,
             "rss_bytes": rss_bytes,
+            "cache_bytes": args.cache_bytes,
+            "logical_bytes": logical_bytes(),
         });
         if let Some(address) = &args.metrics {
             let stats = zdisk_stats(address)?;
@@ -316,6 +324,17 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Bytes of the files in a directory (not recursive: RocksDB's is flat).
+fn directory_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok()?.metadata().ok())
+        .filter(|metadata| metadata.is_file())
+        .map(|metadata| metadata.len())
+        .sum()
 }
 
 /// Resident set size of another process (0 if it is gone).

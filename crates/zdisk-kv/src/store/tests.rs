@@ -184,7 +184,12 @@ fn random_value(rng: &mut SmallRng) -> Vec<u8> {
 fn random_operations_match_a_model() {
     for seed in 0..20u64 {
         let mut rng = SmallRng::seed_from_u64(seed);
-        let store = store(8, 16);
+        // Half the seeds with a slot cache smaller than the store.
+        let store = if seed % 2 == 0 {
+            store(8, 16)
+        } else {
+            store(8, 16).with_cache(64 * 4 * SLOT_BYTES as u64)
+        };
         let mut model: HashMap<Vec<u8>, Vec<u8>> = HashMap::new();
         for _ in 0..2000 {
             let key = format!("k{}", rng.gen_range(0..120)).into_bytes();
@@ -274,6 +279,43 @@ fn flushed_puts_survive_power_cuts() {
                 );
                 entry.durable = got;
                 entry.since.clear();
+            }
+        }
+    }
+}
+
+/// The write-through cache must hold what the device holds, always.
+#[test]
+fn the_cache_always_equals_the_device() {
+    let mut rng = SmallRng::seed_from_u64(1);
+    let store = store(8, 16).with_cache(64 * 4 * SLOT_BYTES as u64);
+    for step in 0..2000 {
+        let key = format!("k{}", rng.gen_range(0..120)).into_bytes();
+        match rng.gen_range(0..10) {
+            0..=4 => {
+                let value = random_value(&mut rng);
+                let _ = store.put(&key, &value);
+            }
+            5..=6 => {
+                store.delete(&key).unwrap();
+            }
+            _ => {
+                store.get(&key).unwrap();
+            }
+        }
+        for slot in 0..store.geometry.total_slots() {
+            if let Some(cached) = store.cache.get(slot) {
+                let mut bytes = [0u8; SLOT_BYTES];
+                store
+                    .device
+                    .read_at(&mut bytes, store.geometry.slot_offset(slot))
+                    .unwrap();
+                assert!(
+                    bytes[..] == cached[..],
+                    "step {step} slot {slot}: device {:?} cache {:?}",
+                    &bytes[..16],
+                    &cached[..16]
+                );
             }
         }
     }
