@@ -37,6 +37,10 @@ pub trait Engine: Sync {
     /// before space is measured (the store flushes; RocksDB flushes its
     /// memtable).
     fn settle(&self) -> Result<(), String>;
+    /// The engine's own counters, cumulative, for the report.
+    fn counters(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }
 
 impl<D: crate::device::SlotDevice> Engine for crate::store::Store<D> {
@@ -52,6 +56,10 @@ impl<D: crate::device::SlotDevice> Engine for crate::store::Store<D> {
 
     fn settle(&self) -> Result<(), String> {
         self.flush().map_err(|e| e.to_string())
+    }
+
+    fn counters(&self) -> serde_json::Value {
+        serde_json::to_value(self.stats()).unwrap_or_default()
     }
 }
 

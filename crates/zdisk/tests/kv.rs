@@ -9,6 +9,9 @@
 //! or one written after it (never anything else, never lost), and the
 //! store's invariant checker must find no problem. Three rounds on one
 //! image, each continuing the store the last one left.
+//!
+//! Also: the YCSB driver's RocksDB engine (skipped when RocksDB's shared
+//! library is absent; .ci/run installs rocksdb-tools, which brings it).
 
 mod support;
 
@@ -25,7 +28,15 @@ use zdisk_kv::{FormatConfig, NbdDevice, Store};
 
 fn main() {
     let args = Arguments::from_args();
-    let trials = vec![Trial::test("kv_store_survives_kill_9_of_the_server", kill9)];
+    let trials = vec![
+        Trial::test("kv_store_survives_kill_9_of_the_server", kill9),
+        Trial::ignorable_test("rocksdb_engine_of_the_ycsb_driver_round_trips", || {
+            if let Some(skipped) = skip_unless(zdisk_kv::rocks::available()) {
+                return skipped;
+            }
+            rocksdb_round_trip().map(|()| Completion::Completed)
+        }),
+    ];
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -104,6 +115,31 @@ fn write_until_killed(
             }
         }
     }
+}
+
+/// The comparison's RocksDB engine (its C API loaded at run time) stores
+/// and finds what the driver gives it, and reports misses as misses.
+fn rocksdb_round_trip() -> Result<(), Failed> {
+    use zdisk_kv::rocks::{Compression, RocksDb};
+    use zdisk_kv::ycsb::{fill_value, key_of, Engine, VALUE_BYTES};
+    let dir = Scratch::new("kv-rocksdb");
+    let path = dir.join("db");
+    let db = RocksDb::open(path.to_str().unwrap(), Compression::Lz4, 1 << 20, false)?;
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut value = [0u8; VALUE_BYTES];
+    for id in 0..2000 {
+        fill_value(&mut rng, &mut value);
+        db.write(&key_of(id), &value)?;
+    }
+    db.settle()?;
+    for id in 0..2000 {
+        ensure!(db.read(&key_of(id))?, "key {id} lost");
+    }
+    ensure!(!db.read(&key_of(5000))?, "a key never written was found");
+    drop(db);
+    let reopened = RocksDb::open(path.to_str().unwrap(), Compression::Lz4, 1 << 20, false)?;
+    ensure!(reopened.read(&key_of(1999))?, "lost on reopen");
+    Ok(())
 }
 
 fn kill9() -> Result<(), Failed> {

@@ -226,7 +226,7 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
                 "none" => zdisk_kv::rocks::Compression::None,
                 other => return Err(format!("--compression {other:?}: lz4 or none")),
             };
-            let engine = zdisk_kv::rocks::RocksDb::open(db, compression, args.cache_bytes)?;
+            let engine = zdisk_kv::rocks::RocksDb::open(db, compression, args.cache_bytes, true)?;
             let dir = std::path::PathBuf::from(db);
             logical_bytes = Box::new(move || directory_bytes(&dir));
             (Box::new(engine), format!("rocksdb-{}", args.compression))
@@ -253,6 +253,7 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
             duration: Duration::from_secs_f64(args.seconds),
             seed: args.seed + index as u64,
         };
+        let counters_before = engine.counters();
         let cpu_before = own_cpu_seconds();
         let server_before: f64 = args.watch_pid.iter().map(|&pid| pid_cpu_seconds(pid)).sum();
         let result = run_phase(engine.as_ref(), &keys, &zipfian, config)?;
@@ -296,6 +297,7 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
             "cpu_us_per_op": (cpu + server_cpu) * 1e6 / operations,
             "rss_bytes": rss_bytes,
             "cache_bytes": args.cache_bytes,
+            "engine_counters": counter_deltas(&counters_before, &engine.counters()),
             "logical_bytes": logical_bytes(),
         });
         if let Some(address) = &args.metrics {
@@ -324,6 +326,25 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Each numeric counter's change over a phase.
+fn counter_deltas(before: &serde_json::Value, after: &serde_json::Value) -> serde_json::Value {
+    let Some(after) = after.as_object() else {
+        return serde_json::Value::Null;
+    };
+    let deltas = after
+        .iter()
+        .filter_map(|(key, value)| {
+            let now = value.as_u64()?;
+            let then = before.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
+            Some((
+                key.clone(),
+                serde_json::Value::from(now.saturating_sub(then)),
+            ))
+        })
+        .collect();
+    serde_json::Value::Object(deltas)
 }
 
 /// Bytes of the files in a directory (not recursive: RocksDB's is flat).
