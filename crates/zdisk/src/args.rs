@@ -95,7 +95,7 @@ pub struct CreateArgs {
     #[arg(long)]
     pub force: bool,
     /// Create an emulated NAND drive with this profile (see docs/emulation.md):
-    /// plain-tlc, sf1200, sf2500, csd2000, femu-default or tiny.
+    /// plain-tlc, sf1200, sf2500, vertex3-pro-200, csd2000, femu-default or tiny.
     #[arg(long)]
     pub nand: Option<String>,
     /// Emulated drive: model power-loss protection (flushes cost no padding).
@@ -235,7 +235,7 @@ pub struct BenchArgs {
     /// (an image in use by another process is refused even then).
     #[arg(long, requires = "image")]
     pub force: bool,
-    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart, sparse-wal.
+    /// Scenarios, comma-separated: sweep, dirty, file-copy, flush, qd, wa, restart, sparse-wal.
     #[arg(long, value_delimiter = ',', required = true)]
     pub scenario: Vec<String>,
     /// Write JSON lines to FILE: one object per scenario (per measurement for sparse-wal).
@@ -259,6 +259,10 @@ pub struct BenchArgs {
     /// Dirty the drive with random 4 KiB writes instead of sequential ones.
     #[arg(long, default_value = "sequential", value_parser = ["sequential", "random"])]
     pub dirty_fill: String,
+    /// file-copy: read rate of the drive the file is copied from, MB/s (0:
+    /// unlimited). The default is fitted to AnandTech's SF-2500 copy.
+    #[arg(long = "copy-source-mb-s", default_value_t = zdisk_bench::scenarios::COPY_SOURCE_MB_S)]
+    pub copy_source_mb_s: f64,
     /// Spare factors for the wa scenario (physical space / live data − 1).
     #[arg(long, value_delimiter = ',', default_value = "0.28,0.07")]
     pub spare: Vec<f64>,
