@@ -162,7 +162,7 @@ pub fn restore(
     for entry in &root_object.segments {
         let there = listing
             .segments
-            .get(&(entry.segment, entry.seq32))
+            .get(&entry.incarnation())
             .copied()
             .unwrap_or(0);
         if there < entry.len_bytes {
@@ -195,7 +195,7 @@ pub fn restore(
         sidecar.evicted = root_object
             .segments
             .iter()
-            .map(|entry| (entry.segment, entry.seq32, entry.len_bytes))
+            .map(|entry| (entry.segment, entry.seq32, entry.writer, entry.len_bytes))
             .collect();
         sidecar
             .store(&sidecar_path(image))

@@ -51,7 +51,7 @@ use zdisk_core::units::{PageIndex, SegmentId};
 
 use crate::error::{Result, TierError};
 use crate::location::Location;
-use crate::objects::{self, RootObject, SegmentEntry};
+use crate::objects::{self, Incarnation, RootObject, SegmentEntry};
 use crate::sidecar::Sidecar;
 
 /// Bytes of an evicted segment fetched at a time.
@@ -91,6 +91,8 @@ enum Seg {
     /// Only in the bucket: `len` bytes of incarnation `seq32`.
     Evicted {
         seq32: u32,
+        /// The writer whose object holds it (`objects::short_writer`).
+        writer: u64,
         len: u64,
     },
 }
@@ -123,7 +125,7 @@ struct Target {
 struct TierState {
     segs: Vec<Seg>,
     /// Bytes in the bucket per incarnation (segment, seq32).
-    in_bucket: HashMap<(u32, u32), u64>,
+    in_bucket: HashMap<Incarnation, u64>,
     /// Old incarnations of reused segments waiting for upload.
     stash: VecDeque<(u32, u32, Bytes)>,
     stash_bytes: u64,
@@ -150,8 +152,8 @@ struct Counters {
 }
 
 struct FetchCache {
-    /// (segment, seq32, granule) → bytes and last use.
-    granules: HashMap<(u32, u32, u64), (Bytes, u64)>,
+    /// (incarnation, granule) → bytes and last use.
+    granules: HashMap<(Incarnation, u64), (Bytes, u64)>,
     bytes: u64,
     tick: u64,
 }
@@ -164,6 +166,8 @@ struct Shared {
     config: TierConfig,
     sidecar_path: PathBuf,
     writer_id: [u8; 16],
+    /// `writer_id` as object names carry it.
+    writer: u64,
     geometry: MediaGeometry,
     state: Mutex<TierState>,
     /// Signalled when the uploader has work, or finished some.
@@ -227,9 +231,9 @@ impl TieredMedia {
         let geometry = inner.geometry();
         let segment_size = geometry.segment_size_bytes;
         let mut segs = vec![Seg::Empty; geometry.segment_count as usize];
-        for &(segment, seq32, len) in &sidecar.evicted {
+        for &(segment, seq32, writer, len) in &sidecar.evicted {
             if let Some(seg) = segs.get_mut(segment as usize) {
-                *seg = Seg::Evicted { seq32, len };
+                *seg = Seg::Evicted { seq32, writer, len };
             }
         }
         for (index, seg) in segs.iter_mut().enumerate() {
@@ -277,6 +281,7 @@ impl TieredMedia {
             config,
             sidecar_path,
             writer_id,
+            writer: objects::short_writer(&writer_id),
             geometry,
             state: Mutex::new(state),
             changed: Condvar::new(),
@@ -351,7 +356,7 @@ fn resident(state: &TierState) -> u64 {
 
 /// What a listing of the volume's prefix found.
 pub(crate) struct Listing {
-    pub segments: HashMap<(u32, u32), u64>,
+    pub segments: HashMap<Incarnation, u64>,
     /// Root object numbers, ascending.
     pub roots: Vec<u64>,
 }
@@ -439,7 +444,7 @@ impl Shared {
             {
                 let there = state
                     .in_bucket
-                    .get(&(index as u32, *seq32))
+                    .get(&(index as u32, *seq32, self.writer))
                     .copied()
                     .unwrap_or(0);
                 lag += written.saturating_sub(there);
@@ -511,11 +516,11 @@ impl Shared {
             return Some(Job::UploadStash);
         }
         // Sealed segments, and whatever the root being published needs.
-        let needs: HashMap<(u32, u32), u64> = state
+        let needs: HashMap<Incarnation, u64> = state
             .target
             .iter()
             .flat_map(|target| target.entries.iter())
-            .map(|entry| ((entry.segment, entry.seq32), entry.len_bytes))
+            .map(|entry| (entry.incarnation(), entry.len_bytes))
             .collect();
         for (index, seg) in state.segs.iter().enumerate() {
             let Seg::Local(local) = seg else { continue };
@@ -523,7 +528,7 @@ impl Shared {
             if local.busy {
                 continue;
             }
-            let key = (index as u32, seq32);
+            let key = (index as u32, seq32, self.writer);
             let there = state.in_bucket.get(&key).copied().unwrap_or(0);
             let sealed_need = local
                 .sealed
@@ -542,7 +547,7 @@ impl Shared {
             let missing = target.entries.iter().find(|entry| {
                 state
                     .in_bucket
-                    .get(&(entry.segment, entry.seq32))
+                    .get(&entry.incarnation())
                     .copied()
                     .unwrap_or(0)
                     < entry.len_bytes
@@ -551,7 +556,9 @@ impl Shared {
                 // The incarnation was reused before its bytes were uploaded
                 // and is gone: publish a newer root instead.
                 let current = match &state.segs[entry.segment as usize] {
-                    Seg::Local(local) => local.seq32 == Some(entry.seq32),
+                    Seg::Local(local) => {
+                        local.seq32 == Some(entry.seq32) && entry.writer == self.writer
+                    }
                     _ => false,
                 };
                 if !current {
@@ -594,11 +601,13 @@ impl Shared {
                         }) if *written > 0 => entries.push(SegmentEntry {
                             segment: index as u32,
                             seq32: *seq32,
+                            writer: self.writer,
                             len_bytes: *written,
                         }),
-                        Seg::Evicted { seq32, len } => entries.push(SegmentEntry {
+                        Seg::Evicted { seq32, writer, len } => entries.push(SegmentEntry {
                             segment: index as u32,
                             seq32: *seq32,
+                            writer: *writer,
                             len_bytes: *len,
                         }),
                         _ => {}
@@ -632,7 +641,10 @@ impl Shared {
                     Seg::Local(local) if !local.busy && local.readers == 0 => {
                         let seq32 = local.seq32?;
                         let fill = local.sealed?;
-                        let there = state.in_bucket.get(&(index as u32, seq32)).copied()?;
+                        let there = state
+                            .in_bucket
+                            .get(&(index as u32, seq32, self.writer))
+                            .copied()?;
                         (local.written >= fill && there >= fill).then_some((
                             local.last_use,
                             index,
@@ -647,13 +659,20 @@ impl Shared {
             let Some((_, index, seq32, there, footprint)) = candidate else {
                 return;
             };
-            state.sidecar.evicted.push((index as u32, seq32, there));
+            state
+                .sidecar
+                .evicted
+                .push((index as u32, seq32, self.writer, there));
             if let Err(error) = state.sidecar.store(&self.sidecar_path) {
                 state.sidecar.evicted.pop();
                 log::warn!("tier: cannot evict: {error}");
                 return;
             }
-            state.segs[index] = Seg::Evicted { seq32, len: there };
+            state.segs[index] = Seg::Evicted {
+                seq32,
+                writer: self.writer,
+                len: there,
+            };
             if let Err(error) = self.inner.erase_segment(SegmentId(index as u32)) {
                 // The bytes stay; reads go to the bucket all the same.
                 log::warn!("tier: dropping segment {index} from the cache: {error}");
@@ -699,7 +718,8 @@ impl Shared {
 
     fn put_segment(&self, segment: u32, seq32: u32, bytes: Bytes) -> Result<()> {
         let len = bytes.len() as u64;
-        let key = ObjectPath::from(objects::segment_key(&self.location.prefix, segment, seq32));
+        let incarnation = (segment, seq32, self.writer);
+        let key = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
         self.runtime
             .block_on(self.store.put(&key, PutPayload::from(bytes)))
             .map_err(|e| store_error(&self.location, "uploading a segment", e))?;
@@ -707,7 +727,7 @@ impl Shared {
             .uploaded_bytes
             .fetch_add(len, Ordering::Relaxed);
         let mut state = self.lock();
-        let there = state.in_bucket.entry((segment, seq32)).or_insert(0);
+        let there = state.in_bucket.entry(incarnation).or_insert(0);
         *there = (*there).max(len);
         Ok(())
     }
@@ -764,12 +784,11 @@ impl Shared {
         Ok(())
     }
 
-    /// Reads from the bucket: `buf.len()` bytes at `offset` of incarnation
-    /// `seq32` of `segment`, of which `len` bytes exist (zeros past them).
+    /// Reads from the bucket: `buf.len()` bytes at `offset` of an
+    /// incarnation, of which `len` bytes exist (zeros past them).
     fn read_remote(
         &self,
-        segment: u32,
-        seq32: u32,
+        incarnation: Incarnation,
         len: u64,
         offset: u64,
         buf: &mut [u8],
@@ -780,7 +799,7 @@ impl Shared {
         while position < end {
             let granule = position / GRANULE_BYTES;
             let start = granule * GRANULE_BYTES;
-            let data = self.granule(segment, seq32, len, granule, &mut missed)?;
+            let data = self.granule(incarnation, len, granule, &mut missed)?;
             let stop = end.min(start + GRANULE_BYTES);
             let out = &mut buf[(position - offset) as usize..(stop - offset) as usize];
             let from = (position - start) as usize;
@@ -800,13 +819,12 @@ impl Shared {
 
     fn granule(
         &self,
-        segment: u32,
-        seq32: u32,
+        incarnation: Incarnation,
         len: u64,
         granule: u64,
         missed: &mut bool,
     ) -> zdisk_core::Result<Bytes> {
-        let key = (segment, seq32, granule);
+        let key = (incarnation, granule);
         {
             let mut cache = self.fetched.lock().expect("fetch cache lock");
             cache.tick += 1;
@@ -822,8 +840,7 @@ impl Shared {
         let bytes = if start >= stop {
             Bytes::new()
         } else {
-            let object =
-                ObjectPath::from(objects::segment_key(&self.location.prefix, segment, seq32));
+            let object = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
             self.runtime
                 .block_on(self.store.get_range(&object, start..stop))
                 .map_err(|e| {
@@ -873,7 +890,7 @@ impl Shared {
                 if let (Some(seq32), false) = (local.seq32, self.config.read_only || erase) {
                     let there = state
                         .in_bucket
-                        .get(&(segment.0, seq32))
+                        .get(&(segment.0, seq32, self.writer))
                         .copied()
                         .unwrap_or(0);
                     if there < local.written {
@@ -972,7 +989,7 @@ impl Media for TieredMedia {
             state.tick += 1;
             let tick = state.tick;
             match &mut state.segs[segment.index()] {
-                Seg::Evicted { seq32, len } => Some((*seq32, *len)),
+                Seg::Evicted { seq32, writer, len } => Some(((segment.0, *seq32, *writer), *len)),
                 Seg::Local(local) => {
                     local.readers += 1;
                     local.last_use = tick;
@@ -982,7 +999,7 @@ impl Media for TieredMedia {
             }
         };
         match remote {
-            Some((seq32, len)) => shared.read_remote(segment.0, seq32, len, offset_bytes, buf),
+            Some((incarnation, len)) => shared.read_remote(incarnation, len, offset_bytes, buf),
             None => {
                 let result = shared.inner.read(segment, offset_bytes, buf);
                 let mut state = shared.lock();

@@ -2,10 +2,14 @@
 //! byte format (docs/format.md, "The object-store tier").
 //!
 //! Under a volume's prefix:
-//! - `seg/SSSSSSSS-QQQQQQQQ`: a prefix of one segment incarnation's bytes
-//!   (segment id and the low 32 bits of its sequence number, in hex). Such
-//!   an object may be replaced by a longer prefix of the same incarnation,
-//!   never by different bytes, so any length a root names stays readable.
+//! - `seg/SSSSSSSS-QQQQQQQQ-WWWWWWWWWWWWWWWW`: a prefix of one segment
+//!   incarnation's bytes (segment id, the low 32 bits of its sequence
+//!   number, and the writer that wrote it, in hex). The writer is part of
+//!   the name because a writer restored from an older root numbers its
+//!   incarnations from that root, as a crashed writer may already have.
+//!   Such an object may be replaced by a longer prefix of the same
+//!   incarnation, never by different bytes, so any length a root names
+//!   stays readable.
 //! - `root/NNNNNNNNNNNNNNNN`: root object number N, written once with a
 //!   conditional PUT (`If-None-Match: *`). It holds an engine root and the
 //!   list of segment objects (with the length of each) that root needs.
@@ -18,8 +22,16 @@ const MAX_ENTRIES: u32 = 1 << 24;
 /// Largest engine root a root object may carry (a file slot holds less).
 const MAX_ROOT_BYTES: u32 = 1 << 20;
 
-pub fn segment_key(prefix: &str, segment: u32, seq32: u32) -> String {
-    format!("{prefix}seg/{segment:08x}-{seq32:08x}")
+/// An incarnation in the bucket: (segment, seq32, writer).
+pub type Incarnation = (u32, u32, u64);
+
+pub fn segment_key(prefix: &str, (segment, seq32, writer): Incarnation) -> String {
+    format!("{prefix}seg/{segment:08x}-{seq32:08x}-{writer:016x}")
+}
+
+/// A writer's short id in object names: the first 8 bytes of its id.
+pub fn short_writer(writer_id: &[u8; 16]) -> u64 {
+    u64::from_le_bytes(writer_id[..8].try_into().expect("8 bytes"))
 }
 
 pub fn root_key(prefix: &str, number: u64) -> String {
@@ -27,15 +39,17 @@ pub fn root_key(prefix: &str, number: u64) -> String {
 }
 
 /// Parses the name of a segment object (the part after the prefix).
-pub fn parse_segment_name(name: &str) -> Option<(u32, u32)> {
+pub fn parse_segment_name(name: &str) -> Option<Incarnation> {
     let rest = name.strip_prefix("seg/")?;
-    let (segment, seq) = rest.split_once('-')?;
-    if segment.len() != 8 || seq.len() != 8 {
+    let mut parts = rest.split('-');
+    let (segment, seq, writer) = (parts.next()?, parts.next()?, parts.next()?);
+    if segment.len() != 8 || seq.len() != 8 || writer.len() != 16 || parts.next().is_some() {
         return None;
     }
     Some((
         u32::from_str_radix(segment, 16).ok()?,
         u32::from_str_radix(seq, 16).ok()?,
+        u64::from_str_radix(writer, 16).ok()?,
     ))
 }
 
@@ -53,7 +67,15 @@ pub fn parse_root_name(name: &str) -> Option<u64> {
 pub struct SegmentEntry {
     pub segment: u32,
     pub seq32: u32,
+    /// The writer whose object it is (`short_writer`).
+    pub writer: u64,
     pub len_bytes: u64,
+}
+
+impl SegmentEntry {
+    pub fn incarnation(&self) -> Incarnation {
+        (self.segment, self.seq32, self.writer)
+    }
 }
 
 /// A root object: everything a new cache needs to serve the volume as the
@@ -81,6 +103,7 @@ impl RootObject {
         for entry in &self.segments {
             out.extend_from_slice(&entry.segment.to_le_bytes());
             out.extend_from_slice(&entry.seq32.to_le_bytes());
+            out.extend_from_slice(&entry.writer.to_le_bytes());
             out.extend_from_slice(&entry.len_bytes.to_le_bytes());
         }
         out.extend_from_slice(&(self.engine_root.len() as u32).to_le_bytes());
@@ -115,17 +138,19 @@ impl RootObject {
             _ => return Err(bad("clean flag is neither 0 nor 1")),
         };
         let count = input.u32().ok_or_else(|| bad("truncated"))?;
-        if count > MAX_ENTRIES || count as usize * 16 > body.len() {
+        if count > MAX_ENTRIES || count as usize * 24 > body.len() {
             return Err(bad("segment count out of range"));
         }
         let mut segments = Vec::with_capacity(count as usize);
         for _ in 0..count {
             let segment = input.u32().ok_or_else(|| bad("truncated"))?;
             let seq32 = input.u32().ok_or_else(|| bad("truncated"))?;
+            let writer = input.u64().ok_or_else(|| bad("truncated"))?;
             let len_bytes = input.u64().ok_or_else(|| bad("truncated"))?;
             segments.push(SegmentEntry {
                 segment,
                 seq32,
+                writer,
                 len_bytes,
             });
         }
@@ -185,11 +210,13 @@ mod tests {
                 SegmentEntry {
                     segment: 1,
                     seq32: 9,
+                    writer: 77,
                     len_bytes: 4096,
                 },
                 SegmentEntry {
                     segment: 40,
                     seq32: 2,
+                    writer: u64::MAX,
                     len_bytes: 1 << 20,
                 },
             ],
@@ -221,12 +248,13 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        let key = segment_key("vol/", 0x1234, 0xdead_beef);
-        assert_eq!(key, "vol/seg/00001234-deadbeef");
+        let key = segment_key("vol/", (0x1234, 0xdead_beef, 0x42));
+        assert_eq!(key, "vol/seg/00001234-deadbeef-0000000000000042");
         assert_eq!(
             parse_segment_name(key.strip_prefix("vol/").unwrap()),
-            Some((0x1234, 0xdead_beef))
+            Some((0x1234, 0xdead_beef, 0x42))
         );
+        assert_eq!(parse_segment_name("seg/00001234-deadbeef"), None);
         let key = root_key("", 5);
         assert_eq!(parse_root_name(&key), Some(5));
         assert_eq!(parse_root_name("root/5"), None);

@@ -27,8 +27,8 @@ pub struct Sidecar {
     pub bucket_root: u64,
     /// Most bytes of segments the local cache keeps (`--physical`).
     pub cache_bytes: u64,
-    /// Evicted segments: (segment, seq32, bytes in the bucket).
-    pub evicted: Vec<(u32, u32, u64)>,
+    /// Evicted segments: (segment, seq32, writer, bytes in the bucket).
+    pub evicted: Vec<(u32, u32, u64, u64)>,
 }
 
 /// The sidecar's path for an image.
@@ -130,7 +130,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("x.tier");
         let mut sidecar = Sidecar::new("s3://b/p", [7; 16], 3, 1 << 20);
-        sidecar.evicted.push((4, 5, 4096));
+        sidecar.evicted.push((4, 5, 6, 4096));
         sidecar.store(&path).unwrap();
         assert_eq!(Sidecar::load(&path).unwrap(), sidecar);
         assert_eq!(Sidecar::load(&path).unwrap().writer_id().unwrap(), [7; 16]);

@@ -245,3 +245,55 @@ fn a_crashed_writers_volume_needs_take_over_and_serves_its_newest_root() {
     check_all(&restored, 2048, 2);
     restored.close().unwrap();
 }
+
+#[test]
+fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() {
+    let dir = Scratch::new("numbering");
+    let url = "memory://numbering/vol";
+    let volume = create(&dir, url, 2 * MIB);
+    write_all(&volume, 1024, 1);
+    volume.close().unwrap();
+    drop(volume);
+    // The writer publishes one root object at open and none after, while
+    // it seals and uploads segments numbered past that root's reservation
+    // (renewed often), then dies.
+    let options = OpenOptions {
+        seq_reserve_ahead: 8,
+        ..options()
+    };
+    let quiet = TierConfig {
+        publish_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let volume = zdisk_tier::open(&dir.0.join("a.img"), quiet, options.clone()).unwrap();
+    write_all(&volume, 8192, 2);
+    volume.halt();
+    drop(volume);
+    // A new cache from that root numbers its segments from there too; it
+    // must read and write its own objects, never the dead writer's.
+    let restored = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        2 * MIB,
+        true,
+        config(),
+        options.clone(),
+    )
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    for index in 0..1024 {
+        restored.read(index * 4096, &mut buf).unwrap();
+        assert!(
+            buf == block(index, 1) || buf == block(index, 2),
+            "block {index} holds neither write"
+        );
+    }
+    write_all(&restored, 8192, 3);
+    check_all(&restored, 8192, 3);
+    restored.close().unwrap();
+    drop(restored);
+    let again =
+        zdisk_tier::restore(&dir.0.join("c.img"), url, 2 * MIB, false, config(), options).unwrap();
+    check_all(&again, 8192, 3);
+    again.close().unwrap();
+}
