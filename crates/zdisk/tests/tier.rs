@@ -30,6 +30,10 @@ fn main() {
             "os_files_through_a_small_cache_come_back_from_the_bucket_on_a_new_image",
             os_files_round_trip,
         ),
+        Trial::ignorable_test(
+            "kill_9_mid_upload_then_restore_serves_the_newest_root_or_later",
+            kill_9_mid_upload,
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -297,6 +301,169 @@ fn os_files_round_trip() -> TestResult {
         stderr.contains("another writer"),
         "the refusal does not say why: {stderr}"
     );
+    ceph.stop();
+    Ok(Completion::Completed)
+}
+
+/// `count` blocks of 4 KiB, each saying its number and `round`, padded
+/// with text so that it compresses like files do.
+fn pattern(count: u64, round: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity((count * 4096) as usize);
+    for block in 0..count {
+        let mut text = format!("block {block} round {round} ");
+        while text.len() < 4096 {
+            text.push_str(&format!(
+                "{:x} ",
+                (block * 2654435761 + text.len() as u64) % 4093
+            ));
+        }
+        out.extend_from_slice(&text.as_bytes()[..4096]);
+    }
+    out
+}
+
+fn kill_9_mid_upload() -> TestResult {
+    if let Some(skip) = skip_unless(Ceph::unavailable()) {
+        return skip;
+    }
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "curl"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("tier-kill");
+    let ceph = Ceph::start(&scratch.join("ceph"))?;
+    ceph.create_bucket("zdisk")?;
+    let url = "s3://zdisk/volumes/kill";
+    const BLOCKS: u64 = 24_576; // 96 MiB
+    let first = pattern(BLOCKS, 1);
+    let second = pattern(BLOCKS, 2);
+    let first_file = scratch.join("first.raw");
+    let second_file = scratch.join("second.raw");
+    std::fs::write(&first_file, &first).map_err(|e| e.to_string())?;
+    std::fs::write(&second_file, &second).map_err(|e| e.to_string())?;
+
+    let image = scratch.join("a.zdisk");
+    let image_arg = image.to_str().expect("UTF-8 path");
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            image_arg,
+            "--logical",
+            "128M",
+            "--physical",
+            "32M",
+            "--tier",
+            url,
+        ],
+    )?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = serve_s3(&ceph, &image, &scratch.join("sock"), &metrics)?;
+    run(
+        "nbdcopy",
+        &["--flush", first_file.to_str().unwrap(), &server.uri()],
+    )?;
+    // Round 1 is flushed (nbdcopy flushes at the end); wait until the
+    // bucket has it all and a root object was published after that.
+    let deadline = Instant::now() + std::time::Duration::from_secs(120);
+    let mut caught_up_at = None;
+    loop {
+        let stats = server.stats()?;
+        let published = stat(&stats, "tier_roots_published");
+        match caught_up_at {
+            None if stat(&stats, "tier_lag_bytes") == 0 => caught_up_at = Some(published),
+            Some(then) if published > then => break,
+            _ => {}
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "round 1 never reached the bucket: {stats}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Round 2 over the same blocks, killed while it is being uploaded.
+    let copy = Command::new("nbdcopy")
+        .args([second_file.to_str().unwrap(), &server.uri()])
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let stats = server.stats()?;
+        if stat(&stats, "tier_uploaded_bytes") > 0
+            && stat(&stats, "host_write_bytes") > (BLOCKS * 4096) + (32 << 20)
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "round 2 did not get going: {stats}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    server.stop_with("KILL")?;
+    let mut copy = copy;
+    let _ = copy.wait();
+    std::fs::remove_file(&image).map_err(|e| e.to_string())?;
+
+    // The bucket alone: refused without --take-over, then every block
+    // holds round 1 or round 2, never anything else.
+    let restored = scratch.join("b.zdisk");
+    let restored_arg = restored.to_str().expect("UTF-8 path");
+    let refused = Command::new(zdisk_bin())
+        .args(["create", restored_arg, "--physical", "32M", "--from", url])
+        .envs(ceph.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        !refused.status.success(),
+        "a crashed writer's volume was taken without --take-over"
+    );
+    ensure!(
+        String::from_utf8_lossy(&refused.stderr).contains("--take-over"),
+        "the refusal does not say what to do: {}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            restored_arg,
+            "--physical",
+            "32M",
+            "--from",
+            url,
+            "--take-over",
+        ],
+    )?;
+    let mut server = serve_s3(&ceph, &restored, &scratch.join("sock2"), &metrics)?;
+    let back = scratch.join("back.raw");
+    run("nbdcopy", &[&server.uri(), back.to_str().unwrap()])?;
+    let back = std::fs::read(&back).map_err(|e| e.to_string())?;
+    let (mut round1, mut round2) = (0, 0);
+    for block in 0..BLOCKS as usize {
+        let range = block * 4096..(block + 1) * 4096;
+        if back[range.clone()] == first[range.clone()] {
+            round1 += 1;
+        } else if back[range.clone()] == second[range.clone()] {
+            round2 += 1;
+        } else {
+            let head = String::from_utf8_lossy(&back[range.start..range.start + 48]).into_owned();
+            let zeros = back[range.clone()].iter().all(|&b| b == 0);
+            let others = (0..BLOCKS as usize)
+                .filter(|&b| {
+                    let r = b * 4096..(b + 1) * 4096;
+                    back[r.clone()] != first[r.clone()] && back[r.clone()] != second[r]
+                })
+                .count();
+            return Err(format!(
+                "block {block} holds neither round after the restore ({others} such blocks; zeros: {zeros}; starts {head:?}); stats {}; log:\n{}",
+                server.stats()?,
+                server.log()
+            )
+            .into());
+        }
+    }
+    eprintln!("after kill -9 and a restore from the bucket: {round1} blocks of round 1, {round2} of round 2");
+    server.stop()?;
     ceph.stop();
     Ok(Completion::Completed)
 }

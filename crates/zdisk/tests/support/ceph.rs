@@ -31,8 +31,23 @@ impl Ceph {
         }
     }
 
-    /// Boots a cluster whose files live in `dir`.
+    /// Boots a cluster whose files live in `dir`; on a loaded machine a
+    /// daemon now and then misses its deadline, so a failed boot is torn
+    /// down and tried once more in a fresh directory.
     pub fn start(dir: &Path) -> Result<Ceph, Failed> {
+        match Self::start_once(dir) {
+            Ok(ceph) => Ok(ceph),
+            Err(first) => {
+                eprintln!(
+                    "the first boot failed, trying again: {}",
+                    first.message().unwrap_or("")
+                );
+                Self::start_once(&dir.with_extension("again"))
+            }
+        }
+    }
+
+    fn start_once(dir: &Path) -> Result<Ceph, Failed> {
         let mut ceph = Ceph {
             dir: dir.to_path_buf(),
             env: Vec::new(),

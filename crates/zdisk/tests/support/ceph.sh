@@ -133,6 +133,7 @@ EOF
     osd_up() { "${ceph[@]}" osd stat | grep -q '1 up'; }
     if ! wait_for 60 osd_up; then
         echo "the OSD did not come up (see $dir/log)" >&2
+        tail -n 5 "$dir/log/osd.out" "$dir/log/osd.$osd_id.log" "$dir/log/mon.a.log" >&2 || true
         exit 1
     fi
 
