@@ -189,6 +189,12 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
         background: false,
         ..OpenOptions::default()
     };
+    for url in [&args.tier, &args.from].into_iter().flatten() {
+        // memory:// is the tests' in-process store: gone when zdisk exits.
+        if !url.starts_with("s3://") {
+            return Err(format!("tier {url:?}: expected s3://BUCKET/PREFIX"));
+        }
+    }
     let volume = match (&args.nand, &args.tier, &args.from) {
         (_, Some(url), _) => create_tiered(args, url, options)?,
         (_, _, Some(url)) => {
