@@ -134,6 +134,13 @@ pub struct Stats {
     /// between 10·i % and 10·(i+1) % live (the last bucket is exactly full).
     pub sealed_utilization_histogram: [u64; 11],
     pub counters: Counters,
+    /// The medium's own counters (`Media::media_stats`), e.g. an
+    /// object-store tier's `tier_lag_bytes`; flattened into the JSON.
+    #[serde(flatten)]
+    pub media: std::collections::BTreeMap<String, u64>,
+    /// Help texts of `media`, for the Prometheus exposition.
+    #[serde(skip)]
+    pub media_help: std::collections::BTreeMap<String, &'static str>,
 }
 
 impl Stats {
@@ -279,6 +286,16 @@ impl Stats {
             "Bytes zeroed by the host.",
             c.host_zero_bytes,
         );
+        for (name, value) in &self.media {
+            let help = self
+                .media_help
+                .get(name)
+                .copied()
+                .unwrap_or("A counter of the medium.");
+            out.push_str(&format!(
+                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"
+            ));
+        }
         out
     }
 }
