@@ -14,7 +14,7 @@
 //! drive's controller would. Host CPU speed never enters the figures.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,6 +102,11 @@ pub struct Workload {
     /// checkpoint) to the end, timed, so that work a phase caused is
     /// charged to that phase and not to whatever runs next.
     pub settle: bool,
+    /// Writes copy data from a source device read at QD1 at this rate
+    /// (bytes per second), into `queue_depth + 1` buffers: a write waits
+    /// until the source has read its block, and the source waits for a
+    /// free buffer (`None`: the data is at hand, as from RAM).
+    pub source_bytes_per_sec: Option<u64>,
     pub seed: u64,
     /// Shown in progress lines.
     pub label: String,
@@ -122,6 +127,7 @@ impl Workload {
             pattern: pattern.clone(),
             flush_each_write: false,
             settle: false,
+            source_bytes_per_sec: None,
             seed: 0,
             label: String::new(),
         }
@@ -162,6 +168,62 @@ impl Workload {
     pub fn settle(mut self) -> Workload {
         self.settle = true;
         self
+    }
+
+    /// Writes copy from a source read at `bytes_per_sec` (`None`: unlimited).
+    pub fn source(mut self, bytes_per_sec: Option<u64>) -> Workload {
+        self.source_bytes_per_sec = bytes_per_sec;
+        self
+    }
+
+    /// Nanoseconds the source takes to read one block (0: no source).
+    fn source_block_ns(&self) -> u64 {
+        self.source_bytes_per_sec.map_or(0, |rate| {
+            (self.block_bytes as u128 * 1_000_000_000).div_ceil(rate.max(1) as u128) as u64
+        })
+    }
+}
+
+/// The source of a copy: reads blocks one at a time (QD1) into a ring of
+/// buffers, each freed when the write of its block completes.
+struct Source {
+    block_ns: u64,
+    buffers: usize,
+    /// Completion times of the last `buffers` writes, oldest first.
+    written: VecDeque<u64>,
+    /// When the source finished reading its latest block.
+    read_done: u64,
+}
+
+impl Source {
+    fn new(workload: &Workload, start: u64) -> Source {
+        Source {
+            block_ns: workload.source_block_ns(),
+            buffers: workload.queue_depth.max(1) + 1,
+            written: VecDeque::new(),
+            read_done: start,
+        }
+    }
+
+    /// When the next block is in a buffer, ready to be written.
+    fn next_ready(&mut self) -> u64 {
+        if self.block_ns == 0 {
+            return self.read_done;
+        }
+        let buffer_free = if self.written.len() == self.buffers {
+            self.written.pop_front().expect("a full ring")
+        } else {
+            self.read_done
+        };
+        self.read_done = self.read_done.max(buffer_free) + self.block_ns;
+        self.read_done
+    }
+
+    /// The write of the block handed out by the matching `next_ready` ended.
+    fn written(&mut self, done: u64) {
+        if self.block_ns > 0 {
+            self.written.push_back(done);
+        }
     }
 }
 
@@ -386,8 +448,10 @@ fn run_virtual(
     let mut buf = vec![0u8; workload.block_bytes as usize];
     let mut last = start;
     let mut latency_total = 0.0;
+    let mut copy_source = Source::new(workload, start);
     for index in 0..ops {
-        let Reverse(issue) = slots.pop().expect("queue depth is at least 1");
+        let Reverse(slot_free) = slots.pop().expect("queue depth is at least 1");
+        let issue = slot_free.max(copy_source.next_ready());
         // The controller's background work runs when it has a moment.
         clock.begin_op(issue);
         let _ = volume.maintenance_tick();
@@ -399,6 +463,7 @@ fn run_virtual(
         result?;
         latency_total += (done - issue) as f64;
         last = last.max(done);
+        copy_source.written(done);
         slots.push(Reverse(done));
         progress.update(&workload.label, index + 1, ops, started);
     }
@@ -421,10 +486,68 @@ fn run_real(
     if writes {
         BlockDevice::flush(volume.as_ref()).map_err(|e| format!("flush: {e}"))?;
     }
+    let started = Instant::now();
+    let latency_ns = if workload.source_bytes_per_sec.is_some() {
+        copy_real(volume, workload, ops, progress, started)?
+    } else {
+        run_real_threads(volume, workload, ops, progress, started)?
+    };
+    if writes {
+        BlockDevice::flush(volume.as_ref()).map_err(|e| format!("flush: {e}"))?;
+    }
+    if workload.settle {
+        settle(volume)?;
+    }
+    Ok((started.elapsed().as_secs_f64(), latency_ns as f64))
+}
+
+/// A copy in real time: one thread writes each block once the source
+/// would have read it, sleeping until then. No thread plays the source:
+/// its schedule follows from its rate and the writes' completion times.
+/// The writes run at QD1 whatever `queue_depth` says.
+fn copy_real(
+    volume: &Volume,
+    workload: &Workload,
+    ops: u64,
+    progress: &Progress,
+    started: Instant,
+) -> Result<u64, String> {
+    let one = Workload {
+        queue_depth: 1,
+        ..workload.clone()
+    };
+    let mut copy_source = Source::new(&one, 0);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(workload.seed);
+    let mut source = workload.pattern.source(workload.seed);
+    let mut buf = vec![0u8; workload.block_bytes as usize];
+    let mut latency_ns = 0;
+    for index in 0..ops {
+        let ready = Duration::from_nanos(copy_source.next_ready());
+        if let Some(wait) = ready.checked_sub(started.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let offset = offset_of(workload, index, &mut rng);
+        let op_started = Instant::now();
+        do_op(volume, workload, offset, &mut buf, &mut source)?;
+        latency_ns += op_started.elapsed().as_nanos() as u64;
+        copy_source.written(started.elapsed().as_nanos() as u64);
+        progress.update(&workload.label, index + 1, ops, started);
+    }
+    Ok(latency_ns)
+}
+
+/// `queue_depth` threads issuing operations back to back; returns the
+/// operations' summed latency.
+fn run_real_threads(
+    volume: &Arc<Volume>,
+    workload: &Workload,
+    ops: u64,
+    progress: &Progress,
+    started: Instant,
+) -> Result<u64, String> {
     let next = AtomicU64::new(0);
     let failure: Mutex<Option<String>> = Mutex::new(None);
     let latency_ns = AtomicU64::new(0);
-    let started = Instant::now();
     std::thread::scope(|scope| {
         for thread in 0..workload.queue_depth.max(1) {
             let (next, failure, latency_ns) = (&next, &failure, &latency_ns);
@@ -455,16 +578,7 @@ fn run_real(
     if let Some(error) = failure.into_inner().expect("lock") {
         return Err(error);
     }
-    if writes {
-        BlockDevice::flush(volume.as_ref()).map_err(|e| format!("flush: {e}"))?;
-    }
-    if workload.settle {
-        settle(volume)?;
-    }
-    Ok((
-        started.elapsed().as_secs_f64(),
-        latency_ns.into_inner() as f64,
-    ))
+    Ok(latency_ns.into_inner())
 }
 
 /// Runs the volume's pending background work to the end in this thread

@@ -3,7 +3,8 @@
 //! in virtual time (`zdisk bench`).
 //!
 //! Scenarios (`scenarios/`, one file each): `sweep` (compressibility), `dirty` (clean /
-//! dirty / after TRIM), `flush` (flush after every write, with and without
+//! dirty / after TRIM), `file-copy` (a QD1 copy of incompressible data
+//! from a source drive in the same three states), `flush` (flush after every write, with and without
 //! power-loss protection), `qd` (queue depth 1–32), `wa` (steady-state
 //! write amplification under random overwrites, against theory),
 //! `restart`, and `sparse-wal` (a write-ahead log in the packed and the
@@ -31,6 +32,7 @@ use scenarios::{Outcome, Settings};
 pub enum Scenario {
     Sweep,
     Dirty,
+    FileCopy,
     Flush,
     QueueDepth,
     WriteAmplification,
@@ -43,13 +45,15 @@ impl Scenario {
         match text {
             "sweep" => Ok(Scenario::Sweep),
             "dirty" => Ok(Scenario::Dirty),
+            "file-copy" => Ok(Scenario::FileCopy),
             "flush" => Ok(Scenario::Flush),
             "qd" => Ok(Scenario::QueueDepth),
             "wa" => Ok(Scenario::WriteAmplification),
             "restart" => Ok(Scenario::Restart),
             "sparse-wal" => Ok(Scenario::SparseWal),
             other => Err(format!(
-                "unknown scenario {other:?}: use sweep, dirty, flush, qd, wa, restart or sparse-wal"
+                "unknown scenario {other:?}: use sweep, dirty, file-copy, flush, qd, wa, restart \
+                 or sparse-wal"
             )),
         }
     }
@@ -58,6 +62,7 @@ impl Scenario {
         match self {
             Scenario::Sweep => "sweep",
             Scenario::Dirty => "dirty",
+            Scenario::FileCopy => "file-copy",
             Scenario::Flush => "flush",
             Scenario::QueueDepth => "qd",
             Scenario::WriteAmplification => "wa",
@@ -91,6 +96,7 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
         let mut outcome = match scenario {
             Scenario::Sweep => scenarios::sweep(drive, &config.settings, &progress),
             Scenario::Dirty => scenarios::dirty(drive, &config.settings, &progress),
+            Scenario::FileCopy => scenarios::file_copy(drive, &config.settings, &progress),
             Scenario::Flush => scenarios::flush(drive, &config.settings, &progress),
             Scenario::QueueDepth => scenarios::queue_depths(drive, &config.settings, &progress),
             Scenario::WriteAmplification => {

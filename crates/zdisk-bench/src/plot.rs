@@ -17,7 +17,8 @@ const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
 
-fn register_font() -> Result<(), String> {
+/// Makes the DejaVu font the charts' "sans-serif" (once per process).
+pub fn register_font() -> Result<(), String> {
     static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     REGISTERED
         .get_or_init(|| {
@@ -92,6 +93,19 @@ fn draw<DB: DrawingBackend>(
             Scenario::Dirty => bars(
                 area,
                 "dirty drive: sequential incompressible writes",
+                "MB/s",
+                &[
+                    ("clean".into(), number(&outcome.json["clean_mb_s"])),
+                    ("dirty".into(), number(&outcome.json["dirty_mb_s"])),
+                    (
+                        "after TRIM".into(),
+                        number(&outcome.json["after_trim_mb_s"]),
+                    ),
+                ],
+            )?,
+            Scenario::FileCopy => bars(
+                area,
+                "QD1 copy of incompressible data",
                 "MB/s",
                 &[
                     ("clean".into(), number(&outcome.json["clean_mb_s"])),
@@ -540,6 +554,49 @@ fn centred_label(labels: &[String], x: f64) -> String {
     } else {
         String::new()
     }
+}
+
+/// One panel of grouped bars for [`plot_grouped_panels`].
+pub struct BarPanel {
+    pub caption: String,
+    pub unit: String,
+    pub groups: Vec<String>,
+    pub series: Vec<(String, Vec<f64>)>,
+}
+
+/// Draws panels of grouped bars, one under the other, into one chart file
+/// (PNG or SVG by extension): for results that come from outside
+/// `zdisk bench`, such as the key-value comparison's JSON lines.
+pub fn plot_grouped_panels(panels: &[BarPanel], title: &str, path: &Path) -> Result<(), String> {
+    struct Panels<'a>(&'a [BarPanel], &'a str);
+    impl Chart for Panels<'_> {
+        fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+            draw_panels(root, self.0, self.1)
+        }
+    }
+    let size = (900u32, 380 * panels.len().max(1) as u32);
+    render(path, size, &Panels(panels, title))
+}
+
+fn draw_panels<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    panels: &[BarPanel],
+    title: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled(title, ("sans-serif", 22)).map_err(err)?;
+    let areas = root.split_evenly((panels.len().max(1), 1));
+    for (panel, area) in panels.iter().zip(areas.iter()) {
+        grouped_bars(
+            area,
+            &panel.caption,
+            &panel.unit,
+            &panel.groups,
+            &panel.series,
+        )?;
+    }
+    Ok(())
 }
 
 /// The PostgreSQL fillfactor case study from the JSON lines of

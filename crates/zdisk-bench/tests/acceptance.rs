@@ -36,6 +36,7 @@ fn bench(drive: &NandDrive, scenario: Scenario, size: u64, patterns: Vec<Pattern
             patterns,
             dirty_fill_random: false,
             spares: vec![],
+            copy_source_bytes_per_sec: None,
             seed: 1,
         },
         json: None,

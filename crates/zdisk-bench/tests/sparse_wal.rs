@@ -38,6 +38,7 @@ fn json_lines() -> Vec<Value> {
             patterns: vec![],
             dirty_fill_random: false,
             spares: vec![],
+            copy_source_bytes_per_sec: None,
             seed: 1,
         },
         json: Some(path.clone()),

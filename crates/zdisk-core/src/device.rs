@@ -14,8 +14,11 @@
 //!   once when `fua` is set.
 //! - `block_status` describes `offset..offset+len` as consecutive extents
 //!   starting at `offset`. It may stop early (at `max_extents`), but returns
-//!   at least one extent for a non-empty, in-range request.
+//!   at least one extent for a non-empty, in-range request. `stored_status`
+//!   does the same for how the bytes are stored, and may also stop early
+//!   after describing as much as it cheaply can.
 
+use crate::codec::CodecId;
 use crate::error::Result;
 
 /// Allocation state of a run of bytes, as reported by [`BlockDevice::block_status`].
@@ -34,6 +37,53 @@ pub enum ExtentState {
 pub struct Extent {
     pub length_bytes: u64,
     pub state: ExtentState,
+}
+
+/// How a run of bytes is stored, as reported by [`BlockDevice::stored_status`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stored {
+    /// Never written, or trimmed: takes nothing.
+    Hole,
+    /// Allocated zeros: takes nothing but a range record.
+    Zero,
+    /// Stored as written, because it did not compress enough.
+    Raw {
+        /// Stored bytes per logical block, in sixteenths of a block, rounded up (1 to 16).
+        size_sixteenths: u8,
+    },
+    /// Stored compressed.
+    Compressed {
+        /// The codec the record names; `None` if it could not be read.
+        codec: Option<CodecId>,
+        /// Compressed together with neighbouring blocks, as one unit.
+        unit: bool,
+        /// Stored bytes per logical block (its share of its record, header
+        /// included), in sixteenths of a block, rounded up (1 to 16).
+        size_sixteenths: u8,
+    },
+    /// Found damaged: reads fail until it is rewritten.
+    Damaged,
+}
+
+impl Stored {
+    /// Stored bytes per logical block in sixteenths of a block (0 for
+    /// holes, zeros and damaged blocks).
+    pub fn size_sixteenths(self) -> u8 {
+        match self {
+            Stored::Raw { size_sixteenths }
+            | Stored::Compressed {
+                size_sixteenths, ..
+            } => size_sixteenths,
+            Stored::Hole | Stored::Zero | Stored::Damaged => 0,
+        }
+    }
+}
+
+/// A run of bytes stored alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredExtent {
+    pub length_bytes: u64,
+    pub stored: Stored,
 }
 
 /// A byte-addressed virtual disk. See the module documentation for the contract.
@@ -69,4 +119,29 @@ pub trait BlockDevice: Send + Sync {
 
     /// Describes the allocation of `offset..offset+len`, at most `max_extents` runs.
     fn block_status(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>>;
+
+    /// Describes how `offset..offset+len` is stored, at most `max_extents`
+    /// runs. A device that does not compress stores data raw, which is
+    /// what this default says.
+    fn stored_status(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<StoredExtent>> {
+        let extents = self.block_status(offset, len, max_extents)?;
+        Ok(extents
+            .into_iter()
+            .map(|extent| StoredExtent {
+                length_bytes: extent.length_bytes,
+                stored: match extent.state {
+                    ExtentState::Hole => Stored::Hole,
+                    ExtentState::Zero => Stored::Zero,
+                    ExtentState::Data => Stored::Raw {
+                        size_sixteenths: 16,
+                    },
+                },
+            })
+            .collect())
+    }
 }

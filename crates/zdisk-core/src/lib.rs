@@ -32,12 +32,12 @@ pub mod units;
 mod volume;
 
 pub use codec::Codec;
-pub use device::{BlockDevice, Extent, ExtentState};
+pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
 pub use gc::GcPolicy;
 pub use stats::{Counters, SegmentCounts, Stats};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, Recompress,
-    SystemClock, Volume,
+    SystemClock, Volume, WriteEstimate, WriteEstimator,
 };

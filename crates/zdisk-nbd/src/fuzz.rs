@@ -18,7 +18,7 @@ use crate::session::ConnLog;
 use crate::testing::RamDevice;
 use crate::tls::TlsMode;
 use crate::transmission::{serve, Connection, Inline, Outbox};
-use crate::wire::{BASE_ALLOCATION_ID, MIN_BLOCK_BYTES};
+use crate::wire::{BASE_ALLOCATION_ID, MIN_BLOCK_BYTES, ZDISK_COMPRESSION_ID};
 
 /// Size of the fuzzing device: big enough for several allocation blocks,
 /// small enough that a maximal READ costs nothing.
@@ -40,6 +40,7 @@ fn transmit(mut input: &[u8], device: Arc<RamDevice>, negotiated: Negotiated, re
         read_only,
         structured_replies: negotiated.structured_replies,
         base_allocation_id: negotiated.base_allocation_id,
+        compression_id: negotiated.compression_id,
         min_block_bytes: if negotiated.block_size_agreed {
             u64::from(MIN_BLOCK_BYTES)
         } else {
@@ -103,7 +104,8 @@ fn handshake_then_transmit(bytes: &[u8], device: Arc<RamDevice>, mode: TlsMode) 
 /// device injects, so one corpus reaches every request path:
 /// bit 0 structured replies, bit 1 `base:allocation` selected, bit 2 512-byte
 /// blocks agreed, bit 3 read-only, bit 4 I/O errors at offset 8192,
-/// bit 5 device out of space, bit 6 device shut down.
+/// bit 5 device out of space, bit 6 device shut down, bit 7
+/// `zdisk:compression` selected.
 pub fn fuzz_transmission(bytes: &[u8]) {
     let Some((&setup, requests)) = bytes.split_first() else {
         return;
@@ -114,6 +116,7 @@ pub fn fuzz_transmission(bytes: &[u8]) {
         structured_replies,
         // A context can only be selected once structured replies are on.
         base_allocation_id: (structured_replies && bit(1)).then_some(BASE_ALLOCATION_ID),
+        compression_id: (structured_replies && bit(7)).then_some(ZDISK_COMPRESSION_ID),
         block_size_agreed: bit(2),
     };
     let device = Arc::new(RamDevice::new(FUZZ_DEVICE_BYTES));

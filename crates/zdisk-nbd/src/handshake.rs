@@ -58,6 +58,8 @@ pub(crate) struct Negotiated {
     pub structured_replies: bool,
     /// The id of `base:allocation` if the last NBD_OPT_SET_META_CONTEXT selected it.
     pub base_allocation_id: Option<u32>,
+    /// The id of `zdisk:compression` if the last NBD_OPT_SET_META_CONTEXT selected it.
+    pub compression_id: Option<u32>,
     /// The client promised to honour NBD_INFO_BLOCK_SIZE (see module docs).
     pub block_size_agreed: bool,
 }
@@ -118,6 +120,7 @@ struct Haggle<'a> {
     tls: TlsState,
     structured_replies: bool,
     base_allocation_id: Option<u32>,
+    compression_id: Option<u32>,
 }
 
 /// What one option did to the conversation.
@@ -170,6 +173,7 @@ pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
         tls,
         structured_replies: false,
         base_allocation_id: None,
+        compression_id: None,
     };
     let mut out = Vec::new();
     loop {
@@ -364,6 +368,7 @@ impl Haggle<'_> {
         Ok(Next::Transmission(Negotiated {
             structured_replies: self.structured_replies,
             base_allocation_id: self.base_allocation_id,
+            compression_id: self.compression_id,
             block_size_agreed: false,
         }))
     }
@@ -417,6 +422,7 @@ impl Haggle<'_> {
             Next::Transmission(Negotiated {
                 structured_replies: self.structured_replies,
                 base_allocation_id: self.base_allocation_id,
+                compression_id: self.compression_id,
                 block_size_agreed: request.requests(NBD_INFO_BLOCK_SIZE),
             })
         } else {
@@ -437,15 +443,22 @@ impl Haggle<'_> {
             self.unknown_export(out, option, request.export_name);
             return;
         }
-        // No queries lists everything; `base:` is the namespace wildcard.
-        // Queries for other namespaces or leaves are ignored, as required.
-        let listed = request.queries.is_empty()
-            || request.queries.iter().any(|query| {
-                *query == BASE_NAMESPACE.as_bytes() || *query == BASE_ALLOCATION.as_bytes()
-            });
-        if listed {
-            // Context ids in LIST replies are reserved and should be zero.
+        // No queries lists everything; `base:` and `zdisk:` are namespace
+        // wildcards. Queries for other namespaces or leaves are ignored, as
+        // required.
+        let asked = |namespace: &str, name: &str| {
+            request.queries.is_empty()
+                || request
+                    .queries
+                    .iter()
+                    .any(|query| *query == namespace.as_bytes() || *query == name.as_bytes())
+        };
+        // Context ids in LIST replies are reserved and should be zero.
+        if asked(BASE_NAMESPACE, BASE_ALLOCATION) {
             put_meta_context(out, option, 0, BASE_ALLOCATION);
+        }
+        if asked(ZDISK_NAMESPACE, ZDISK_COMPRESSION) {
+            put_meta_context(out, option, 0, ZDISK_COMPRESSION);
         }
         put_option_reply(out, option, NBD_REP_ACK, &[]);
     }
@@ -454,6 +467,7 @@ impl Haggle<'_> {
         let option = NBD_OPT_SET_META_CONTEXT;
         // Every SET replaces the previous selection, even when it fails.
         self.base_allocation_id = None;
+        self.compression_id = None;
         if !self.structured_replies {
             put_option_error(
                 out,
@@ -474,14 +488,16 @@ impl Haggle<'_> {
             self.unknown_export(out, option, request.export_name);
             return;
         }
-        // `base:` alone must select nothing in SET; unknown queries are ignored.
-        if request
-            .queries
-            .iter()
-            .any(|query| *query == BASE_ALLOCATION.as_bytes())
-        {
+        // A namespace alone must select nothing in SET; unknown queries
+        // are ignored.
+        let asked = |name: &str| request.queries.contains(&name.as_bytes());
+        if asked(BASE_ALLOCATION) {
             self.base_allocation_id = Some(BASE_ALLOCATION_ID);
             put_meta_context(out, option, BASE_ALLOCATION_ID, BASE_ALLOCATION);
+        }
+        if asked(ZDISK_COMPRESSION) {
+            self.compression_id = Some(ZDISK_COMPRESSION_ID);
+            put_meta_context(out, option, ZDISK_COMPRESSION_ID, ZDISK_COMPRESSION);
         }
         put_option_reply(out, option, NBD_REP_ACK, &[]);
     }

@@ -168,24 +168,41 @@ fn block_status_reply(
         length,
         req_one,
     };
-    let Some(context_id) = session.base_allocation_id else {
-        unreachable!("validate() refuses block status without a context");
-    };
     let max_descriptors = if req_one { 1 } else { MAX_BLOCK_STATUS_EXTENTS };
-    let extents = match session
-        .device
-        .block_status(offset, u64::from(length), max_descriptors)
-    {
-        Ok(extents) => extents,
-        Err(error) => return device_error_reply(session, log, cookie, command, &error),
-    };
-    let descriptors = merge_extents(
-        extents.iter().map(|e| (e.length_bytes, e.state)),
-        length,
-        max_descriptors,
+    // One chunk per selected context, the last one marked done.
+    let mut chunks: Vec<(u32, Vec<Descriptor>)> = Vec::new();
+    if let Some(context_id) = session.base_allocation_id {
+        let extents = match session
+            .device
+            .block_status(offset, u64::from(length), max_descriptors)
+        {
+            Ok(extents) => extents,
+            Err(error) => return device_error_reply(session, log, cookie, command, &error),
+        };
+        let flags = extents
+            .iter()
+            .map(|e| (e.length_bytes, allocation_flags(e.state)));
+        chunks.push((context_id, merge_extents(flags, length, max_descriptors)));
+    }
+    if let Some(context_id) = session.compression_id {
+        let extents = match session
+            .device
+            .stored_status(offset, u64::from(length), max_descriptors)
+        {
+            Ok(extents) => extents,
+            Err(error) => return device_error_reply(session, log, cookie, command, &error),
+        };
+        let flags = extents
+            .iter()
+            .map(|e| (e.length_bytes, compression_status(e.stored)));
+        chunks.push((context_id, merge_extents(flags, length, max_descriptors)));
+    }
+    assert!(
+        !chunks.is_empty(),
+        "validate() refuses block status without a context"
     );
     let mut out = Vec::new();
-    if descriptors.is_empty() {
+    if chunks.iter().any(|(_, descriptors)| descriptors.is_empty()) {
         log.line(format_args!(
             "device error on {command}: the device described no extents"
         ));
@@ -195,24 +212,27 @@ fn block_status_reply(
             NBD_EIO,
             "the device described no extents for this range",
         );
-    } else {
-        put_block_status_chunk(&mut out, cookie, context_id, &descriptors);
+        return out;
+    }
+    let last = chunks.len() - 1;
+    for (index, (context_id, descriptors)) in chunks.iter().enumerate() {
+        put_block_status_chunk(&mut out, cookie, *context_id, descriptors, index == last);
     }
     out
 }
 
-/// Turns device extents into wire descriptors: clipped so they cover at
+/// Turns device extents (length, status flags) into wire descriptors: clipped so they cover at
 /// most `length` bytes (which also makes every descriptor fit 32 bits and
 /// keeps REQ_ONE replies within the request), zero-length runs dropped,
 /// neighbours with equal flags merged, at most `max_descriptors` kept.
 pub(crate) fn merge_extents(
-    extents: impl Iterator<Item = (u64, ExtentState)>,
+    extents: impl Iterator<Item = (u64, u32)>,
     length: u32,
     max_descriptors: usize,
 ) -> Vec<Descriptor> {
     let mut remaining = u64::from(length);
     let mut descriptors: Vec<Descriptor> = Vec::new();
-    for (extent_bytes, state) in extents {
+    for (extent_bytes, flags) in extents {
         let run_bytes = extent_bytes.min(remaining);
         if run_bytes == 0 {
             if remaining == 0 {
@@ -222,7 +242,6 @@ pub(crate) fn merge_extents(
         }
         // run_bytes <= remaining <= length, a u32.
         let run_bytes = run_bytes as u32;
-        let flags = allocation_flags(state);
         let count = descriptors.len();
         match descriptors.last_mut() {
             Some(last) if last.flags == flags => last.length_bytes += run_bytes,
@@ -283,9 +302,11 @@ mod tests {
 
     #[test]
     fn extents_are_clipped_merged_and_capped() {
-        use ExtentState::*;
+        let hole = allocation_flags(ExtentState::Hole);
+        let zero = allocation_flags(ExtentState::Zero);
+        let data = allocation_flags(ExtentState::Data);
         let merged = merge_extents(
-            [(100, Hole), (50, Hole), (10, Zero), (5, Data), (1000, Data)].into_iter(),
+            [(100, hole), (50, hole), (10, zero), (5, data), (1000, data)].into_iter(),
             200,
             10,
         );
@@ -307,7 +328,7 @@ mod tests {
             ]
         );
         // REQ_ONE: one descriptor, never longer than the request.
-        let one = merge_extents([(1 << 40, Data)].into_iter(), 4096, 1);
+        let one = merge_extents([(1 << 40, data)].into_iter(), 4096, 1);
         assert_eq!(
             one,
             vec![Descriptor {
@@ -316,11 +337,11 @@ mod tests {
             }]
         );
         let capped = merge_extents(
-            [(1, Hole), (1, Data), (1, Hole), (1, Data)].into_iter(),
+            [(1, hole), (1, data), (1, hole), (1, data)].into_iter(),
             4,
             2,
         );
         assert_eq!(capped.len(), 2);
-        assert!(merge_extents([(0, Data)].into_iter(), 4, 2).is_empty());
+        assert!(merge_extents([(0, data)].into_iter(), 4, 2).is_empty());
     }
 }

@@ -19,6 +19,7 @@ pub(crate) struct Session {
     pub read_only: bool,
     pub structured_replies: bool,
     pub base_allocation_id: Option<u32>,
+    pub compression_id: Option<u32>,
     /// 512 if the client agreed to NBD_INFO_BLOCK_SIZE, else 1 (any byte).
     pub min_block_bytes: u64,
 }
@@ -160,7 +161,10 @@ pub(crate) fn validate(header: &RequestHeader, session: &Session) -> Result<Comm
         }
         return Ok(Command::Flush);
     }
-    if command == NBD_CMD_BLOCK_STATUS && session.base_allocation_id.is_none() {
+    if command == NBD_CMD_BLOCK_STATUS
+        && session.base_allocation_id.is_none()
+        && session.compression_id.is_none()
+    {
         return Err(reject(
             NBD_EINVAL,
             "NBD_CMD_BLOCK_STATUS without a metadata context selected",
@@ -262,6 +266,7 @@ mod tests {
             read_only,
             structured_replies: structured,
             base_allocation_id: context.then_some(BASE_ALLOCATION_ID),
+            compression_id: None,
             min_block_bytes: if aligned { 512 } else { 1 },
         }
     }

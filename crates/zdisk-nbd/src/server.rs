@@ -785,6 +785,7 @@ fn converse(
         read_only: export.read_only,
         structured_replies: negotiated.structured_replies,
         base_allocation_id: negotiated.base_allocation_id,
+        compression_id: negotiated.compression_id,
         min_block_bytes: if negotiated.block_size_agreed {
             u64::from(MIN_BLOCK_BYTES)
         } else {

@@ -140,9 +140,9 @@ pub const NBD_REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 pub const NBD_REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
 
 // ---------------------------------------------------------------------------
-// base:allocation metadata context.
+// Metadata contexts: base:allocation and zdisk:compression.
 
-/// The one metadata context this server offers.
+/// The standard allocation context.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// The `base:` wildcard query, valid in NBD_OPT_LIST_META_CONTEXT only.
 pub const BASE_NAMESPACE: &str = "base:";
@@ -151,6 +151,51 @@ pub const BASE_NAMESPACE: &str = "base:";
 pub const BASE_ALLOCATION_ID: u32 = 1;
 pub const NBD_STATE_HOLE: u32 = 1 << 0;
 pub const NBD_STATE_ZERO: u32 = 1 << 1;
+
+/// How each extent is stored (docs/semantics.md, "zdisk:compression").
+pub const ZDISK_COMPRESSION: &str = "zdisk:compression";
+/// The `zdisk:` wildcard query, valid in NBD_OPT_LIST_META_CONTEXT only.
+pub const ZDISK_NAMESPACE: &str = "zdisk:";
+/// Context id handed out for `zdisk:compression`.
+pub const ZDISK_COMPRESSION_ID: u32 = 2;
+/// zdisk:compression bits 0-3: how the extent is stored.
+pub const ZDISK_KIND_HOLE: u32 = 0;
+pub const ZDISK_KIND_ZERO: u32 = 1;
+pub const ZDISK_KIND_RAW: u32 = 2;
+pub const ZDISK_KIND_COMPRESSED: u32 = 3;
+pub const ZDISK_KIND_DAMAGED: u32 = 4;
+pub const ZDISK_KIND_MASK: u32 = 0xf;
+/// Bits 4-7: the codec of a compressed extent (zdisk's codec ids: 1 lz4,
+/// 2 zstd, 3 deflate), 15 if it could not be read; 0 otherwise.
+pub const ZDISK_CODEC_SHIFT: u32 = 4;
+pub const ZDISK_CODEC_UNKNOWN: u32 = 15;
+/// Bits 8-11: stored bytes per logical block in sixteenths of a block,
+/// rounded up, minus one (0: at most 1/16; 15: more than 15/16); 0 for
+/// holes, zeros and damaged extents.
+pub const ZDISK_SIZE_SHIFT: u32 = 8;
+/// Bit 12: compressed together with neighbouring blocks, as one unit.
+pub const ZDISK_UNIT: u32 = 1 << 12;
+
+/// The zdisk:compression status of an extent stored as `stored`.
+pub fn compression_status(stored: zdisk_core::Stored) -> u32 {
+    use zdisk_core::Stored;
+    let size = |sixteenths: u8| (u32::from(sixteenths.clamp(1, 16)) - 1) << ZDISK_SIZE_SHIFT;
+    match stored {
+        Stored::Hole => ZDISK_KIND_HOLE,
+        Stored::Zero => ZDISK_KIND_ZERO,
+        Stored::Damaged => ZDISK_KIND_DAMAGED,
+        Stored::Raw { size_sixteenths } => ZDISK_KIND_RAW | size(size_sixteenths),
+        Stored::Compressed {
+            codec,
+            unit,
+            size_sixteenths,
+        } => {
+            let codec = codec.map_or(ZDISK_CODEC_UNKNOWN, |id| u32::from(id as u8));
+            let unit = if unit { ZDISK_UNIT } else { 0 };
+            ZDISK_KIND_COMPRESSED | codec << ZDISK_CODEC_SHIFT | size(size_sixteenths) | unit
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------
 // Error values in replies.
@@ -612,17 +657,19 @@ pub struct Descriptor {
     pub flags: u32,
 }
 
-/// A final NBD_REPLY_TYPE_BLOCK_STATUS chunk for one metadata context.
+/// An NBD_REPLY_TYPE_BLOCK_STATUS chunk for one metadata context; `done`
+/// marks the reply's last chunk.
 pub fn put_block_status_chunk(
     out: &mut Vec<u8>,
     cookie: u64,
     context_id: u32,
     descriptors: &[Descriptor],
+    done: bool,
 ) {
     assert!(!descriptors.is_empty(), "block status needs a descriptor");
     put_chunk_header(
         out,
-        NBD_REPLY_FLAG_DONE,
+        if done { NBD_REPLY_FLAG_DONE } else { 0 },
         NBD_REPLY_TYPE_BLOCK_STATUS,
         cookie,
         length_u32(4 + 8 * descriptors.len()),
@@ -744,6 +791,37 @@ mod tests {
             parse_go_option(&huge),
             Err(WireError::StringTooLong { .. })
         ));
+    }
+
+    #[test]
+    fn compression_status_packs_kind_codec_size_and_unit() {
+        use zdisk_core::codec::CodecId;
+        use zdisk_core::Stored;
+        assert_eq!(compression_status(Stored::Hole), 0);
+        assert_eq!(compression_status(Stored::Zero), 1);
+        assert_eq!(compression_status(Stored::Damaged), 4);
+        assert_eq!(
+            compression_status(Stored::Raw {
+                size_sixteenths: 16
+            }),
+            0xf02
+        );
+        assert_eq!(
+            compression_status(Stored::Compressed {
+                codec: Some(CodecId::Zstd),
+                unit: true,
+                size_sixteenths: 5
+            }),
+            0x1423
+        );
+        assert_eq!(
+            compression_status(Stored::Compressed {
+                codec: None,
+                unit: false,
+                size_sixteenths: 1
+            }),
+            0xf3
+        );
     }
 
     #[test]

@@ -272,19 +272,30 @@ fn meta_contexts_list_and_set() {
     );
     c.structured_reply();
 
-    // LIST: no queries lists everything; `base:` is a wildcard; unknown ignored.
-    for queries in [
-        &[][..],
-        &["base:"][..],
-        &["base:allocation", "qemu:dirty-bitmap:x"][..],
+    // LIST: no queries lists everything; `base:` and `zdisk:` are
+    // wildcards; unknown queries are ignored.
+    for (queries, listed) in [
+        (&[][..], &[BASE_ALLOCATION, ZDISK_COMPRESSION][..]),
+        (&["base:"][..], &[BASE_ALLOCATION][..]),
+        (
+            &["base:allocation", "qemu:dirty-bitmap:x"][..],
+            &[BASE_ALLOCATION][..],
+        ),
+        (&["zdisk:"][..], &[ZDISK_COMPRESSION][..]),
+        (
+            &["zdisk:compression", "base:"][..],
+            &[BASE_ALLOCATION, ZDISK_COMPRESSION][..],
+        ),
     ] {
         let replies = c.option(
             NBD_OPT_LIST_META_CONTEXT,
             &Client::meta_data("zdisk", queries),
         );
-        assert_eq!(replies.len(), 2, "{queries:?}: {replies:?}");
-        assert_eq!(replies[0].reply_type, NBD_REP_META_CONTEXT);
-        assert_eq!(&replies[0].data[4..], BASE_ALLOCATION.as_bytes());
+        assert_eq!(replies.len(), listed.len() + 1, "{queries:?}: {replies:?}");
+        for (reply, name) in replies.iter().zip(listed) {
+            assert_eq!(reply.reply_type, NBD_REP_META_CONTEXT);
+            assert_eq!(&reply.data[4..], name.as_bytes());
+        }
     }
     let none = c.option(
         NBD_OPT_LIST_META_CONTEXT,
@@ -313,6 +324,15 @@ fn meta_contexts_list_and_set() {
         c.set_meta_context("nope", &[BASE_ALLOCATION]),
         Err(NBD_REP_ERR_UNKNOWN)
     );
+    // Both contexts, with distinct ids; `zdisk:` alone selects nothing.
+    assert_eq!(c.set_meta_context("", &["zdisk:"]), Ok(vec![]));
+    let both = c
+        .set_meta_context("", &[ZDISK_COMPRESSION, BASE_ALLOCATION])
+        .unwrap();
+    let names: Vec<&str> = both.iter().map(|(_, name)| name.as_str()).collect();
+    assert_eq!(names, vec![BASE_ALLOCATION, ZDISK_COMPRESSION]);
+    assert_ne!(both[0].0, both[1].0);
+    assert!(both.iter().all(|(id, _)| *id != 0));
 }
 
 #[test]

@@ -193,6 +193,77 @@ fn block_status_reports_holes_zeroes_and_data() {
 }
 
 #[test]
+fn block_status_answers_each_selected_context() {
+    let server = TestServer::start(SIZE);
+    let mut c = Client::connect(&server.addr);
+    c.start_handshake();
+    c.structured_reply();
+    let selected = c
+        .set_meta_context("", &[BASE_ALLOCATION, ZDISK_COMPRESSION])
+        .unwrap();
+    assert_eq!(selected.len(), 2);
+    Client::parse_info(&c.option(NBD_OPT_GO, &Client::go_data("", &[])));
+    assert_eq!(c.write(0, &[7; 8192]).error, 0);
+    assert_eq!(
+        c.request(NBD_CMD_FLAG_NO_HOLE, NBD_CMD_WRITE_ZEROES, 8192, 4096, &[])
+            .error,
+        0
+    );
+    // The RAM device does not compress: its data is stored raw, whole.
+    let raw = ZDISK_KIND_RAW | 15 << ZDISK_SIZE_SHIFT;
+    let r = c.request(0, NBD_CMD_BLOCK_STATUS, 0, 65536, &[]);
+    assert_eq!(r.error, 0);
+    assert_eq!(
+        r.extents_by_context(),
+        vec![
+            (
+                BASE_ALLOCATION_ID,
+                false,
+                vec![
+                    (8192, 0),
+                    (4096, NBD_STATE_ZERO),
+                    (65536 - 12288, NBD_STATE_HOLE | NBD_STATE_ZERO)
+                ]
+            ),
+            (
+                ZDISK_COMPRESSION_ID,
+                true,
+                vec![
+                    (8192, raw),
+                    (4096, ZDISK_KIND_ZERO),
+                    (65536 - 12288, ZDISK_KIND_HOLE)
+                ]
+            ),
+        ]
+    );
+    // REQ_ONE: one descriptor per context, within the request.
+    let r = c.request(NBD_CMD_FLAG_REQ_ONE, NBD_CMD_BLOCK_STATUS, 4096, 65536, &[]);
+    assert_eq!(
+        r.extents_by_context(),
+        vec![
+            (BASE_ALLOCATION_ID, false, vec![(4096, 0)]),
+            (ZDISK_COMPRESSION_ID, true, vec![(4096, raw)]),
+        ]
+    );
+    // Only zdisk:compression.
+    let mut c = Client::connect(&server.addr);
+    c.start_handshake();
+    c.structured_reply();
+    c.set_meta_context("", &[ZDISK_COMPRESSION]).unwrap();
+    Client::parse_info(&c.option(NBD_OPT_GO, &Client::go_data("", &[])));
+    let r = c.request(0, NBD_CMD_BLOCK_STATUS, 8192, 8192, &[]);
+    assert_eq!(
+        r.extents_by_context(),
+        vec![(
+            ZDISK_COMPRESSION_ID,
+            true,
+            vec![(4096, ZDISK_KIND_ZERO), (4096, ZDISK_KIND_HOLE)]
+        )]
+    );
+    c.assert_works();
+}
+
+#[test]
 fn block_status_descriptor_count_is_capped() {
     let server = TestServer::start(64 << 20);
     let (mut c, _) = Client::connect_with(&server.addr, Setup::STRUCTURED);

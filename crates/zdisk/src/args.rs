@@ -95,7 +95,7 @@ pub struct CreateArgs {
     #[arg(long)]
     pub force: bool,
     /// Create an emulated NAND drive with this profile (see docs/emulation.md):
-    /// plain-tlc, sf1200, sf2500, csd2000, femu-default or tiny.
+    /// plain-tlc, sf1200, sf2500, vertex3-pro-200, csd2000, femu-default or tiny.
     #[arg(long)]
     pub nand: Option<String>,
     /// Emulated drive: model power-loss protection (flushes cost no padding).
@@ -182,6 +182,36 @@ pub struct StatsArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct EstimateArgs {
+    /// A file, disk image or block device (opened read-only), or - for standard input.
+    pub path: PathBuf,
+    /// Codec to predict (repeatable): lz4, zstd[:LEVEL], deflate[:LEVEL] or
+    /// none. Default: lz4, zstd, zstd:9 and deflate.
+    #[arg(long = "codec", value_parser = codec_arg)]
+    pub codecs: Vec<Codec>,
+    /// Compression unit, as serve's --unit-max (default: each codec's default).
+    #[arg(long, value_parser = unit_arg)]
+    pub unit_max: Option<u8>,
+    /// Compress only this percentage of the input (1 MiB pieces spread
+    /// evenly) and scale the figures up.
+    #[arg(long, default_value = "100")]
+    pub sample: f64,
+    /// Print one JSON object per codec, one per line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct MapArgs {
+    /// An image at rest, or the URI of a server (nbd://HOST:PORT,
+    /// nbd+unix:///?socket=PATH), asked through nbdinfo.
+    pub target: String,
+    /// Also draw the volume to FILE (.png).
+    #[arg(long, value_name = "FILE")]
+    pub png: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
 pub struct CheckArgs {
     pub image: PathBuf,
     /// Print the report as JSON.
@@ -205,7 +235,7 @@ pub struct BenchArgs {
     /// (an image in use by another process is refused even then).
     #[arg(long, requires = "image")]
     pub force: bool,
-    /// Scenarios, comma-separated: sweep, dirty, flush, qd, wa, restart, sparse-wal.
+    /// Scenarios, comma-separated: sweep, dirty, file-copy, flush, qd, wa, restart, sparse-wal.
     #[arg(long, value_delimiter = ',', required = true)]
     pub scenario: Vec<String>,
     /// Write JSON lines to FILE: one object per scenario (per measurement for sparse-wal).
@@ -229,6 +259,10 @@ pub struct BenchArgs {
     /// Dirty the drive with random 4 KiB writes instead of sequential ones.
     #[arg(long, default_value = "sequential", value_parser = ["sequential", "random"])]
     pub dirty_fill: String,
+    /// file-copy: read rate of the drive the file is copied from, MB/s (0:
+    /// unlimited). The default is fitted to AnandTech's SF-2500 copy.
+    #[arg(long = "copy-source-mb-s", default_value_t = zdisk_bench::scenarios::COPY_SOURCE_MB_S)]
+    pub copy_source_mb_s: f64,
     /// Spare factors for the wa scenario (physical space / live data − 1).
     #[arg(long, value_delimiter = ',', default_value = "0.28,0.07")]
     pub spare: Vec<f64>,

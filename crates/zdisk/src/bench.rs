@@ -27,6 +27,9 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             Pattern::Compressible { percent: 75 },
         ];
     }
+    if !(0.0..=1e6).contains(&args.copy_source_mb_s) {
+        return Err("--copy-source-mb-s must be between 0 (unlimited) and 1000000".into());
+    }
     if args.spare.iter().any(|s| !(0.01..=10.0).contains(s)) {
         return Err("--spare values must be between 0.01 and 10".into());
     }
@@ -60,6 +63,8 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             patterns,
             dirty_fill_random: args.dirty_fill == "random",
             spares: args.spare.clone(),
+            copy_source_bytes_per_sec: (args.copy_source_mb_s > 0.0)
+                .then_some((args.copy_source_mb_s * 1e6) as u64),
             seed: args.seed,
         },
         json: args.json.clone(),

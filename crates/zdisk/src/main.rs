@@ -5,8 +5,10 @@
 mod args;
 mod bench;
 mod check;
+mod estimate;
 mod image;
 mod logging;
+mod map;
 mod metrics;
 mod nand;
 mod output;
@@ -18,7 +20,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use crate::args::{BenchArgs, CheckArgs, CreateArgs, ServeArgs, StatsArgs};
+use crate::args::{BenchArgs, CheckArgs, CreateArgs, EstimateArgs, MapArgs, ServeArgs, StatsArgs};
 
 /// A software compressing drive, served over NBD.
 #[derive(Parser, Debug)]
@@ -38,6 +40,10 @@ enum Command {
     Stats(StatsArgs),
     /// Verify an image's invariants and every stored extent's checksum.
     Check(CheckArgs),
+    /// Predict what a file, disk image or block device would take on a volume, per codec.
+    Estimate(EstimateArgs),
+    /// Show how a volume's space is used: a table per region, and a picture with --png.
+    Map(MapArgs),
     /// Run storage benchmarks on an emulated drive (virtual time) or an image (real time).
     Bench(BenchArgs),
 }
@@ -88,6 +94,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args).map(|_| ExitCode::SUCCESS),
         Command::Stats(args) => stats::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Check(args) => check::run(&args),
+        Command::Estimate(args) => estimate::run(&args).map(|_| ExitCode::SUCCESS),
+        Command::Map(args) => map::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Bench(args) => bench::run(&args).map(|_| ExitCode::SUCCESS),
     };
     let code = match result {

@@ -86,9 +86,11 @@ fn emulated_scenarios() -> TestResult {
             "--profile",
             "tiny",
             "--scenario",
-            "sweep,dirty,flush,qd",
+            "sweep,dirty,file-copy,flush,qd",
             "--size",
             "1M",
+            "--copy-source-mb-s",
+            "20",
             "--pattern",
             "zeros",
             "--pattern",
@@ -98,7 +100,7 @@ fn emulated_scenarios() -> TestResult {
         ],
         &json,
     )?;
-    ensure!(objects.len() == 4, "one object per scenario: {objects:?}");
+    ensure!(objects.len() == 5, "one object per scenario: {objects:?}");
 
     // Sweep: one entry per pattern and direction, each with mb_s and iops.
     let sweep = scenario(&objects, "sweep")?;
@@ -145,6 +147,15 @@ fn emulated_scenarios() -> TestResult {
     }
     // Virtual time needs no baseline: one drive, the states in sequence.
     ensure!(dirty["method"] == "sequential", "dirty method: {dirty}");
+
+    // File copy: the same states, paced by the 20 MB/s source (the tiny
+    // drive writes far faster), so no state can beat the source.
+    let copy = scenario(&objects, "file-copy")?;
+    ensure!(number(copy, "source_mb_s")? == 20.0, "file-copy: {copy}");
+    for key in ["clean_mb_s", "dirty_mb_s", "after_trim_mb_s"] {
+        let rate = number(copy, key)?;
+        ensure!(rate > 10.0 && rate <= 20.0, "file-copy {key}: {copy}");
+    }
 
     // Flush: without PLP every flush pads a page; with PLP nothing is padded.
     let flush = scenario(&objects, "flush")?;
@@ -272,7 +283,7 @@ fn image_scenarios() -> TestResult {
             "--image",
             image.to_str().unwrap(),
             "--scenario",
-            "sweep,flush,dirty",
+            "sweep,flush,dirty,file-copy",
             "--size",
             "2M",
             "--logical",
@@ -319,6 +330,13 @@ fn image_scenarios() -> TestResult {
             "{key}_per_round: {dirty}"
         );
     }
+    // File copy, in real time: paced by the default 160 MB/s source, so
+    // however fast the host, no state beats the source.
+    let copy = scenario(&objects, "file-copy")?;
+    for key in ["clean_mb_s", "dirty_mb_s", "after_trim_mb_s"] {
+        let rate = number(copy, key)?;
+        ensure!(rate > 0.0 && rate <= 160.0, "file-copy {key}: {copy}");
+    }
     ensure!(
         image.exists(),
         "the named image is left, dirty, for inspection"
@@ -356,6 +374,16 @@ fn bad_arguments() -> TestResult {
                 "compressible:150",
             ],
             "compressible",
+        ),
+        (
+            vec![
+                "--profile",
+                "tiny",
+                "--scenario",
+                "file-copy",
+                "--copy-source-mb-s=-5",
+            ],
+            "copy-source",
         ),
         (
             vec!["--image", precious.to_str().unwrap(), "--scenario", "sweep"],

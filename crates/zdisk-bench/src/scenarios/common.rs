@@ -36,6 +36,8 @@ pub struct Settings {
     pub dirty_fill_random: bool,
     /// Spare factors for the write-amplification scenario.
     pub spares: Vec<f64>,
+    /// The file-copy scenario's source drive read rate (`None`: unlimited).
+    pub copy_source_bytes_per_sec: Option<u64>,
     pub seed: u64,
 }
 

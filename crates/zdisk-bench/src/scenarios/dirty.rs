@@ -13,19 +13,40 @@ use super::common::{
 /// The sibling images the real-time dirty scenario makes beside its own.
 pub const DIRTY_SIBLINGS: [&str; 2] = ["clean", "trimmed"];
 
-/// What the dirty scenario writes, sized to the drive.
-struct DirtyPlan {
+/// What the dirty scenario writes, sized to the drive. The file-copy
+/// scenario prepares its states with the same plan.
+pub(super) struct DirtyPlan {
     /// Logical bytes the fill covers.
-    logical: u64,
+    pub(super) logical: u64,
     /// Bytes each state is measured with.
-    size: u64,
+    pub(super) size: u64,
     /// Log capacity beyond the logical bytes filled.
     spare: u64,
     random_fill: bool,
-    seed: u64,
+    pub(super) seed: u64,
 }
 
 impl DirtyPlan {
+    /// The plan for `target`, a fresh volume on `drive`.
+    pub(super) fn new(drive: &dyn Drive, target: &Target, settings: &Settings) -> DirtyPlan {
+        let (log_capacity, _) = drive.default_sizes();
+        // "Every logical block": as many as incompressible data can occupy. A
+        // small drive with little over-provisioning exposes more logical space
+        // than the log can hold raw once zdisk's reserves are set aside (it is
+        // thin by construction); the fill then covers what fits.
+        let logical = round_down(
+            logical_of(target).min(incompressible_capacity(drive, log_capacity)),
+            MIB,
+        );
+        DirtyPlan {
+            logical,
+            size: round_down(settings.size_bytes.min(logical / 2), MIB).max(MIB),
+            spare: log_capacity.saturating_sub(logical),
+            random_fill: settings.dirty_fill_random,
+            seed: settings.seed,
+        }
+    }
+
     /// `total` bytes of sequential incompressible 128 KiB writes at QD8
     /// over `start..start + bytes`.
     fn sequential(&self, label: &str, start: u64, bytes: u64, total: u64, seed: u64) -> Workload {
@@ -51,7 +72,7 @@ impl DirtyPlan {
     /// Fills every logical block, then keeps writing until the spare area
     /// is used up too (the log's free space has run down to the cleaner's
     /// reserve). Returns the free segments left.
-    fn fill(&self, target: &mut Target, progress: &Progress) -> Result<u64, String> {
+    pub(super) fn fill(&self, target: &mut Target, progress: &Progress) -> Result<u64, String> {
         let (logical, spare) = (self.logical, self.spare);
         let fill = if self.random_fill {
             let every_block =
@@ -72,7 +93,7 @@ impl DirtyPlan {
     }
 
     /// TRIM of the whole volume; returns its time.
-    fn trim_all(&self, target: &mut Target) -> Result<f64, String> {
+    pub(super) fn trim_all(&self, target: &mut Target) -> Result<f64, String> {
         let logical = logical_of(target);
         let real = !target.is_virtual();
         driver::run_command(target, |volume| {
@@ -115,22 +136,7 @@ pub fn dirty(
     progress: &Progress,
 ) -> Result<Outcome, String> {
     let mut target = drive.create(&DriveOptions::default())?;
-    let (log_capacity, _) = drive.default_sizes();
-    // "Every logical block": as many as incompressible data can occupy. A
-    // small drive with little over-provisioning exposes more logical space
-    // than the log can hold raw once zdisk's reserves are set aside (it is
-    // thin by construction); the fill then covers what fits.
-    let logical = round_down(
-        logical_of(&target).min(incompressible_capacity(drive, log_capacity)),
-        MIB,
-    );
-    let plan = DirtyPlan {
-        logical,
-        size: round_down(settings.size_bytes.min(logical / 2), MIB).max(MIB),
-        spare: log_capacity.saturating_sub(logical),
-        random_fill: settings.dirty_fill_random,
-        seed: settings.seed,
-    };
+    let plan = DirtyPlan::new(drive, &target, settings);
     let siblings = if target.is_virtual() {
         None
     } else {

@@ -4,6 +4,7 @@
 
 mod common;
 mod dirty;
+mod file_copy;
 mod flush;
 mod qd;
 mod restart;
@@ -13,6 +14,7 @@ mod wa;
 
 pub use common::{Outcome, Settings};
 pub use dirty::{dirty, DIRTY_SIBLINGS};
+pub use file_copy::{file_copy, COPY_CHUNK_BYTES, COPY_SOURCE_MB_S};
 pub use flush::flush;
 pub use qd::queue_depths;
 pub use restart::restart;

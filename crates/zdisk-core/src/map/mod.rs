@@ -736,6 +736,26 @@ impl Map {
         });
     }
 
+    /// Visits `first..first + count` as runs: `f(first block, blocks,
+    /// entry)`, a gap as one run of holes, a run leaf as one run, a single
+    /// block as a run of one; stops when `f` breaks.
+    pub(crate) fn for_each_run(
+        &self,
+        first: Lba,
+        count: u64,
+        mut f: impl FnMut(Lba, u64, Entry) -> ControlFlow<()>,
+    ) {
+        self.visit(
+            first.0,
+            first.0.saturating_add(count),
+            |piece| match piece {
+                Piece::Gap(from, to) => f(Lba(from), to - from, Entry::default()),
+                Piece::Same(from, to, entry) => f(Lba(from), to - from, entry),
+                Piece::One(lba, entry) => f(Lba(lba), 1, entry),
+            },
+        );
+    }
+
     /// Runs of equal state starting at `first`, for block status: returns
     /// (state, blocks) pairs covering at most `count` blocks and `max_runs` runs.
     /// Large unwritten areas are skipped without visiting each block.

@@ -52,7 +52,7 @@ pub enum Discard {
 /// Blocks prepared for appending: a zero block, a block compressed alone,
 /// or a unit of blocks compressed together. `start..start + len` is the
 /// record payload in the batch's arena.
-enum Prepared {
+pub(super) enum Prepared {
     Zero,
     Data {
         codec: CodecId,
@@ -70,14 +70,14 @@ enum Prepared {
 }
 
 impl Prepared {
-    fn blocks(&self) -> usize {
+    pub(super) fn blocks(&self) -> usize {
         match self {
             Prepared::Unit { blocks, .. } => *blocks,
             _ => 1,
         }
     }
 
-    fn record_len(&self) -> u64 {
+    pub(super) fn record_len(&self) -> u64 {
         match self {
             Prepared::Zero => RANGE_RECORD_LEN,
             Prepared::Data { len, .. } | Prepared::Unit { len, .. } => record_len_for_payload(*len),
@@ -86,16 +86,16 @@ impl Prepared {
 }
 
 /// Compressed blocks of (part of) one request.
-struct Batch {
+pub(super) struct Batch {
     arena: Vec<u8>,
-    blocks: Vec<Prepared>,
+    pub(super) blocks: Vec<Prepared>,
 }
 
 /// Compresses `data`, whole blocks starting at block `first`: runs of
 /// non-zero blocks within each aligned window of `unit_blocks` are tried
 /// as one unit; what does not compress as a unit, and runs of one block,
 /// are compressed block by block.
-fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -> Batch {
+pub(super) fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -> Batch {
     let count = data.len() / BLOCK_SIZE;
     let mut batch = Batch {
         arena: Vec::with_capacity(data.len() / 2),

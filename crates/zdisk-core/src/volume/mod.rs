@@ -18,6 +18,7 @@ mod check;
 mod checkpoint;
 mod clean;
 mod compressors;
+mod estimate;
 mod guard;
 mod io;
 mod moves;
@@ -30,10 +31,12 @@ pub(crate) mod scan;
 mod space;
 pub(crate) mod staging;
 mod state;
+mod status;
 #[cfg(test)]
 mod tests;
 
 pub use check::CheckReport;
+pub use estimate::{WriteEstimate, WriteEstimator};
 pub use options::{Clock, CreateOptions, FixedClock, OpenOptions, Random, Recompress, SystemClock};
 pub use recovery::OpenReport;
 
@@ -42,7 +45,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::device::{BlockDevice, Extent, ExtentState};
+use crate::device::{BlockDevice, Extent, ExtentState, StoredExtent};
 use crate::error::{Error, Result};
 use crate::map::Slot;
 use crate::media::{Media, MediaGeometry};
@@ -791,5 +794,15 @@ impl BlockDevice for Volume {
             run_start += blocks * BLOCK_SIZE_U64;
         }
         Ok(extents)
+    }
+
+    fn stored_status(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<StoredExtent>> {
+        self.check_access(offset, len, false)?;
+        self.stored_runs(offset, len, max_extents)
     }
 }

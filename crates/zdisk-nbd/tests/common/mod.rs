@@ -186,6 +186,33 @@ impl Reply {
     }
 }
 
+/// One block status chunk: context id, marked done, (length, flags) descriptors.
+pub type ContextExtents = (u32, bool, Vec<(u32, u32)>);
+
+impl Reply {
+    /// The descriptors of every block status chunk, in order, with its
+    /// context id and whether it was marked done.
+    pub fn extents_by_context(&self) -> Vec<ContextExtents> {
+        self.chunks
+            .iter()
+            .filter(|c| c.chunk_type == NBD_REPLY_TYPE_BLOCK_STATUS)
+            .map(|chunk| {
+                let payload = &chunk.payload;
+                assert!(payload.len() >= 12 && (payload.len() - 4) % 8 == 0);
+                let descriptors = payload[4..]
+                    .chunks(8)
+                    .map(|d| (be32(&d[0..4]), be32(&d[4..8])))
+                    .collect();
+                (
+                    be32(&payload[0..4]),
+                    chunk.flags & NBD_REPLY_FLAG_DONE != 0,
+                    descriptors,
+                )
+            })
+            .collect()
+    }
+}
+
 pub fn be16(b: &[u8]) -> u16 {
     u16::from_be_bytes(b.try_into().unwrap())
 }
