@@ -53,24 +53,35 @@ fn extension(path: &Path) -> String {
 
 /// Draws every outcome into one chart file.
 pub fn plot(outcomes: &[(Scenario, Outcome)], title: &str, path: &Path) -> Result<(), String> {
-    register_font()?;
+    struct Outcomes<'a>(&'a [(Scenario, Outcome)], &'a str);
+    impl Chart for Outcomes<'_> {
+        fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+            draw(root, self.0, self.1)
+        }
+    }
     let panels = outcomes.len().max(1);
-    let size = (900u32, 420 * panels as u32);
+    render(path, (900, 420 * panels as u32), &Outcomes(outcomes, title))
+}
+
+/// A chart that can be drawn on any plotters backend.
+trait Chart {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String>;
+}
+
+/// Draws `chart` into a PNG or SVG file, by the file's extension.
+fn render(path: &Path, size: (u32, u32), chart: &impl Chart) -> Result<(), String> {
     check_extension(path)?;
-    match extension(path).as_str() {
-        "png" => {
-            let root = BitMapBackend::new(path, size).into_drawing_area();
-            draw(&root, outcomes, title)?;
-            root.present()
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))
-        }
-        "svg" => {
-            let root = SVGBackend::new(path, size).into_drawing_area();
-            draw(&root, outcomes, title)?;
-            root.present()
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))
-        }
-        _ => unreachable!("checked above"),
+    let extension = extension(path);
+    register_font()?;
+    let written = |e: &dyn std::fmt::Display| format!("cannot write {}: {e}", path.display());
+    if extension == "png" {
+        let root = BitMapBackend::new(path, size).into_drawing_area();
+        chart.draw(&root)?;
+        root.present().map_err(|e| written(&e))
+    } else {
+        let root = SVGBackend::new(path, size).into_drawing_area();
+        chart.draw(&root)?;
+        root.present().map_err(|e| written(&e))
     }
 }
 
@@ -566,31 +577,14 @@ pub struct BarPanel {
 /// (PNG or SVG by extension): for results that come from outside
 /// `zdisk bench`, such as the key-value comparison's JSON lines.
 pub fn plot_grouped_panels(panels: &[BarPanel], title: &str, path: &Path) -> Result<(), String> {
-    register_font()?;
-    let size = (900u32, 380 * panels.len().max(1) as u32);
-    let extension = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .unwrap_or("")
-        .to_ascii_lowercase();
-    match extension.as_str() {
-        "png" => {
-            let root = BitMapBackend::new(path, size).into_drawing_area();
-            draw_panels(&root, panels, title)?;
-            root.present()
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    struct Panels<'a>(&'a [BarPanel], &'a str);
+    impl Chart for Panels<'_> {
+        fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+            draw_panels(root, self.0, self.1)
         }
-        "svg" => {
-            let root = SVGBackend::new(path, size).into_drawing_area();
-            draw_panels(&root, panels, title)?;
-            root.present()
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))
-        }
-        _ => Err(format!(
-            "{}: the chart file must end in .png or .svg",
-            path.display()
-        )),
     }
+    let size = (900u32, 380 * panels.len().max(1) as u32);
+    render(path, size, &Panels(panels, title))
 }
 
 fn draw_panels<DB: DrawingBackend>(
@@ -612,4 +606,159 @@ fn draw_panels<DB: DrawingBackend>(
         )?;
     }
     Ok(())
+}
+
+/// The PostgreSQL fillfactor case study from the JSON lines of
+/// `scripts/pg-fillfactor.sh`, one object per run: left, by fillfactor, the
+/// database's logical size beside the bytes each export keeps after the
+/// timed run; right, pgbench's TPS on each export. A run without
+/// `fillfactor`, `baseline`, `db_bytes`, `mapped_bytes`, `physical_bytes`
+/// or `tps` is an error naming it.
+pub fn pg_fillfactor(runs: &[Value], path: &Path) -> Result<(), String> {
+    let runs = PgRuns::new(runs)?;
+    render(path, (1200, 480), &runs)
+}
+
+/// One run of the fillfactor script: its keys, checked.
+struct PgRun {
+    fillfactor: u64,
+    baseline: bool,
+    db_bytes: f64,
+    mapped_bytes: f64,
+    physical_bytes: f64,
+    tps: f64,
+}
+
+struct PgRuns {
+    runs: Vec<PgRun>,
+    /// Fillfactors in the order they first appear (the script's: 100 first).
+    fillfactors: Vec<u64>,
+    title: String,
+}
+
+impl PgRuns {
+    fn new(json: &[Value]) -> Result<Self, String> {
+        let mut runs = Vec::new();
+        for (index, run) in json.iter().enumerate() {
+            let key = |name: &str| -> Result<f64, String> {
+                run[name]
+                    .as_f64()
+                    .ok_or_else(|| format!("run {}: no number `{name}`", index + 1))
+            };
+            runs.push(PgRun {
+                fillfactor: run["fillfactor"]
+                    .as_u64()
+                    .ok_or_else(|| format!("run {}: no whole number `fillfactor`", index + 1))?,
+                baseline: run["baseline"]
+                    .as_bool()
+                    .ok_or_else(|| format!("run {}: no true or false `baseline`", index + 1))?,
+                db_bytes: key("db_bytes")?,
+                mapped_bytes: key("mapped_bytes")?,
+                physical_bytes: key("physical_bytes")?,
+                tps: key("tps")?,
+            });
+        }
+        let mut fillfactors: Vec<u64> = Vec::new();
+        for run in &runs {
+            if !fillfactors.contains(&run.fillfactor) {
+                fillfactors.push(run.fillfactor);
+            }
+        }
+        if fillfactors.is_empty() {
+            return Err("no runs to draw".into());
+        }
+        let first = &json[0];
+        let title = format!(
+            "PostgreSQL fillfactor: pgbench scale {}, {} clients, {} s",
+            first["scale"], first["clients"], first["seconds"]
+        );
+        Ok(PgRuns {
+            runs,
+            fillfactors,
+            title,
+        })
+    }
+
+    /// `value` of the run on the given export at each fillfactor; 0 where
+    /// there is none (a run with `--no-baseline`, say).
+    fn series(&self, baseline: bool, value: fn(&PgRun) -> f64) -> Vec<f64> {
+        self.fillfactors
+            .iter()
+            .map(|&ff| {
+                self.runs
+                    .iter()
+                    .find(|r| r.fillfactor == ff && r.baseline == baseline)
+                    .map_or(0.0, value)
+            })
+            .collect()
+    }
+}
+
+impl Chart for PgRuns {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+        let err = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {e}");
+        root.fill(&WHITE).map_err(err)?;
+        let root = root.titled(&self.title, ("sans-serif", 22)).map_err(err)?;
+        let (width, _) = root.dim_in_pixel();
+        let (left, right) = root.split_horizontally(width * 3 / 5);
+        let groups: Vec<String> = self.fillfactors.iter().map(|f| format!("FF {f}")).collect();
+        const MIB: f64 = (1u64 << 20) as f64;
+        // The database is the same on both exports; zdisk's runs name it.
+        let database = if self.runs.iter().any(|r| !r.baseline) {
+            self.series(false, |r| r.db_bytes / MIB)
+        } else {
+            self.series(true, |r| r.db_bytes / MIB)
+        };
+        grouped_bars(
+            &left,
+            "sizes after the timed run",
+            "MiB",
+            &groups,
+            &[
+                ("database (pg_database_size)".into(), database),
+                (
+                    "plain export: allocated".into(),
+                    self.series(true, |r| r.physical_bytes / MIB),
+                ),
+                (
+                    "zdisk: mapped".into(),
+                    self.series(false, |r| r.mapped_bytes / MIB),
+                ),
+                (
+                    "zdisk: physical (stored)".into(),
+                    self.series(false, |r| r.physical_bytes / MIB),
+                ),
+            ],
+        )?;
+        grouped_bars(
+            &right,
+            "pgbench TPC-B-like throughput",
+            "transactions/s",
+            &groups,
+            &[
+                ("zdisk".into(), self.series(false, |r| r.tps)),
+                ("plain export".into(), self.series(true, |r| r.tps)),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fillfactor_run_without_a_key_is_an_error_naming_it() {
+        let good = serde_json::json!({"fillfactor": 100, "baseline": false, "db_bytes": 1,
+            "mapped_bytes": 2, "physical_bytes": 3, "tps": 4.5});
+        let mut bad = good.clone();
+        bad.as_object_mut().unwrap().remove("tps");
+        let error =
+            pg_fillfactor(&[good, bad], Path::new("unused.svg")).expect_err("a run without tps");
+        assert_eq!(error, "run 2: no number `tps`");
+        assert_eq!(
+            pg_fillfactor(&[], Path::new("unused.svg")).expect_err("no runs"),
+            "no runs to draw"
+        );
+    }
 }

@@ -32,6 +32,9 @@ pub enum MediaKind {
     File = 1,
     Memory = 2,
     Nand = 3,
+    /// A local file caching a volume whose sealed segments live in an
+    /// object store (the `zdisk-tier` crate; media_params name the bucket).
+    Tiered = 4,
 }
 
 impl MediaKind {
@@ -40,6 +43,7 @@ impl MediaKind {
             1 => Some(MediaKind::File),
             2 => Some(MediaKind::Memory),
             3 => Some(MediaKind::Nand),
+            4 => Some(MediaKind::Tiered),
             _ => None,
         }
     }

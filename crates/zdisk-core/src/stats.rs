@@ -176,6 +176,13 @@ pub struct Stats {
     /// Erase counts of an emulated NAND drive; null on other media.
     #[serde(default)]
     pub wear: Option<Wear>,
+    /// The medium's own counters (`Media::media_stats`), e.g. an
+    /// object-store tier's `tier_lag_bytes`; flattened into the JSON.
+    #[serde(flatten)]
+    pub media: std::collections::BTreeMap<String, u64>,
+    /// Help texts of `media`, for the Prometheus exposition.
+    #[serde(skip)]
+    pub media_help: std::collections::BTreeMap<String, &'static str>,
 }
 
 impl Stats {
@@ -345,6 +352,16 @@ impl Stats {
             out.push_str(&format!(
                 "# HELP zdisk_erase_count_max Most erases of one erase block.\n# TYPE zdisk_erase_count_max gauge\nzdisk_erase_count_max {}\n",
                 wear.erase_count_max
+            ));
+        }
+        for (name, value) in &self.media {
+            let help = self
+                .media_help
+                .get(name)
+                .copied()
+                .unwrap_or("A counter of the medium.");
+            out.push_str(&format!(
+                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"
             ));
         }
         out

@@ -112,6 +112,19 @@ pub struct CreateArgs {
     /// Emulated drive: cap the recycling bandwidth (MB/s), imitating SandForce's lazy recycling.
     #[arg(long = "recycle-cap-mb-s", requires = "nand")]
     pub recycle_cap_mb_s: Option<f64>,
+    /// Keep the volume's segments in an object store, s3://BUCKET/PREFIX
+    /// (endpoint and credentials from AWS_* variables); the image is then
+    /// a local cache of at most --physical bytes of segments.
+    #[arg(long, conflicts_with_all = ["nand", "force", "from"])]
+    pub tier: Option<String>,
+    /// Make a new local cache for the tiered volume at s3://BUCKET/PREFIX
+    /// (its newest root object), of at most --physical bytes.
+    #[arg(long, conflicts_with_all = ["nand", "force", "codec", "unit_max", "segment_size", "logical"])]
+    pub from: Option<String>,
+    /// With --from: attach even if the volume's newest root is not a clean
+    /// stop's (its writer crashed; make sure it is gone).
+    #[arg(long, requires = "from")]
+    pub take_over: bool,
 }
 
 #[derive(Args, Debug)]

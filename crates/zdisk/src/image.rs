@@ -189,9 +189,30 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
         background: false,
         ..OpenOptions::default()
     };
-    let volume = match &args.nand {
-        Some(profile) => create_nand(args, profile, options)?,
-        None => create(
+    for url in [&args.tier, &args.from].into_iter().flatten() {
+        // memory:// is the tests' in-process store: gone when zdisk exits.
+        if !url.starts_with("s3://") {
+            return Err(format!("tier {url:?}: expected s3://BUCKET/PREFIX"));
+        }
+    }
+    let volume = match (&args.nand, &args.tier, &args.from) {
+        (_, Some(url), _) => create_tiered(args, url, options)?,
+        (_, _, Some(url)) => {
+            let cache = args
+                .layout
+                .physical
+                .ok_or("--physical is required with --from: the most the local cache keeps")?;
+            zdisk_tier::restore(
+                &args.image,
+                url,
+                cache,
+                args.take_over,
+                zdisk_tier::TierConfig::default(),
+                options,
+            )?
+        }
+        (Some(profile), _, _) => create_nand(args, profile, options)?,
+        (None, None, None) => create(
             &args.image,
             &args.layout,
             args.codec.unwrap_or_default(),
@@ -226,6 +247,64 @@ pub fn oversized_note(volume: &Volume) -> Option<String> {
             format_size(sb.logical_size_bytes)
         )
     })
+}
+
+/// Creates a tiered volume: the image is a sparse file of the volume's
+/// whole log that keeps at most `--physical` bytes of segments.
+fn create_tiered(
+    args: &CreateArgs,
+    url: &str,
+    options: OpenOptions,
+) -> Result<Arc<Volume>, String> {
+    let logical = args
+        .layout
+        .logical
+        .ok_or("--logical is required: the size clients see, e.g. --logical 64G")?;
+    if logical == 0 || logical % zdisk_core::units::BLOCK_SIZE_U64 != 0 {
+        return Err(format!(
+            "--logical {logical} must be a positive multiple of 4096 bytes"
+        ));
+    }
+    let cache_bytes = args.layout.physical.ok_or(
+        "--physical is required with --tier: the most the local cache keeps, e.g. --physical 1G",
+    )?;
+    // The log in the bucket is as large as a plain image's would be.
+    let log_bytes = logical + zdisk_core::media::FILE_DATA_OFFSET;
+    let segment_size = args
+        .layout
+        .segment_size
+        .unwrap_or_else(|| default_segment_size(log_bytes));
+    if cache_bytes < 8 * segment_size {
+        return Err(format!(
+            "--physical {} is too small a cache: it must hold at least 8 segments of {}",
+            format_size(cache_bytes),
+            format_size(segment_size)
+        ));
+    }
+    let codec = args.codec.unwrap_or_default();
+    let create = CreateOptions {
+        logical_size_bytes: logical,
+        codec,
+        gc_policy: args.gc_policy,
+        unit_blocks: args
+            .unit_max
+            .unwrap_or_else(|| zdisk_core::meta::default_unit_blocks(codec)),
+        media_kind: MediaKind::Tiered,
+        media_params: Vec::new(),
+    };
+    let layout = zdisk_tier::TierLayout {
+        url: url.to_string(),
+        log_bytes,
+        segment_size_bytes: segment_size,
+        cache_bytes,
+    };
+    zdisk_tier::create(
+        &args.image,
+        &layout,
+        create,
+        zdisk_tier::TierConfig::default(),
+        options,
+    )
 }
 
 /// Creates an emulated NAND drive image.
@@ -314,6 +393,9 @@ pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
     if is_nand_image(path) {
         return open_with_clock(path, options, true);
     }
+    if zdisk_tier::is_tiered(path) {
+        return zdisk_tier::open(path, zdisk_tier::TierConfig::default(), options);
+    }
     let media = FileMedia::open(path, options.read_only, geometry).map_err(|e| match e {
         zdisk_core::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
             format!(
@@ -324,7 +406,16 @@ pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
         }
         other => other.to_string(),
     })?;
-    Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string())
+    let volume =
+        Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string())?;
+    if volume.superblock().media_kind == MediaKind::Tiered {
+        return Err(format!(
+            "{} is the cache of a tiered volume, but its {} is missing: make a new cache with              `zdisk create IMAGE --physical SIZE --from s3://BUCKET/PREFIX`",
+            path.display(),
+            zdisk_tier::sidecar_path(path).display()
+        ));
+    }
+    Ok(volume)
 }
 
 pub fn describe(volume: &Volume, path: &Path) -> String {

@@ -202,6 +202,20 @@ pub fn human(stats: &Stats, explain: bool) -> String {
         };
         entry(&format!("counters.{name}"), value, unit, doc);
     }
+    // The medium's own counters (an object-store tier's, say).
+    for (name, value) in &stats.media {
+        let meaning = stats
+            .media_help
+            .get(name)
+            .copied()
+            .unwrap_or("a counter of the medium");
+        let unit = if name.ends_with("_bytes") {
+            "bytes"
+        } else {
+            "count"
+        };
+        entry(name, value.to_string(), unit, meaning);
+    }
     if !explain {
         out.push_str("\n(zdisk stats --explain says what each key means)\n");
     }

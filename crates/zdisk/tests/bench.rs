@@ -1,6 +1,7 @@
 //! End-to-end tests of `zdisk bench` through the real binary: every
 //! scenario on a small emulated drive in virtual time, with its JSON keys
-//! and charts; scenarios on a real image in real time; and bad arguments.
+//! and charts; scenarios on a real image in real time; bad arguments; and
+//! the chart of `scripts/pg-fillfactor.sh`'s results.
 //!
 //! Figures are asserted only where they are outputs of the drive model
 //! (virtual time), never where they would time the host. A missing
@@ -25,6 +26,10 @@ fn main() {
             emulated_scenarios,
         ),
         ("charts_are_drawn_as_svg_and_png", charts),
+        (
+            "the_pg_fillfactor_chart_is_drawn_from_the_scripts_json",
+            pg_fillfactor_chart,
+        ),
         ("an_image_is_benchmarked_in_real_time", image_scenarios),
         (
             "bad_arguments_are_one_line_errors_and_touch_nothing",
@@ -193,12 +198,16 @@ const FONTS: &[&str] = &[
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
 
-fn charts() -> TestResult {
-    if let Some(skip) = skip_unless(if FONTS.iter().any(|f| Path::new(f).exists()) {
+fn require_font() -> Result<(), String> {
+    if FONTS.iter().any(|f| Path::new(f).exists()) {
         Ok(())
     } else {
         Err("no DejaVu Sans font for chart text (fonts-dejavu-core; .ci/run installs it)".into())
-    }) {
+    }
+}
+
+fn charts() -> TestResult {
+    if let Some(skip) = skip_unless(require_font()) {
         return skip;
     }
     let scratch = Scratch::new("bench-charts");
@@ -224,6 +233,44 @@ fn charts() -> TestResult {
             bytes.len()
         );
         ensure!(bytes.len() > 1000, "{file} is nearly empty");
+    }
+    Ok(Completion::Completed)
+}
+
+/// `zdisk_bench::plot::pg_fillfactor`, which draws the chart of
+/// `scripts/pg-fillfactor.sh`'s JSON lines (the script itself needs root and
+/// PostgreSQL: `pg_fillfactor.rs`), in both formats.
+fn pg_fillfactor_chart() -> TestResult {
+    if let Some(skip) = skip_unless(require_font()) {
+        return skip;
+    }
+    let scratch = Scratch::new("pg-chart");
+    let mut runs = Vec::new();
+    for (i, ff) in [100u64, 90, 75, 50].into_iter().enumerate() {
+        for baseline in [false, true] {
+            let db = 1e9 * 100.0 / ff as f64;
+            runs.push(serde_json::json!({
+                "fillfactor": ff, "baseline": baseline, "scale": 100, "clients": 4,
+                "seconds": 180, "db_bytes": db, "mapped_bytes": db + 1e9,
+                "physical_bytes": if baseline { db + 1e9 } else { 4e8 + 1e7 * i as f64 },
+                "tps": 900.0 + 10.0 * i as f64,
+            }));
+        }
+    }
+    for (file, magic) in [("pg.svg", &b"<svg"[..]), ("pg.png", &b"\x89PNG"[..])] {
+        let path = scratch.join(file);
+        zdisk_bench::plot::pg_fillfactor(&runs, &path)?;
+        let bytes = std::fs::read(&path)?;
+        ensure!(
+            bytes.windows(magic.len()).take(256).any(|w| w == magic),
+            "{file} does not look like a chart ({} bytes)",
+            bytes.len()
+        );
+        ensure!(bytes.len() > 1000, "{file} is nearly empty");
+    }
+    let svg = std::fs::read_to_string(scratch.join("pg.svg"))?;
+    for label in ["FF 50", "zdisk: physical", "transactions/s"] {
+        ensure!(svg.contains(label), "the SVG chart has no {label:?}");
     }
     Ok(Completion::Completed)
 }

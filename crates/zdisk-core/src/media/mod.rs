@@ -251,6 +251,37 @@ pub trait Media: Send + Sync {
     fn wear(&self) -> Option<crate::stats::Wear> {
         None
     }
+
+    // --- Hooks for media that keep segments elsewhere too (an object-store
+    // tier). The defaults do nothing.
+
+    /// The engine sealed this incarnation of `segment` at `fill_bytes`: it
+    /// writes no more to it until a later `prepare_segment` or
+    /// `erase_segment`. Called under the engine's lock, possibly before the
+    /// last pages up to `fill_bytes` are written (they follow in order).
+    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+        let _ = (segment, fill_bytes);
+    }
+
+    /// The volume was closed cleanly (its clean root is durable): a medium
+    /// with work in the background finishes it before returning.
+    fn close(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Counters of the medium's own, reported with the volume's stats
+    /// (name, help, value); names are unique and snake_case.
+    fn media_stats(&self) -> Vec<MediaStat> {
+        Vec::new()
+    }
+}
+
+/// One counter of [`Media::media_stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MediaStat {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub value: u64,
 }
 
 /// One range of a [`Media::read_batch`].

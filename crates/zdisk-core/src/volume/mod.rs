@@ -389,7 +389,7 @@ impl Volume {
         self.lock().set_closing();
         self.checkpoint_making_room(true)?;
         self.lock().set_closed();
-        Ok(())
+        self.media.close()
     }
 
     /// Stops everything without flushing or checkpointing, as a crash
@@ -505,6 +505,8 @@ impl Volume {
 
     /// A snapshot of the volume's statistics.
     pub fn stats(&self) -> Stats {
+        // Outside the state lock: a medium may take locks of its own.
+        let media_stats = self.media.media_stats();
         let state = self.lock();
         let counts = state.map().counts();
         let segment_size = self.geometry.segment_size_bytes;
@@ -564,6 +566,14 @@ impl Volume {
             sealed_utilization_histogram: usage.histogram,
             counters,
             wear: self.media.wear(),
+            media: media_stats
+                .iter()
+                .map(|stat| (stat.name.to_string(), stat.value))
+                .collect(),
+            media_help: media_stats
+                .iter()
+                .map(|stat| (stat.name.to_string(), stat.help))
+                .collect(),
         }
     }
 

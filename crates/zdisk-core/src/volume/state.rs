@@ -822,6 +822,7 @@ impl State {
         let stream = std::mem::take(&mut self.streams[kind as usize]);
         let segment = stream.segment.expect("checked above");
         self.space.seal(segment, stream.base_offset);
+        self.media.segment_sealed(segment, stream.base_offset);
         Ok(())
     }
 

@@ -1,0 +1,129 @@
+//! Where a tiered volume lives: `s3://BUCKET/PREFIX` (endpoint and
+//! credentials from the standard `AWS_*` environment variables, as every
+//! S3 tool reads them), or `memory://NAME/PREFIX`, an in-memory store
+//! shared within the process, for tests that need no server.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::memory::InMemory;
+use object_store::{BackoffConfig, ObjectStore, RetryConfig};
+
+use crate::error::{Result, TierError};
+
+/// A parsed tier URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub url: String,
+    scheme: Scheme,
+    bucket: String,
+    /// Empty, or ending in `/`.
+    pub prefix: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    S3,
+    Memory,
+}
+
+impl Location {
+    pub fn parse(url: &str) -> Result<Location> {
+        let bad = |why: &str| {
+            TierError::BadLocation(format!("tier {url:?}: {why} (expected s3://BUCKET/PREFIX)"))
+        };
+        let (scheme, rest) = if let Some(rest) = url.strip_prefix("s3://") {
+            (Scheme::S3, rest)
+        } else if let Some(rest) = url.strip_prefix("memory://") {
+            (Scheme::Memory, rest)
+        } else {
+            return Err(bad("unknown scheme"));
+        };
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(bad("no bucket"));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix.split('/').any(|part| part == "." || part == "..")
+            || prefix.contains("//")
+            || prefix.chars().any(|c| c.is_control())
+        {
+            return Err(bad("the prefix has an empty, '.' or '..' part"));
+        }
+        let prefix = if prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{prefix}/")
+        };
+        Ok(Location {
+            url: url.to_string(),
+            scheme,
+            bucket: bucket.to_string(),
+            prefix,
+        })
+    }
+
+    /// Opens the store. S3 requests are retried with exponential backoff
+    /// for at most `retry_timeout`, then fail.
+    pub fn open_store(&self, retry_timeout: Duration) -> Result<Arc<dyn ObjectStore>> {
+        match self.scheme {
+            Scheme::Memory => Ok(memory_store(&self.bucket)),
+            Scheme::S3 => {
+                let retry = RetryConfig {
+                    backoff: BackoffConfig {
+                        init_backoff: Duration::from_millis(100),
+                        max_backoff: Duration::from_secs(5),
+                        base: 2.0,
+                    },
+                    max_retries: usize::MAX,
+                    retry_timeout,
+                };
+                let store = AmazonS3Builder::from_env()
+                    .with_bucket_name(&self.bucket)
+                    .with_retry(retry)
+                    .build()
+                    .map_err(|e| {
+                        TierError::BadLocation(format!(
+                            "tier {}: {e} (set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, \
+                             AWS_SECRET_ACCESS_KEY, AWS_REGION, and AWS_ALLOW_HTTP=true \
+                             for a plain-HTTP endpoint)",
+                            self.url
+                        ))
+                    })?;
+                Ok(Arc::new(store))
+            }
+        }
+    }
+}
+
+/// The in-memory store named `name` (one per name per process).
+fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
+    static STORES: OnceLock<Mutex<HashMap<String, Arc<InMemory>>>> = OnceLock::new();
+    let mut stores = STORES
+        .get_or_init(Default::default)
+        .lock()
+        .expect("memory stores lock");
+    stores
+        .entry(name.to_string())
+        .or_insert_with(|| Arc::new(InMemory::new()))
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_and_bad_ones_say_why() {
+        let location = Location::parse("s3://bucket/a/b/").unwrap();
+        assert_eq!(location.bucket, "bucket");
+        assert_eq!(location.prefix, "a/b/");
+        assert_eq!(Location::parse("s3://bucket").unwrap().prefix, "");
+        for bad in ["http://x/y", "s3:///p", "s3://b/a/../c", "s3://b/a//c"] {
+            let error = Location::parse(bad).unwrap_err().to_string();
+            assert!(error.contains("s3://BUCKET/PREFIX"), "{bad}: {error}");
+        }
+    }
+}

@@ -1,0 +1,1165 @@
+//! `TieredMedia`: a [`Media`] that keeps a volume's segments in an object
+//! store, with a local medium (a sparse image file) as the cache.
+//!
+//! The engine writes and reads the local medium as always. Beside it:
+//! - a segment incarnation the engine sealed (`Media::segment_sealed`) is
+//!   uploaded whole, as one object, by a background thread;
+//! - once the engine has made a root durable locally (a metadata-slot write
+//!   followed by a sync), the thread publishes it, at most once per
+//!   `publish_interval` and always at a clean close, and publishes the
+//!   same root again each interval while more of the log it replays has
+//!   been written (so the bucket lags by about an interval and the upload
+//!   time, whether or not the engine writes roots): it uploads every
+//!   segment incarnation the cache holds up to what is written (so the
+//!   root's dump, the open segments and the log it would replay are all
+//!   there), then writes the root object, which lists each incarnation and
+//!   its length, with a conditional PUT. A root object is only written
+//!   once everything it names is in the bucket, and segment objects are
+//!   never deleted or shortened, so every root object in the bucket can
+//!   be served whole;
+//! - while the cache holds more than `cache_bytes`, the least recently used
+//!   sealed segments that are entirely in the bucket are *evicted*: the
+//!   eviction is recorded durably in the image's `.tier` file, then their
+//!   local bytes are dropped (a hole is punched). Reads of an evicted
+//!   segment are served by ranged GETs, through a bounded RAM cache of
+//!   1 MiB granules.
+//!
+//! A segment the engine prepares for reuse is local again (its eviction
+//! record is removed durably first); bytes of its old incarnation not yet
+//! in the bucket are copied to RAM and uploaded from there, so a root
+//! being published never loses them.
+//!
+//! Invariants: a segment is read from the bucket exactly when it is
+//! `Evicted`; an `Evicted` segment's object holds at least the bytes its
+//! incarnation was sealed with; the uploader never reads a segment while
+//! the engine prepares it (`busy`), and never evicts one being read
+//! (`readers`).
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
+use zdisk_core::media::{Media, MediaGeometry, MediaStat};
+use zdisk_core::units::{PageIndex, SegmentId};
+
+use crate::error::{Result, TierError};
+use crate::location::Location;
+use crate::objects::{self, Incarnation, RootObject, SegmentEntry};
+use crate::sidecar::Sidecar;
+
+/// Bytes of an evicted segment fetched at a time.
+const GRANULE_BYTES: u64 = 1 << 20;
+/// Most bytes of reused segments' old incarnations held in RAM for upload.
+const STASH_MAX_BYTES: u64 = 256 << 20;
+
+/// How a tiered volume runs.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    /// Longest time between root objects while the volume is written.
+    pub publish_interval: Duration,
+    /// RAM for fetched granules of evicted segments.
+    pub fetch_cache_bytes: u64,
+    /// How long one request to the store is retried before it fails.
+    pub retry_timeout: Duration,
+    /// Upload and publish nothing (a reader of someone else's volume).
+    pub read_only: bool,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            publish_interval: Duration::from_secs(10),
+            fetch_cache_bytes: 64 << 20,
+            retry_timeout: Duration::from_secs(30),
+            read_only: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Seg {
+    /// Nothing the tier keeps: never written, or erased.
+    Empty,
+    Local(LocalSeg),
+    /// Only in the bucket: `len` bytes of incarnation `seq32`.
+    Evicted {
+        seq32: u32,
+        /// The writer whose object holds it (`objects::short_writer`).
+        writer: u64,
+        len: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct LocalSeg {
+    /// Low 32 bits of the incarnation's sequence number, from its first record.
+    seq32: Option<u32>,
+    /// Bytes written from offset 0.
+    written: u64,
+    /// Where the engine sealed it (whole segment for one found at open).
+    sealed: Option<u64>,
+    /// Bytes the local file holds for the segment, this incarnation or older.
+    footprint: u64,
+    /// The uploader is reading it.
+    busy: bool,
+    /// Reads under way.
+    readers: u32,
+    last_use: u64,
+}
+
+/// A root being published: what it needs uploaded first.
+struct Target {
+    generation: u64,
+    clean: bool,
+    engine_root: Vec<u8>,
+    entries: Vec<SegmentEntry>,
+}
+
+struct TierState {
+    segs: Vec<Seg>,
+    /// Bytes in the bucket per incarnation (segment, seq32).
+    in_bucket: HashMap<Incarnation, u64>,
+    /// Old incarnations of reused segments waiting for upload.
+    stash: VecDeque<(u32, u32, Bytes)>,
+    stash_bytes: u64,
+    /// The newest root written to a slot and not yet synced.
+    pending_root: Option<Vec<u8>>,
+    /// The newest root durable locally: (generation, clean, bytes).
+    latest_root: Option<(u64, bool, Vec<u8>)>,
+    published_generation: Option<u64>,
+    last_publish: Instant,
+    target: Option<Target>,
+    sidecar: Sidecar,
+    failed: Option<String>,
+    closing: bool,
+    tick: u64,
+}
+
+struct Counters {
+    uploaded_bytes: AtomicU64,
+    fetched_bytes: AtomicU64,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
+    evicted_bytes: AtomicU64,
+    roots_published: AtomicU64,
+}
+
+struct FetchCache {
+    /// (incarnation, granule) → bytes and last use.
+    granules: HashMap<(Incarnation, u64), (Bytes, u64)>,
+    bytes: u64,
+    tick: u64,
+}
+
+struct Shared {
+    inner: Arc<dyn Media>,
+    store: Arc<dyn ObjectStore>,
+    location: Location,
+    runtime: tokio::runtime::Runtime,
+    config: TierConfig,
+    sidecar_path: PathBuf,
+    writer_id: [u8; 16],
+    /// `writer_id` as object names carry it.
+    writer: u64,
+    geometry: MediaGeometry,
+    state: Mutex<TierState>,
+    /// Signalled when the uploader has work, or finished some.
+    changed: Condvar,
+    counters: Counters,
+    fetched: Mutex<FetchCache>,
+}
+
+/// A medium whose sealed segments live in an object store.
+pub struct TieredMedia {
+    shared: Arc<Shared>,
+    uploader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl TieredMedia {
+    /// Opens the tier of an image: `inner` is its local cache, `sidecar_path`
+    /// its `.tier` file. Lists the bucket, checks that no other writer has
+    /// published since this image did, and starts the uploader.
+    pub fn open(
+        inner: Arc<dyn Media>,
+        sidecar_path: PathBuf,
+        config: TierConfig,
+    ) -> Result<Arc<TieredMedia>> {
+        let mut sidecar = Sidecar::load(&sidecar_path)?;
+        let writer_id = sidecar.writer_id()?;
+        let location = Location::parse(&sidecar.url)?;
+        let store = location.open_store(config.retry_timeout)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("zdisk-tier-io")
+            .enable_all()
+            .build()
+            .map_err(|e| TierError::Local(format!("cannot start the tier's I/O threads: {e}")))?;
+        let listing = runtime.block_on(list(&store, &location))?;
+        let newest = listing.roots.last().copied();
+        match newest {
+            Some(number) if number > sidecar.bucket_root => {
+                let root = runtime.block_on(get_root(&store, &location, number))?;
+                if root.writer_id != writer_id && !config.read_only {
+                    return Err(TierError::OtherWriter(format!(
+                        "{}: root object {number} was published by another writer after this \
+                         image's {}; this image may no longer write the volume (make a new one \
+                         with `zdisk create IMAGE --from {}`)",
+                        location.url, sidecar.bucket_root, location.url
+                    )));
+                }
+                if root.writer_id == writer_id {
+                    // Published by this image just before it stopped.
+                    sidecar.bucket_root = number;
+                }
+            }
+            Some(_) => {}
+            None if sidecar.bucket_root > 0 => {
+                return Err(TierError::BadObject(format!(
+                    "{} holds no root object, but this image published root {}: wrong bucket or prefix?",
+                    location.url, sidecar.bucket_root
+                )));
+            }
+            None => {}
+        }
+        let geometry = inner.geometry();
+        let segment_size = geometry.segment_size_bytes;
+        let mut segs = vec![Seg::Empty; geometry.segment_count as usize];
+        for &(segment, seq32, writer, len) in &sidecar.evicted {
+            if let Some(seg) = segs.get_mut(segment as usize) {
+                *seg = Seg::Evicted { seq32, writer, len };
+            }
+        }
+        for (index, seg) in segs.iter_mut().enumerate() {
+            if matches!(seg, Seg::Evicted { .. }) {
+                continue;
+            }
+            let mut header = [0u8; 8];
+            inner
+                .read(SegmentId(index as u32), 0, &mut header)
+                .map_err(|e| TierError::Local(format!("reading the cache: {e}")))?;
+            if let Some(seq32) = first_record_seq(&header) {
+                // Written by an earlier run: sealed (recovery seals every
+                // segment); how much of it is written is not known here.
+                *seg = Seg::Local(LocalSeg {
+                    seq32: Some(seq32),
+                    written: segment_size,
+                    sealed: Some(segment_size),
+                    footprint: segment_size,
+                    busy: false,
+                    readers: 0,
+                    last_use: 0,
+                });
+            }
+        }
+        let state = TierState {
+            segs,
+            in_bucket: listing.segments,
+            stash: VecDeque::new(),
+            stash_bytes: 0,
+            pending_root: None,
+            latest_root: None,
+            published_generation: None,
+            last_publish: Instant::now(),
+            target: None,
+            sidecar,
+            failed: None,
+            closing: false,
+            tick: 1,
+        };
+        let shared = Arc::new(Shared {
+            inner,
+            store,
+            location,
+            runtime,
+            config,
+            sidecar_path,
+            writer_id,
+            writer: objects::short_writer(&writer_id),
+            geometry,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            counters: Counters {
+                uploaded_bytes: AtomicU64::new(0),
+                fetched_bytes: AtomicU64::new(0),
+                cache_hits: AtomicU64::new(0),
+                cache_misses: AtomicU64::new(0),
+                evicted_bytes: AtomicU64::new(0),
+                roots_published: AtomicU64::new(0),
+            },
+            fetched: Mutex::new(FetchCache {
+                granules: HashMap::new(),
+                bytes: 0,
+                tick: 0,
+            }),
+        });
+        let uploader = if shared.config.read_only {
+            None
+        } else {
+            let worker = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("zdisk-tier-upload".into())
+                    .spawn(move || worker.upload_loop())
+                    .map_err(|e| TierError::Local(format!("cannot start the uploader: {e}")))?,
+            )
+        };
+        Ok(Arc::new(TieredMedia {
+            shared,
+            uploader: Mutex::new(uploader),
+        }))
+    }
+
+    /// Bytes written locally and not yet in the bucket.
+    pub fn lag_bytes(&self) -> u64 {
+        self.shared.lag_bytes(&self.shared.lock())
+    }
+
+    /// The newest root object this image published or started from.
+    pub fn bucket_root(&self) -> u64 {
+        self.shared.lock().sidecar.bucket_root
+    }
+
+    /// Bytes of segments the local cache holds.
+    pub fn resident_bytes(&self) -> u64 {
+        resident(&self.shared.lock())
+    }
+}
+
+/// The sequence number a segment's first record names, if it starts with one.
+fn first_record_seq(header: &[u8]) -> Option<u32> {
+    if header.len() >= 8 && header[0] == b'Z' && header[1] == b'R' && header[2] != 0 {
+        Some(u32::from_le_bytes(
+            header[4..8].try_into().expect("4 bytes"),
+        ))
+    } else {
+        None
+    }
+}
+
+fn resident(state: &TierState) -> u64 {
+    state
+        .segs
+        .iter()
+        .map(|seg| match seg {
+            Seg::Local(local) => local.footprint,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// What a listing of the volume's prefix found.
+pub(crate) struct Listing {
+    pub segments: HashMap<Incarnation, u64>,
+    /// Root object numbers, ascending.
+    pub roots: Vec<u64>,
+}
+
+pub(crate) async fn list(store: &Arc<dyn ObjectStore>, location: &Location) -> Result<Listing> {
+    let prefix = ObjectPath::from(location.prefix.trim_end_matches('/'));
+    let prefix = (!location.prefix.is_empty()).then_some(&prefix);
+    let objects: Vec<_> = store
+        .list(prefix)
+        .try_collect()
+        .await
+        .map_err(|e| store_error(location, "listing", e))?;
+    let mut listing = Listing {
+        segments: HashMap::new(),
+        roots: Vec::new(),
+    };
+    for object in objects {
+        let name = object.location.as_ref();
+        let Some(name) = name.strip_prefix(location.prefix.as_str()) else {
+            continue;
+        };
+        if let Some(key) = objects::parse_segment_name(name) {
+            listing.segments.insert(key, object.size);
+        } else if let Some(number) = objects::parse_root_name(name) {
+            listing.roots.push(number);
+        }
+    }
+    listing.roots.sort_unstable();
+    Ok(listing)
+}
+
+pub(crate) async fn get_root(
+    store: &Arc<dyn ObjectStore>,
+    location: &Location,
+    number: u64,
+) -> Result<RootObject> {
+    let key = ObjectPath::from(objects::root_key(&location.prefix, number));
+    let bytes = store
+        .get(&key)
+        .await
+        .map_err(|e| store_error(location, "reading a root object", e))?
+        .bytes()
+        .await
+        .map_err(|e| store_error(location, "reading a root object", e))?;
+    let root = RootObject::decode(&bytes)
+        .map_err(|e| TierError::BadObject(format!("{}: {key}: {e}", location.url)))?;
+    if root.number != number {
+        return Err(TierError::BadObject(format!(
+            "{}: {key} says it is root {}",
+            location.url, root.number
+        )));
+    }
+    Ok(root)
+}
+
+pub(crate) fn store_error(
+    location: &Location,
+    what: &str,
+    error: object_store::Error,
+) -> TierError {
+    TierError::Store(format!("{}: {what}: {error}", location.url))
+}
+
+/// Work the uploader found under the lock.
+enum Job {
+    Upload { segment: u32, seq32: u32, len: u64 },
+    UploadStash,
+    Publish(RootObject, u64),
+    Done,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, TierState> {
+        self.state.lock().expect("tier state lock")
+    }
+
+    fn lag_bytes(&self, state: &TierState) -> u64 {
+        let mut lag = state.stash_bytes;
+        for (index, seg) in state.segs.iter().enumerate() {
+            if let Seg::Local(LocalSeg {
+                seq32: Some(seq32),
+                written,
+                ..
+            }) = seg
+            {
+                let there = state
+                    .in_bucket
+                    .get(&(index as u32, *seq32, self.writer))
+                    .copied()
+                    .unwrap_or(0);
+                lag += written.saturating_sub(there);
+            }
+        }
+        lag
+    }
+
+    fn upload_loop(self: Arc<Self>) {
+        let mut backoff = Duration::from_millis(200);
+        let mut closing_since: Option<Instant> = None;
+        loop {
+            let job = {
+                let mut state = self.lock();
+                loop {
+                    if state.closing && closing_since.is_none() {
+                        closing_since = Some(Instant::now());
+                    }
+                    if let Some(since) = closing_since {
+                        if since.elapsed() > 4 * self.config.retry_timeout && state.failed.is_none()
+                        {
+                            state.failed = Some(format!(
+                                "{}: the bucket was out of reach for {} s at close; {} bytes were not uploaded",
+                                self.location.url,
+                                since.elapsed().as_secs(),
+                                self.lag_bytes(&state)
+                            ));
+                        }
+                    }
+                    self.evict_over_bound(&mut state);
+                    if let Some(job) = self.next_job(&mut state) {
+                        break job;
+                    }
+                    let (next, _) = self
+                        .changed
+                        .wait_timeout(state, Duration::from_millis(250))
+                        .expect("tier state lock");
+                    state = next;
+                }
+            };
+            let outcome = match job {
+                Job::Done => return,
+                Job::Upload {
+                    segment,
+                    seq32,
+                    len,
+                } => self.upload_segment(segment, seq32, len),
+                Job::UploadStash => self.upload_stash(),
+                Job::Publish(root, generation) => self.publish(root, generation),
+            };
+            match outcome {
+                Ok(()) => backoff = Duration::from_millis(200),
+                Err(error) => {
+                    log::warn!("tier: {error}; retrying in {} ms", backoff.as_millis());
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    /// The next upload or publication, if any.
+    fn next_job(&self, state: &mut TierState) -> Option<Job> {
+        if state.failed.is_some() {
+            return state.closing.then_some(Job::Done);
+        }
+        if !state.stash.is_empty() {
+            return Some(Job::UploadStash);
+        }
+        // Sealed segments, and whatever the root being published needs.
+        let needs: HashMap<Incarnation, u64> = state
+            .target
+            .iter()
+            .flat_map(|target| target.entries.iter())
+            .map(|entry| (entry.incarnation(), entry.len_bytes))
+            .collect();
+        for (index, seg) in state.segs.iter().enumerate() {
+            let Seg::Local(local) = seg else { continue };
+            let Some(seq32) = local.seq32 else { continue };
+            if local.busy {
+                continue;
+            }
+            let key = (index as u32, seq32, self.writer);
+            let there = state.in_bucket.get(&key).copied().unwrap_or(0);
+            let sealed_need = local
+                .sealed
+                .filter(|&fill| local.written >= fill)
+                .unwrap_or(0);
+            let need = sealed_need.max(needs.get(&key).copied().unwrap_or(0));
+            if there < need {
+                return Some(Job::Upload {
+                    segment: index as u32,
+                    seq32,
+                    len: local.written,
+                });
+            }
+        }
+        if let Some(target) = &state.target {
+            let missing = target.entries.iter().find(|entry| {
+                state
+                    .in_bucket
+                    .get(&entry.incarnation())
+                    .copied()
+                    .unwrap_or(0)
+                    < entry.len_bytes
+            });
+            if let Some(entry) = missing {
+                // The incarnation was reused before its bytes were uploaded
+                // and is gone: publish a newer root instead.
+                let current = match &state.segs[entry.segment as usize] {
+                    Seg::Local(local) => {
+                        local.seq32 == Some(entry.seq32) && entry.writer == self.writer
+                    }
+                    _ => false,
+                };
+                if !current {
+                    log::warn!(
+                        "tier: segment {} changed before root {} could be published; a newer root will be",
+                        entry.segment,
+                        target.generation
+                    );
+                    state.target = None;
+                }
+                return None;
+            }
+            let root = RootObject {
+                number: state.sidecar.bucket_root + 1,
+                writer_id: self.writer_id,
+                clean: target.clean,
+                segments: target.entries.clone(),
+                engine_root: target.engine_root.clone(),
+            };
+            return Some(Job::Publish(root, target.generation));
+        }
+        let lag_bytes = self.lag_bytes(state);
+        if let Some((generation, clean, engine_root)) = &state.latest_root {
+            // A newer root, or the same (not clean) root with more of the
+            // log it replays: what a crash at this moment would leave.
+            let newer = state.published_generation != Some(*generation);
+            let more_log = !*clean && lag_bytes > 0;
+            let due = (newer || more_log)
+                && (state.closing
+                    || state.published_generation.is_none()
+                    || state.last_publish.elapsed() >= self.config.publish_interval);
+            if due {
+                let mut entries = Vec::new();
+                for (index, seg) in state.segs.iter().enumerate() {
+                    match seg {
+                        Seg::Local(LocalSeg {
+                            seq32: Some(seq32),
+                            written,
+                            ..
+                        }) if *written > 0 => entries.push(SegmentEntry {
+                            segment: index as u32,
+                            seq32: *seq32,
+                            writer: self.writer,
+                            len_bytes: *written,
+                        }),
+                        Seg::Evicted { seq32, writer, len } => entries.push(SegmentEntry {
+                            segment: index as u32,
+                            seq32: *seq32,
+                            writer: *writer,
+                            len_bytes: *len,
+                        }),
+                        _ => {}
+                    }
+                }
+                state.target = Some(Target {
+                    generation: *generation,
+                    clean: *clean,
+                    engine_root: engine_root.clone(),
+                    entries,
+                });
+                // The uploads it needs come first.
+                return self.next_job(state);
+            }
+        }
+        let settled = state.published_generation.is_some()
+            && state.latest_root.as_ref().map(|root| root.0) == state.published_generation;
+        (state.closing && settled).then_some(Job::Done)
+    }
+
+    /// Drops the least recently used segments that are wholly in the bucket
+    /// until the cache is within its bound.
+    fn evict_over_bound(&self, state: &mut TierState) {
+        let mut resident_bytes = resident(state);
+        while resident_bytes > state.sidecar.cache_bytes {
+            let candidate = state
+                .segs
+                .iter()
+                .enumerate()
+                .filter_map(|(index, seg)| match seg {
+                    Seg::Local(local) if !local.busy && local.readers == 0 => {
+                        let seq32 = local.seq32?;
+                        let fill = local.sealed?;
+                        let there = state
+                            .in_bucket
+                            .get(&(index as u32, seq32, self.writer))
+                            .copied()?;
+                        (local.written >= fill && there >= fill).then_some((
+                            local.last_use,
+                            index,
+                            seq32,
+                            there,
+                            local.footprint,
+                        ))
+                    }
+                    _ => None,
+                })
+                .min();
+            let Some((_, index, seq32, there, footprint)) = candidate else {
+                return;
+            };
+            state
+                .sidecar
+                .evicted
+                .push((index as u32, seq32, self.writer, there));
+            if let Err(error) = state.sidecar.store(&self.sidecar_path) {
+                state.sidecar.evicted.pop();
+                log::warn!("tier: cannot evict: {error}");
+                return;
+            }
+            state.segs[index] = Seg::Evicted {
+                seq32,
+                writer: self.writer,
+                len: there,
+            };
+            if let Err(error) = self.inner.erase_segment(SegmentId(index as u32)) {
+                // The bytes stay; reads go to the bucket all the same.
+                log::warn!("tier: dropping segment {index} from the cache: {error}");
+            }
+            self.counters
+                .evicted_bytes
+                .fetch_add(footprint, Ordering::Relaxed);
+            resident_bytes -= footprint;
+        }
+    }
+
+    fn upload_segment(&self, segment: u32, seq32: u32, len: u64) -> Result<()> {
+        {
+            let mut state = self.lock();
+            match &mut state.segs[segment as usize] {
+                Seg::Local(local) if local.seq32 == Some(seq32) && !local.busy => local.busy = true,
+                _ => return Ok(()), // reused meanwhile: its bytes went to the stash
+            }
+        }
+        let mut buf = vec![0u8; len as usize];
+        let read = self.inner.read(SegmentId(segment), 0, &mut buf);
+        {
+            let mut state = self.lock();
+            if let Seg::Local(local) = &mut state.segs[segment as usize] {
+                local.busy = false;
+            }
+            self.changed.notify_all();
+        }
+        read.map_err(|e| TierError::Local(format!("reading segment {segment} to upload: {e}")))?;
+        self.put_segment(segment, seq32, Bytes::from(buf))
+    }
+
+    fn upload_stash(&self) -> Result<()> {
+        let Some((segment, seq32, bytes)) = self.lock().stash.front().cloned() else {
+            return Ok(());
+        };
+        self.put_segment(segment, seq32, bytes.clone())?;
+        let mut state = self.lock();
+        state.stash.pop_front();
+        state.stash_bytes -= bytes.len() as u64;
+        Ok(())
+    }
+
+    fn put_segment(&self, segment: u32, seq32: u32, bytes: Bytes) -> Result<()> {
+        let len = bytes.len() as u64;
+        let incarnation = (segment, seq32, self.writer);
+        let key = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
+        self.runtime
+            .block_on(self.store.put(&key, PutPayload::from(bytes)))
+            .map_err(|e| store_error(&self.location, "uploading a segment", e))?;
+        self.counters
+            .uploaded_bytes
+            .fetch_add(len, Ordering::Relaxed);
+        let mut state = self.lock();
+        let there = state.in_bucket.entry(incarnation).or_insert(0);
+        *there = (*there).max(len);
+        Ok(())
+    }
+
+    fn publish(&self, root: RootObject, generation: u64) -> Result<()> {
+        let number = root.number;
+        let key = ObjectPath::from(objects::root_key(&self.location.prefix, number));
+        let options = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        let put = self.runtime.block_on(self.store.put_opts(
+            &key,
+            PutPayload::from(root.encode()),
+            options,
+        ));
+        match put {
+            Ok(_) => {}
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                let theirs =
+                    self.runtime
+                        .block_on(get_root(&self.store, &self.location, number))?;
+                let mut state = self.lock();
+                if theirs.writer_id == self.writer_id {
+                    // A retry of a PUT that had in fact succeeded.
+                    state.sidecar.bucket_root = number;
+                    return Ok(());
+                }
+                let message = format!(
+                    "{}: another writer published root object {number} of this volume; \
+                     this image stops publishing (its writes stay in {}); only one machine \
+                     may write a tiered volume",
+                    self.location.url,
+                    self.sidecar_path.display()
+                );
+                log::error!("tier: {message}");
+                state.failed = Some(message);
+                return Ok(());
+            }
+            Err(error) => return Err(store_error(&self.location, "publishing a root", error)),
+        }
+        self.counters
+            .roots_published
+            .fetch_add(1, Ordering::Relaxed);
+        let mut state = self.lock();
+        state.sidecar.bucket_root = number;
+        state.published_generation = Some(generation);
+        state.last_publish = Instant::now();
+        state.target = None;
+        if let Err(error) = state.sidecar.store(&self.sidecar_path) {
+            // The next open finds the root by its writer id.
+            log::warn!("tier: {error}");
+        }
+        Ok(())
+    }
+
+    /// Reads from the bucket: `buf.len()` bytes at `offset` of an
+    /// incarnation, of which `len` bytes exist (zeros past them).
+    fn read_remote(
+        &self,
+        incarnation: Incarnation,
+        len: u64,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> zdisk_core::Result<()> {
+        let end = offset + buf.len() as u64;
+        let mut position = offset;
+        let mut missed = false;
+        while position < end {
+            let granule = position / GRANULE_BYTES;
+            let start = granule * GRANULE_BYTES;
+            let data = self.granule(incarnation, len, granule, &mut missed)?;
+            let stop = end.min(start + GRANULE_BYTES);
+            let out = &mut buf[(position - offset) as usize..(stop - offset) as usize];
+            let from = (position - start) as usize;
+            let available = data.len().saturating_sub(from).min(out.len());
+            out[..available].copy_from_slice(&data[from..from + available]);
+            out[available..].fill(0);
+            position = stop;
+        }
+        let counter = if missed {
+            &self.counters.cache_misses
+        } else {
+            &self.counters.cache_hits
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn granule(
+        &self,
+        incarnation: Incarnation,
+        len: u64,
+        granule: u64,
+        missed: &mut bool,
+    ) -> zdisk_core::Result<Bytes> {
+        let key = (incarnation, granule);
+        {
+            let mut cache = self.fetched.lock().expect("fetch cache lock");
+            cache.tick += 1;
+            let tick = cache.tick;
+            if let Some((bytes, used)) = cache.granules.get_mut(&key) {
+                *used = tick;
+                return Ok(bytes.clone());
+            }
+        }
+        *missed = true;
+        let start = granule * GRANULE_BYTES;
+        let stop = len.min(start + GRANULE_BYTES);
+        let bytes = if start >= stop {
+            Bytes::new()
+        } else {
+            let object = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
+            self.runtime
+                .block_on(self.store.get_range(&object, start..stop))
+                .map_err(|e| {
+                    zdisk_core::Error::from(store_error(
+                        &self.location,
+                        "reading an evicted segment",
+                        e,
+                    ))
+                })?
+        };
+        self.counters
+            .fetched_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let mut cache = self.fetched.lock().expect("fetch cache lock");
+        cache.tick += 1;
+        let tick = cache.tick;
+        cache.bytes += bytes.len() as u64;
+        if let Some((old, _)) = cache.granules.insert(key, (bytes.clone(), tick)) {
+            cache.bytes -= old.len() as u64;
+        }
+        while cache.bytes > self.config.fetch_cache_bytes {
+            let oldest = cache
+                .granules
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(key, _)| *key)
+                .expect("a cache over its bound holds something");
+            let (old, _) = cache.granules.remove(&oldest).expect("present");
+            cache.bytes -= old.len() as u64;
+        }
+        Ok(bytes)
+    }
+
+    /// Readies `segment` for a new incarnation (or erases it): its old
+    /// bytes not yet uploaded go to the stash, its eviction record is
+    /// removed durably, and it is local again.
+    fn renew(&self, segment: SegmentId, erase: bool) -> zdisk_core::Result<()> {
+        let index = segment.index();
+        let mut state = self.lock();
+        while matches!(&state.segs[index], Seg::Local(local) if local.busy) {
+            state = self.changed.wait(state).expect("tier state lock");
+        }
+        let mut footprint = 0;
+        match state.segs[index].clone() {
+            Seg::Local(local) => {
+                footprint = local.footprint;
+                if let (Some(seq32), false) = (local.seq32, self.config.read_only || erase) {
+                    let there = state
+                        .in_bucket
+                        .get(&(segment.0, seq32, self.writer))
+                        .copied()
+                        .unwrap_or(0);
+                    if there < local.written {
+                        if state.stash_bytes + local.written > STASH_MAX_BYTES {
+                            log::warn!(
+                                "tier: {} bytes of reused segments wait for upload; \
+                                 segment {segment}'s old bytes are dropped (the bucket skips a root)",
+                                state.stash_bytes
+                            );
+                        } else {
+                            let mut buf = vec![0u8; local.written as usize];
+                            self.inner.read(segment, 0, &mut buf)?;
+                            state.stash_bytes += local.written;
+                            state.stash.push_back((segment.0, seq32, Bytes::from(buf)));
+                        }
+                    }
+                }
+            }
+            Seg::Evicted { .. } => {
+                let before = state.sidecar.evicted.len();
+                state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
+                debug_assert!(state.sidecar.evicted.len() < before);
+                state.sidecar.store(&self.sidecar_path)?;
+            }
+            Seg::Empty => {}
+        }
+        if erase {
+            self.inner.erase_segment(segment)?;
+            state.segs[index] = Seg::Empty;
+        } else {
+            self.inner.prepare_segment(segment)?;
+            state.tick += 1;
+            state.segs[index] = Seg::Local(LocalSeg {
+                seq32: None,
+                written: 0,
+                sealed: None,
+                footprint,
+                busy: false,
+                readers: 0,
+                last_use: state.tick,
+            });
+        }
+        self.changed.notify_all();
+        Ok(())
+    }
+}
+
+impl Media for TieredMedia {
+    fn geometry(&self) -> MediaGeometry {
+        self.shared.geometry
+    }
+
+    fn physical_size_bytes(&self) -> u64 {
+        self.shared.inner.physical_size_bytes()
+    }
+
+    fn write_pages(
+        &self,
+        segment: SegmentId,
+        first_page: PageIndex,
+        data: &[u8],
+    ) -> zdisk_core::Result<()> {
+        let shared = &self.shared;
+        {
+            let state = shared.lock();
+            assert!(
+                matches!(state.segs[segment.index()], Seg::Local(_)),
+                "segment {segment} written without being prepared"
+            );
+        }
+        shared.inner.write_pages(segment, first_page, data)?;
+        let end = first_page.0 as u64 * shared.geometry.page_size_bytes as u64 + data.len() as u64;
+        let mut state = shared.lock();
+        state.tick += 1;
+        let tick = state.tick;
+        if let Seg::Local(local) = &mut state.segs[segment.index()] {
+            if first_page.0 == 0 {
+                local.seq32 = first_record_seq(data);
+            }
+            local.written = local.written.max(end);
+            local.footprint = local.footprint.max(end);
+            local.last_use = tick;
+        }
+        Ok(())
+    }
+
+    fn read(
+        &self,
+        segment: SegmentId,
+        offset_bytes: u64,
+        buf: &mut [u8],
+    ) -> zdisk_core::Result<()> {
+        let shared = &self.shared;
+        let remote = {
+            let mut state = shared.lock();
+            state.tick += 1;
+            let tick = state.tick;
+            match &mut state.segs[segment.index()] {
+                Seg::Evicted { seq32, writer, len } => Some(((segment.0, *seq32, *writer), *len)),
+                Seg::Local(local) => {
+                    local.readers += 1;
+                    local.last_use = tick;
+                    None
+                }
+                Seg::Empty => None,
+            }
+        };
+        match remote {
+            Some((incarnation, len)) => shared.read_remote(incarnation, len, offset_bytes, buf),
+            None => {
+                let result = shared.inner.read(segment, offset_bytes, buf);
+                let mut state = shared.lock();
+                if let Seg::Local(local) = &mut state.segs[segment.index()] {
+                    local.readers = local.readers.saturating_sub(1);
+                }
+                shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+                result
+            }
+        }
+    }
+
+    fn erase_segment(&self, segment: SegmentId) -> zdisk_core::Result<()> {
+        self.shared.renew(segment, true)
+    }
+
+    fn prepare_segment(&self, segment: SegmentId) -> zdisk_core::Result<()> {
+        self.shared.renew(segment, false)
+    }
+
+    fn sync(&self) -> zdisk_core::Result<()> {
+        let shared = &self.shared;
+        let pending = shared.lock().pending_root.take();
+        shared.inner.sync()?;
+        if let Some(bytes) = pending {
+            match zdisk_core::meta::Root::decode(&bytes) {
+                Ok(root) => {
+                    let mut state = shared.lock();
+                    let newer = state
+                        .latest_root
+                        .as_ref()
+                        .is_none_or(|latest| latest.0 < root.generation);
+                    if newer {
+                        state.latest_root = Some((root.generation, root.checkpoint.clean, bytes));
+                    }
+                    shared.changed.notify_all();
+                }
+                Err(error) => log::warn!("tier: a root the engine wrote does not decode: {error}"),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_meta_slot(&self, slot: usize, data: &[u8]) -> zdisk_core::Result<()> {
+        self.shared.inner.write_meta_slot(slot, data)?;
+        self.shared.lock().pending_root = Some(data.to_vec());
+        Ok(())
+    }
+
+    fn read_meta_slot(&self, slot: usize) -> zdisk_core::Result<Vec<u8>> {
+        self.shared.inner.read_meta_slot(slot)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} tiered to {}",
+            self.shared.inner.describe(),
+            self.shared.location.url
+        )
+    }
+
+    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+        let mut state = self.shared.lock();
+        if let Seg::Local(local) = &mut state.segs[segment.index()] {
+            local.sealed = Some(fill_bytes);
+        }
+        self.shared.changed.notify_all();
+    }
+
+    fn close(&self) -> zdisk_core::Result<()> {
+        {
+            let mut state = self.shared.lock();
+            state.closing = true;
+            self.shared.changed.notify_all();
+        }
+        let handle = self.uploader.lock().expect("uploader lock").take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+        match &self.shared.lock().failed {
+            Some(message) => Err(TierError::OtherWriter(message.clone()).into()),
+            None => Ok(()),
+        }
+    }
+
+    fn media_stats(&self) -> Vec<MediaStat> {
+        let shared = &self.shared;
+        let (lag, resident_bytes, bucket_root) = {
+            let state = shared.lock();
+            (
+                shared.lag_bytes(&state),
+                resident(&state),
+                state.sidecar.bucket_root,
+            )
+        };
+        let counter = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let c = &shared.counters;
+        vec![
+            MediaStat {
+                name: "tier_lag_bytes",
+                help: "Bytes written locally and not yet in the bucket.",
+                value: lag,
+            },
+            MediaStat {
+                name: "tier_uploaded_bytes",
+                help: "Bytes of segments uploaded to the bucket.",
+                value: counter(&c.uploaded_bytes),
+            },
+            MediaStat {
+                name: "tier_fetched_bytes",
+                help: "Bytes of evicted segments fetched from the bucket.",
+                value: counter(&c.fetched_bytes),
+            },
+            MediaStat {
+                name: "tier_cache_hits",
+                help: "Segment reads served by the local cache or fetched RAM.",
+                value: counter(&c.cache_hits),
+            },
+            MediaStat {
+                name: "tier_cache_misses",
+                help: "Segment reads that needed the bucket.",
+                value: counter(&c.cache_misses),
+            },
+            MediaStat {
+                name: "tier_evicted_bytes",
+                help: "Bytes of segments dropped from the local cache.",
+                value: counter(&c.evicted_bytes),
+            },
+            MediaStat {
+                name: "tier_resident_bytes",
+                help: "Bytes of segments the local cache holds.",
+                value: resident_bytes,
+            },
+            MediaStat {
+                name: "tier_roots_published",
+                help: "Root objects this run published.",
+                value: counter(&c.roots_published),
+            },
+            MediaStat {
+                name: "tier_bucket_root",
+                help: "Number of the newest root object published or restored from.",
+                value: bucket_root,
+            },
+        ]
+    }
+}
+
+impl Drop for TieredMedia {
+    fn drop(&mut self) {
+        // Without a clean close (a crash, a halt): stop the uploader where it is.
+        {
+            let mut state = self.shared.lock();
+            if state.failed.is_none() && !state.closing {
+                state.failed = Some("the medium was dropped without a close".into());
+            }
+            state.closing = true;
+            self.shared.changed.notify_all();
+        }
+        if let Some(handle) = self.uploader.lock().expect("uploader lock").take() {
+            let _ = handle.join();
+        }
+    }
+}

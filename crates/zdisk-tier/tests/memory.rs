@@ -1,0 +1,299 @@
+//! The tier against object_store's in-memory store (no server): a volume
+//! larger than its cache goes through the bucket and comes back whole on a
+//! new cache; a second writer is refused; a crashed writer's volume needs
+//! --take-over and then serves what its newest root covers.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use zdisk_core::{BlockDevice, Codec, CreateOptions, OpenOptions, Volume};
+use zdisk_tier::{TierConfig, TierLayout};
+
+const MIB: u64 = 1 << 20;
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let path = std::env::temp_dir().join(format!("zdisk-tier-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        Scratch(path)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn config() -> TierConfig {
+    TierConfig {
+        publish_interval: Duration::from_millis(0),
+        fetch_cache_bytes: 4 * MIB,
+        retry_timeout: Duration::from_secs(5),
+        read_only: false,
+    }
+}
+
+fn options() -> OpenOptions {
+    OpenOptions {
+        background: false,
+        ..OpenOptions::default()
+    }
+}
+
+/// Half-compressible data: a block of `seed`-dependent text-like bytes.
+fn block(index: u64, round: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4096);
+    let mut state = (index + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ round;
+    while out.len() < 4096 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let word = state % 64;
+        out.extend_from_slice(format!("w{word} ").as_bytes());
+    }
+    out.truncate(4096);
+    out
+}
+
+fn create(dir: &Scratch, url: &str, cache_bytes: u64) -> Arc<Volume> {
+    let layout = TierLayout {
+        url: url.to_string(),
+        log_bytes: 96 * MIB,
+        segment_size_bytes: 256 << 10,
+        cache_bytes,
+    };
+    let mut create = CreateOptions::new(64 * MIB);
+    create.codec = Codec::Lz4;
+    zdisk_tier::create(&dir.0.join("a.img"), &layout, create, config(), options()).unwrap()
+}
+
+fn stat(volume: &Volume, name: &str) -> u64 {
+    *volume
+        .stats()
+        .media
+        .get(name)
+        .unwrap_or_else(|| panic!("no {name}"))
+}
+
+fn write_all(volume: &Volume, blocks: u64, round: u64) {
+    for index in 0..blocks {
+        volume
+            .write(index * 4096, &block(index, round), false)
+            .unwrap();
+    }
+    volume.flush().unwrap();
+}
+
+fn check_all(volume: &Volume, blocks: u64, round: u64) {
+    let mut buf = vec![0u8; 4096];
+    for index in 0..blocks {
+        volume.read(index * 4096, &mut buf).unwrap();
+        assert!(buf == block(index, round), "block {index} differs");
+    }
+}
+
+#[test]
+fn a_volume_larger_than_its_cache_comes_back_whole_on_a_new_cache() {
+    let dir = Scratch::new("round-trip");
+    let url = "memory://round-trip/vol";
+    let volume = create(&dir, url, 2 * MIB);
+    write_all(&volume, 8192, 1); // 32 MiB of data through a 2 MiB cache
+    check_all(&volume, 8192, 1);
+    assert!(
+        stat(&volume, "tier_evicted_bytes") > 0,
+        "nothing was evicted"
+    );
+    assert!(
+        stat(&volume, "tier_cache_misses") > 0,
+        "nothing was read back from the bucket"
+    );
+    volume.close().unwrap();
+    assert_eq!(
+        stat(&volume, "tier_lag_bytes"),
+        0,
+        "a clean close leaves nothing behind"
+    );
+    assert!(stat(&volume, "tier_resident_bytes") <= 3 * MIB);
+    drop(volume);
+
+    // The local image is gone; a new cache serves the same bytes.
+    std::fs::remove_file(dir.0.join("a.img")).unwrap();
+    std::fs::remove_file(dir.0.join("a.img.tier")).unwrap();
+    let restored = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        4 * MIB,
+        false,
+        config(),
+        options(),
+    )
+    .unwrap();
+    check_all(&restored, 8192, 1);
+    assert!(stat(&restored, "tier_fetched_bytes") > 0);
+    // It writes, and a later cache sees that too.
+    write_all(&restored, 1024, 2);
+    restored.close().unwrap();
+    drop(restored);
+    let again = zdisk_tier::restore(
+        &dir.0.join("c.img"),
+        url,
+        4 * MIB,
+        false,
+        config(),
+        options(),
+    )
+    .unwrap();
+    check_all(&again, 1024, 2);
+    let mut buf = vec![0u8; 4096];
+    again.read(5000 * 4096, &mut buf).unwrap();
+    assert!(buf == block(5000, 1));
+    again.close().unwrap();
+}
+
+#[test]
+fn a_second_writer_is_refused() {
+    let dir = Scratch::new("two-writers");
+    let url = "memory://two-writers/vol";
+    let first = create(&dir, url, 8 * MIB);
+    write_all(&first, 256, 1);
+    first.close().unwrap();
+    drop(first);
+    // Another machine attaches to the volume and writes.
+    let second = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        8 * MIB,
+        false,
+        config(),
+        options(),
+    )
+    .unwrap();
+    write_all(&second, 16, 2);
+    second.close().unwrap();
+    drop(second);
+    // The first image may no longer write it.
+    let error = zdisk_tier::open(&dir.0.join("a.img"), config(), options())
+        .err()
+        .expect("the first writer must be refused");
+    assert!(error.contains("another writer"), "{error}");
+    // Reading it is fine.
+    let reader = zdisk_tier::open(
+        &dir.0.join("a.img"),
+        config(),
+        OpenOptions {
+            read_only: true,
+            ..options()
+        },
+    )
+    .unwrap();
+    check_all(&reader, 256, 1);
+}
+
+#[test]
+fn a_crashed_writers_volume_needs_take_over_and_serves_its_newest_root() {
+    let dir = Scratch::new("crash");
+    let url = "memory://crash/vol";
+    let volume = create(&dir, url, 4 * MIB);
+    write_all(&volume, 2048, 1);
+    volume.close().unwrap();
+    drop(volume);
+    let volume = zdisk_tier::open(&dir.0.join("a.img"), config(), options()).unwrap();
+    write_all(&volume, 2048, 2);
+    // A checkpoint makes a root the uploader publishes; then the machine dies.
+    volume.checkpoint().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while stat(&volume, "tier_roots_published") < 2 || stat(&volume, "tier_lag_bytes") > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the root was not published"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    volume.halt();
+    drop(volume);
+    std::fs::remove_file(dir.0.join("a.img")).unwrap();
+
+    let error = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        4 * MIB,
+        false,
+        config(),
+        options(),
+    )
+    .err()
+    .expect("a dirty root needs --take-over");
+    assert!(error.contains("--take-over"), "{error}");
+    assert!(
+        !dir.0.join("b.img").exists(),
+        "a refused restore leaves nothing"
+    );
+    let restored = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        4 * MIB,
+        true,
+        config(),
+        options(),
+    )
+    .unwrap();
+    check_all(&restored, 2048, 2);
+    restored.close().unwrap();
+}
+
+#[test]
+fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() {
+    let dir = Scratch::new("numbering");
+    let url = "memory://numbering/vol";
+    let volume = create(&dir, url, 2 * MIB);
+    write_all(&volume, 1024, 1);
+    volume.close().unwrap();
+    drop(volume);
+    // The writer publishes one root object at open and none after, while
+    // it seals and uploads segments numbered past that root's reservation
+    // (renewed often), then dies.
+    let options = OpenOptions {
+        seq_reserve_ahead: 8,
+        ..options()
+    };
+    let quiet = TierConfig {
+        publish_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let volume = zdisk_tier::open(&dir.0.join("a.img"), quiet, options.clone()).unwrap();
+    write_all(&volume, 8192, 2);
+    volume.halt();
+    drop(volume);
+    // A new cache from that root numbers its segments from there too; it
+    // must read and write its own objects, never the dead writer's.
+    let restored = zdisk_tier::restore(
+        &dir.0.join("b.img"),
+        url,
+        2 * MIB,
+        true,
+        config(),
+        options.clone(),
+    )
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    for index in 0..1024 {
+        restored.read(index * 4096, &mut buf).unwrap();
+        assert!(
+            buf == block(index, 1) || buf == block(index, 2),
+            "block {index} holds neither write"
+        );
+    }
+    write_all(&restored, 8192, 3);
+    check_all(&restored, 8192, 3);
+    restored.close().unwrap();
+    drop(restored);
+    let again =
+        zdisk_tier::restore(&dir.0.join("c.img"), url, 2 * MIB, false, config(), options).unwrap();
+    check_all(&again, 8192, 3);
+    again.close().unwrap();
+}

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# A one-node Ceph with an S3 gateway, for tests: one monitor, one OSD on
+# memstore, one radosgw on a loopback port, one S3 user. No systemd: every
+# daemon runs in the foreground (-f) under this script's control and is
+# stopped by its PID.
+#
+#   ceph.sh start DIR [PORT]   boot a cluster whose files live in DIR;
+#                              prints AWS_* settings (also in DIR/env) and
+#                              leaves the daemons' PIDs in DIR/pids
+#   ceph.sh stop DIR           stop the daemons listed in DIR/pids
+#   ceph.sh check              exit 0 if the packages are installed and we
+#                              are root, else print why not and exit 2
+#
+# Facts this relies on (Ceph 16.2, Debian 12): the monitor must listen on
+# port 6789 (radosgw failed to authenticate with another one), so only one
+# cluster runs on a machine at a time (start takes a lock on
+# /run/zdisk-test-ceph.lock for the cluster's lifetime; stop releases it);
+# `auth_*_required = none` still leaves S3 signatures checked; a
+# single OSD needs pool size 1 and chooseleaf type 0; a paxos propose
+# interval of 0.1 s brings bootstrap from about 18 s to a few seconds.
+set -euo pipefail
+
+need=(monmaptool ceph-mon ceph-osd ceph-mgr radosgw radosgw-admin ceph uuidgen curl)
+
+check() {
+    if [ "$(id -u)" != 0 ]; then
+        echo "needs root (Ceph daemons run as root here)"
+        return 2
+    fi
+    for tool in "${need[@]}"; do
+        if ! command -v "$tool" >/dev/null 2>&1; then
+            echo "$tool is not installed (apt-get install ceph-mon ceph-osd ceph-mgr radosgw ceph-common uuid-runtime curl; .ci/run does)"
+            return 2
+        fi
+    done
+}
+
+# Waits up to $1 seconds for the command that follows to succeed.
+wait_for() {
+    local limit=$1
+    shift
+    local deadline=$((SECONDS + limit))
+    until "$@" >/dev/null 2>&1; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            return 1
+        fi
+        sleep 0.1
+    done
+}
+
+start() {
+    local dir=$1 port=${2:-}
+    check
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+    if [ -z "$port" ]; then
+        port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    fi
+    # One cluster at a time: the monitor's port is fixed. The lock is held
+    # by a sleeping child whose PID joins the others, so stop releases it.
+    exec 9>/run/zdisk-test-ceph.lock
+    if ! flock -w 300 9; then
+        echo "another test cluster held /run/zdisk-test-ceph.lock for 300 s" >&2
+        exit 1
+    fi
+    : >"$dir/pids"
+    sleep infinity </dev/null >/dev/null 2>&1 &
+    echo $! >>"$dir/pids"
+    exec 9>&-
+
+    local fsid conf=$dir/ceph.conf
+    fsid=$(uuidgen)
+    mkdir -p "$dir/mon" "$dir/osd" "$dir/mgr" "$dir/rgw" "$dir/run" "$dir/log"
+    cat >"$conf" <<EOF
+[global]
+fsid = $fsid
+mon host = 127.0.0.1:6789
+mon initial members = a
+public network = 127.0.0.0/8
+auth cluster required = none
+auth service required = none
+auth client required = none
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg num = 8
+osd pool default pgp num = 8
+mon allow pool size one = true
+mon allow pool delete = true
+osd crush chooseleaf type = 0
+paxos propose interval = 0.1
+mon warn on pool no redundancy = false
+run dir = $dir/run
+log file = $dir/log/\$name.log
+admin socket = $dir/run/\$name.asok
+keyring = $dir/keyring
+[mon]
+mon data = $dir/mon/\$cluster-\$id
+mon osd full ratio = 0.99
+mon osd nearfull ratio = 0.98
+[osd]
+osd data = $dir/osd/\$cluster-\$id
+osd objectstore = memstore
+memstore device bytes = 4294967296
+osd max object size = 1073741824
+[mgr]
+mgr data = $dir/mgr/\$cluster-\$id
+[client.rgw.a]
+rgw frontends = beast endpoint=127.0.0.1:$port
+rgw data = $dir/rgw
+rgw dns name = 127.0.0.1
+EOF
+    : >"$dir/keyring"
+    local ceph=(ceph -c "$conf")
+
+    monmaptool --create --clobber --fsid "$fsid" --addv a "[v1:127.0.0.1:6789]" "$dir/monmap" >/dev/null
+    ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" >/dev/null
+    ceph-mon -c "$conf" -f -i a >"$dir/log/mon.out" 2>&1 &
+    echo $! >>"$dir/pids"
+    if ! wait_for 30 "${ceph[@]}" --connect-timeout 2 mon stat; then
+        echo "the monitor did not come up (see $dir/log)" >&2
+        exit 1
+    fi
+
+    local osd_uuid osd_id
+    osd_uuid=$(uuidgen)
+    osd_id=$("${ceph[@]}" osd new "$osd_uuid")
+    mkdir -p "$dir/osd/ceph-$osd_id"
+    ceph-osd -c "$conf" -i "$osd_id" --mkfs --osd-uuid "$osd_uuid" >/dev/null 2>&1
+    ceph-osd -c "$conf" -f -i "$osd_id" >"$dir/log/osd.out" 2>&1 &
+    echo $! >>"$dir/pids"
+    ceph-mgr -c "$conf" -f -i a >"$dir/log/mgr.out" 2>&1 &
+    echo $! >>"$dir/pids"
+    osd_up() { "${ceph[@]}" osd stat | grep -q '1 up'; }
+    if ! wait_for 60 osd_up; then
+        echo "the OSD did not come up (see $dir/log)" >&2
+        tail -n 5 "$dir/log/osd.out" "$dir/log/osd.$osd_id.log" "$dir/log/mon.a.log" >&2 || true
+        exit 1
+    fi
+
+    radosgw -c "$conf" -f -n client.rgw.a >"$dir/log/rgw.out" 2>&1 &
+    echo $! >>"$dir/pids"
+    if ! wait_for 60 curl -sf "http://127.0.0.1:$port/"; then
+        echo "radosgw did not answer on port $port (see $dir/log)" >&2
+        exit 1
+    fi
+
+    local access secret
+    access=ZDISK$(uuidgen | tr -d - | cut -c1-15 | tr a-z A-Z)
+    secret=$(uuidgen | tr -d -)$(uuidgen | tr -d - | cut -c1-8)
+    radosgw-admin -c "$conf" user create --uid=zdisk --display-name=zdisk \
+        --access-key="$access" --secret="$secret" >/dev/null
+    cat >"$dir/env" <<EOF
+AWS_ENDPOINT_URL=http://127.0.0.1:$port
+AWS_ALLOW_HTTP=true
+AWS_ACCESS_KEY_ID=$access
+AWS_SECRET_ACCESS_KEY=$secret
+AWS_REGION=us-east-1
+EOF
+    cat "$dir/env"
+}
+
+stop() {
+    local dir=$1 pid
+    [ -f "$dir/pids" ] || return 0
+    # Gateway, manager, OSD, monitor, then the lock holder: the reverse of start.
+    for pid in $(tac "$dir/pids"); do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in $(tac "$dir/pids"); do
+        for _ in $(seq 100); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -9 "$pid" 2>/dev/null || true
+    done
+    rm -f "$dir/pids"
+}
+
+case "${1:-}" in
+start) start "${2:?usage: ceph.sh start DIR [PORT]}" "${3:-}" ;;
+stop) stop "${2:?usage: ceph.sh stop DIR}" ;;
+check) check ;;
+*)
+    echo "usage: ceph.sh start DIR [PORT] | stop DIR | check" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,469 @@
+//! The object-store tier end to end, on a real one-node Ceph (radosgw's S3
+//! gateway) that each test boots from nothing with `support/ceph.sh` and
+//! stops by PID. Tests skip, saying why, without root or the Ceph packages.
+//!
+//! Guards: the test cluster itself (a signed PUT, conditional PUTs
+//! honoured, as the tier's single-writer rule needs); 512 MiB of OS files
+//! written over NBD through a 256 MiB local cache into a tiered volume,
+//! read back identical, then served again from a new image made `--from`
+//! the bucket after the first image is deleted; a second writer refused.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use libtest_mimic::{Arguments, Trial};
+
+use support::ceph::Ceph;
+use support::*;
+
+fn main() {
+    let args = Arguments::from_args();
+    let trials = vec![
+        Trial::ignorable_test(
+            "one_node_ceph_takes_signed_and_conditional_puts",
+            one_node_ceph,
+        ),
+        Trial::ignorable_test(
+            "os_files_through_a_small_cache_come_back_from_the_bucket_on_a_new_image",
+            os_files_round_trip,
+        ),
+        Trial::ignorable_test(
+            "kill_9_mid_upload_then_restore_serves_the_newest_root_or_later",
+            kill_9_mid_upload,
+        ),
+    ];
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn one_node_ceph() -> TestResult {
+    if let Some(skip) = skip_unless(Ceph::unavailable()) {
+        return skip;
+    }
+    let scratch = Scratch::new("ceph-boot");
+    let started = std::time::Instant::now();
+    let ceph = Ceph::start(&scratch.join("ceph"))?;
+    eprintln!(
+        "one-node Ceph booted in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    ceph.create_bucket("boot")?;
+    let body = scratch.join("body");
+    std::fs::write(&body, b"hello from zdisk").map_err(|e| e.to_string())?;
+    let body = body.to_str().expect("UTF-8 path");
+    let put = ceph.curl(&["-T", body, &ceph.url("boot/object")])?;
+    ensure!(put == "200", "signed PUT: HTTP {put}");
+    let again = ceph.curl(&[
+        "-T",
+        body,
+        "-H",
+        "If-None-Match: *",
+        &ceph.url("boot/object"),
+    ])?;
+    ensure!(
+        again == "412",
+        "conditional PUT over an existing object: HTTP {again}"
+    );
+    let other = ceph.curl(&[
+        "-T",
+        body,
+        "-H",
+        "If-None-Match: *",
+        &ceph.url("boot/other"),
+    ])?;
+    ensure!(
+        other == "200",
+        "conditional PUT of a new object: HTTP {other}"
+    );
+    let mut get = std::process::Command::new("curl");
+    get.arg("-sf")
+        .args(ceph.curl_auth())
+        .arg(ceph.url("boot/object"));
+    let got = get.output().map_err(|e| e.to_string())?;
+    ensure!(
+        got.stdout == b"hello from zdisk",
+        "GET returned {:?}",
+        String::from_utf8_lossy(&got.stdout)
+    );
+    let unsigned = std::process::Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+        .arg(ceph.url("boot/object"))
+        .output()
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        unsigned.stdout == b"403",
+        "an unsigned GET must be refused, got HTTP {}",
+        String::from_utf8_lossy(&unsigned.stdout)
+    );
+    ceph.stop();
+    Ok(Completion::Completed)
+}
+
+/// Runs `zdisk` with the cluster's S3 settings; fails with its stderr.
+fn zdisk_s3(ceph: &Ceph, args: &[&str]) -> Result<String, Failed> {
+    let output = Command::new(zdisk_bin())
+        .args(args)
+        .envs(ceph.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .map_err(|e| format!("cannot run zdisk: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "zdisk {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `zdisk serve` with the cluster's S3 settings in its environment.
+fn serve_s3(ceph: &Ceph, image: &Path, socket: &Path, metrics: &str) -> Result<Server, Failed> {
+    // Server::start inherits this process's environment.
+    for (key, value) in &ceph.env {
+        std::env::set_var(key, value);
+    }
+    Server::start(image, socket, &["--metrics", metrics])
+}
+
+fn stat(stats: &serde_json::Value, name: &str) -> u64 {
+    stats[name].as_u64().unwrap_or(0)
+}
+
+fn os_files_round_trip() -> TestResult {
+    if let Some(skip) = skip_unless(Ceph::unavailable()) {
+        return skip;
+    }
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "tar", "cmp", "curl"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("tier-os-files");
+    let ceph = Ceph::start(&scratch.join("ceph"))?;
+    ceph.create_bucket("zdisk")?;
+    let url = "s3://zdisk/volumes/usr";
+
+    let tar = scratch.join("usr.tar");
+    let script = format!(
+        "tar cf - --one-file-system /usr 2>/dev/null | head -c {} > {}",
+        512u64 << 20,
+        tar.display()
+    );
+    run("sh", &["-c", &script])?;
+    let len = std::fs::metadata(&tar).map_err(|e| e.to_string())?.len();
+    ensure!(
+        len == 512 << 20,
+        "only {len} bytes of /usr could be archived"
+    );
+    let tar = tar.to_str().expect("UTF-8 path");
+
+    let image = scratch.join("first.zdisk");
+    let image_arg = image.to_str().expect("UTF-8 path");
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            image_arg,
+            "--logical",
+            "1G",
+            "--physical",
+            "256M",
+            "--tier",
+            url,
+        ],
+    )?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = serve_s3(&ceph, &image, &scratch.join("sock"), &metrics)?;
+    let started = Instant::now();
+    run("nbdcopy", &[tar, &server.uri()])?;
+    let write_seconds = started.elapsed().as_secs_f64();
+    // The bucket catches up, and the cache comes back within its bound
+    // (segments are evicted only once they are in the bucket).
+    let deadline = Instant::now() + std::time::Duration::from_secs(300);
+    loop {
+        let stats = server.stats()?;
+        if stat(&stats, "tier_lag_bytes") == 0 && stat(&stats, "tier_resident_bytes") <= 256 << 20 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the tier did not catch up in 300 s: {stats}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    eprintln!(
+        "the bucket caught up {:.1} s after the write began",
+        started.elapsed().as_secs_f64()
+    );
+    let back = scratch.join("back.raw");
+    let back_arg = back.to_str().expect("UTF-8 path");
+    run("nbdcopy", &[&server.uri(), back_arg])?;
+    run("cmp", &["-n", &len.to_string(), tar, back_arg])?;
+    let stats = server.stats()?;
+    eprintln!(
+        "wrote {len} bytes in {write_seconds:.1} s; uploaded {} evicted {} resident {} lag {} fetched {} hits {} misses {} (stored {})",
+        stat(&stats, "tier_uploaded_bytes"),
+        stat(&stats, "tier_evicted_bytes"),
+        stat(&stats, "tier_resident_bytes"),
+        stat(&stats, "tier_lag_bytes"),
+        stat(&stats, "tier_fetched_bytes"),
+        stat(&stats, "tier_cache_hits"),
+        stat(&stats, "tier_cache_misses"),
+        stat(&stats, "stored_bytes"),
+    );
+    ensure!(
+        stat(&stats, "stored_bytes") > 256 << 20,
+        "the data must not fit the cache for this test to mean anything"
+    );
+    ensure!(
+        stat(&stats, "tier_evicted_bytes") > 0,
+        "nothing was evicted"
+    );
+    ensure!(
+        stat(&stats, "tier_resident_bytes") <= 256 << 20,
+        "the cache holds {} bytes, over its 256 MiB",
+        stat(&stats, "tier_resident_bytes")
+    );
+    ensure!(
+        stat(&stats, "tier_cache_misses") > 0,
+        "nothing was read from the bucket"
+    );
+    let prometheus = run("curl", &["-sf", &format!("http://{metrics}/metrics")])?;
+    ensure!(
+        stdout(&prometheus).contains("zdisk_tier_lag_bytes "),
+        "/metrics lacks the tier"
+    );
+    server.stop()?;
+    let allocated = std::fs::metadata(&image)
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .map_err(|e| e.to_string())?;
+    eprintln!("the stopped image takes {allocated} bytes of disk");
+    ensure!(
+        allocated <= (256 << 20) + (4 << 20),
+        "the image takes {allocated} bytes of disk, over its 256 MiB cache"
+    );
+
+    // The first machine is gone: a new image from the bucket alone.
+    std::fs::remove_file(&image).map_err(|e| e.to_string())?;
+    std::fs::remove_file(scratch.join("first.zdisk.tier")).map_err(|e| e.to_string())?;
+    std::fs::remove_file(&back).map_err(|e| e.to_string())?;
+    let second = scratch.join("second.zdisk");
+    let second_arg = second.to_str().expect("UTF-8 path");
+    let started = Instant::now();
+    zdisk_s3(
+        &ceph,
+        &["create", second_arg, "--physical", "256M", "--from", url],
+    )?;
+    eprintln!(
+        "restored from the bucket in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = serve_s3(&ceph, &second, &scratch.join("sock2"), &metrics)?;
+    let started = Instant::now();
+    run("nbdcopy", &[&server.uri(), back_arg])?;
+    let read_seconds = started.elapsed().as_secs_f64();
+    run("cmp", &["-n", &len.to_string(), tar, back_arg])?;
+    let stats = server.stats()?;
+    eprintln!(
+        "read {len} bytes back from the bucket in {read_seconds:.1} s; fetched {}",
+        stat(&stats, "tier_fetched_bytes")
+    );
+    ensure!(
+        stat(&stats, "tier_fetched_bytes") > 128 << 20,
+        "the data did not come from the bucket"
+    );
+    server.stop()?;
+
+    // A third machine attaches and writes (its create claims the next
+    // root): the second image may no longer write the volume.
+    let third = scratch.join("third.zdisk");
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            third.to_str().expect("UTF-8 path"),
+            "--physical",
+            "64M",
+            "--from",
+            url,
+        ],
+    )?;
+    let refused = Command::new(zdisk_bin())
+        .args(["serve", second_arg, "--socket"])
+        .arg(scratch.join("sock3"))
+        .envs(ceph.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .map_err(|e| e.to_string())?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    ensure!(!refused.status.success(), "a second writer was let in");
+    ensure!(
+        stderr.contains("another writer"),
+        "the refusal does not say why: {stderr}"
+    );
+    ceph.stop();
+    Ok(Completion::Completed)
+}
+
+/// `count` blocks of 4 KiB, each saying its number and `round`, padded
+/// with text so that it compresses like files do.
+fn pattern(count: u64, round: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity((count * 4096) as usize);
+    for block in 0..count {
+        let mut text = format!("block {block} round {round} ");
+        while text.len() < 4096 {
+            text.push_str(&format!(
+                "{:x} ",
+                (block * 2654435761 + text.len() as u64) % 4093
+            ));
+        }
+        out.extend_from_slice(&text.as_bytes()[..4096]);
+    }
+    out
+}
+
+fn kill_9_mid_upload() -> TestResult {
+    if let Some(skip) = skip_unless(Ceph::unavailable()) {
+        return skip;
+    }
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "curl"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("tier-kill");
+    let ceph = Ceph::start(&scratch.join("ceph"))?;
+    ceph.create_bucket("zdisk")?;
+    let url = "s3://zdisk/volumes/kill";
+    const BLOCKS: u64 = 24_576; // 96 MiB
+    let first = pattern(BLOCKS, 1);
+    let second = pattern(BLOCKS, 2);
+    let first_file = scratch.join("first.raw");
+    let second_file = scratch.join("second.raw");
+    std::fs::write(&first_file, &first).map_err(|e| e.to_string())?;
+    std::fs::write(&second_file, &second).map_err(|e| e.to_string())?;
+
+    let image = scratch.join("a.zdisk");
+    let image_arg = image.to_str().expect("UTF-8 path");
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            image_arg,
+            "--logical",
+            "128M",
+            "--physical",
+            "32M",
+            "--tier",
+            url,
+        ],
+    )?;
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut server = serve_s3(&ceph, &image, &scratch.join("sock"), &metrics)?;
+    run(
+        "nbdcopy",
+        &["--flush", first_file.to_str().unwrap(), &server.uri()],
+    )?;
+    // Round 1 is flushed (nbdcopy flushes at the end); wait until the
+    // bucket has it all and a root object was published after that.
+    let deadline = Instant::now() + std::time::Duration::from_secs(120);
+    let mut caught_up_at = None;
+    loop {
+        let stats = server.stats()?;
+        let published = stat(&stats, "tier_roots_published");
+        match caught_up_at {
+            None if stat(&stats, "tier_lag_bytes") == 0 => caught_up_at = Some(published),
+            Some(then) if published > then => break,
+            _ => {}
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "round 1 never reached the bucket: {stats}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Round 2 over the same blocks, killed while it is being uploaded.
+    let copy = Command::new("nbdcopy")
+        .args([second_file.to_str().unwrap(), &server.uri()])
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let stats = server.stats()?;
+        if stat(&stats, "tier_uploaded_bytes") > 0
+            && stat(&stats, "host_write_bytes") > (BLOCKS * 4096) + (32 << 20)
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "round 2 did not get going: {stats}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    server.stop_with("KILL")?;
+    let mut copy = copy;
+    let _ = copy.wait();
+    std::fs::remove_file(&image).map_err(|e| e.to_string())?;
+
+    // The bucket alone: refused without --take-over, then every block
+    // holds round 1 or round 2, never anything else.
+    let restored = scratch.join("b.zdisk");
+    let restored_arg = restored.to_str().expect("UTF-8 path");
+    let refused = Command::new(zdisk_bin())
+        .args(["create", restored_arg, "--physical", "32M", "--from", url])
+        .envs(ceph.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        !refused.status.success(),
+        "a crashed writer's volume was taken without --take-over"
+    );
+    ensure!(
+        String::from_utf8_lossy(&refused.stderr).contains("--take-over"),
+        "the refusal does not say what to do: {}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    zdisk_s3(
+        &ceph,
+        &[
+            "create",
+            restored_arg,
+            "--physical",
+            "32M",
+            "--from",
+            url,
+            "--take-over",
+        ],
+    )?;
+    let mut server = serve_s3(&ceph, &restored, &scratch.join("sock2"), &metrics)?;
+    let back = scratch.join("back.raw");
+    run("nbdcopy", &[&server.uri(), back.to_str().unwrap()])?;
+    let back = std::fs::read(&back).map_err(|e| e.to_string())?;
+    let (mut round1, mut round2) = (0, 0);
+    for block in 0..BLOCKS as usize {
+        let range = block * 4096..(block + 1) * 4096;
+        if back[range.clone()] == first[range.clone()] {
+            round1 += 1;
+        } else if back[range.clone()] == second[range.clone()] {
+            round2 += 1;
+        } else {
+            let head = String::from_utf8_lossy(&back[range.start..range.start + 48]).into_owned();
+            let zeros = back[range.clone()].iter().all(|&b| b == 0);
+            let others = (0..BLOCKS as usize)
+                .filter(|&b| {
+                    let r = b * 4096..(b + 1) * 4096;
+                    back[r.clone()] != first[r.clone()] && back[r.clone()] != second[r]
+                })
+                .count();
+            return Err(format!(
+                "block {block} holds neither round after the restore ({others} such blocks; zeros: {zeros}; starts {head:?}); stats {}; log:\n{}",
+                server.stats()?,
+                server.log()
+            )
+            .into());
+        }
+    }
+    eprintln!("after kill -9 and a restore from the bucket: {round1} blocks of round 1, {round2} of round 2");
+    server.stop()?;
+    ceph.stop();
+    Ok(Completion::Completed)
+}
