@@ -38,6 +38,6 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, SegmentCounts, Stats};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    CheckReport, Clock, CreateOptions, FixedClock, OpenOptions, OpenReport, Random, Recompress,
-    SystemClock, Volume,
+    default_map_cache_bytes, CheckReport, Clock, CreateOptions, FixedClock, OpenOptions,
+    OpenReport, Random, Recompress, SystemClock, Volume,
 };

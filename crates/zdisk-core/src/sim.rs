@@ -467,6 +467,14 @@ fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
             1 => Recompress::Idle,
             _ => Recompress::Gc,
         },
+        // The map paged out at every release of the state lock (every
+        // clean leaf evicted), through a small cache, or all in RAM, each
+        // in a third of the runs.
+        map_cache_bytes: match (seed / 3) % 3 {
+            0 => Some(0),
+            1 => Some(16 * 1024),
+            _ => None,
+        },
         ..OpenOptions::default()
     }
 }

@@ -149,6 +149,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         gc_policy: args.gc_policy,
         unit_blocks: args.unit_max,
         recompress: args.recompress.unwrap_or_default(),
+        map_cache_bytes: args.map_cache,
         ..OpenOptions::default()
     };
     let volume = if existing {

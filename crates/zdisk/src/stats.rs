@@ -67,6 +67,18 @@ pub fn human(stats: &Stats) -> String {
         ("recompressed_bytes", size(stats.recompressed_bytes)),
         ("recompress_saved_bytes", size(stats.recompress_saved_bytes)),
         ("map_memory_bytes", size(stats.map_memory_bytes)),
+        ("map_cache_bytes", size(stats.map_cache_bytes)),
+        ("map_resident_bytes", size(stats.map_resident_bytes)),
+        (
+            "map_leaves",
+            format!(
+                "{} ({} paged out)",
+                stats.map_leaves, stats.map_paged_leaves
+            ),
+        ),
+        ("map_cache_hits", stats.map_cache_hits.to_string()),
+        ("map_cache_misses", stats.map_cache_misses.to_string()),
+        ("map_pages_written", stats.map_pages_written.to_string()),
     ];
     let mut out = String::new();
     for (key, value) in lines {
