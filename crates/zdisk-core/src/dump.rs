@@ -76,12 +76,12 @@ fn chunk_record_max_bytes(segment_size: u64) -> u64 {
 }
 
 /// Segments a checkpoint's two dump copies need, at most, for a map of
-/// `chunks` chunks on `segment_count` segments of `segment_size` bytes.
-pub(crate) fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u64) -> u64 {
+/// `pages` leaves on `segment_count` segments of `segment_size` bytes.
+pub(crate) fn dump_segments_for(pages: u64, segment_count: u64, segment_size: u64) -> u64 {
     let usable = segment_size
         .saturating_sub(chunk_record_max_bytes(segment_size))
         .max(1);
-    let segments = 2 * dump_size_for(chunks, segment_count).div_ceil(usable).max(1);
+    let segments = 2 * dump_size_for(pages, segment_count).div_ceil(usable).max(1);
     debug_assert!(
         segments.is_multiple_of(2),
         "both copies take the same segments"
@@ -89,13 +89,14 @@ pub(crate) fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u
     segments
 }
 
-/// Upper bound of one dump copy's bytes for `chunks` map chunks and `segments` segments.
-fn dump_size_for(chunks: u64, segments: u64) -> u64 {
-    // A chunk's entries in a page (a sparse leaf's entries carry a key of up
-    // to 5 bytes and a unit member's 2 more), the page's record header and
-    // padding, and its directory entry.
-    let per_chunk = CHUNK_BLOCKS * (ENTRY_MAX_BYTES + 7) + 128;
-    let raw = chunks * per_chunk + segments * 40 + 64;
+/// Upper bound of one dump copy's bytes for `pages` map leaves and `segments` segments.
+fn dump_size_for(pages: u64, segments: u64) -> u64 {
+    // A leaf holds at most 256 entries (a sparse leaf's carry a key of up
+    // to 5 bytes, and a unit member's entry 2 bytes more); then its page's
+    // length prefix, LZ4's worst case, record header and padding, and its
+    // directory entry.
+    let per_page = CHUNK_BLOCKS * (ENTRY_MAX_BYTES + 7) + 128;
+    let raw = pages * per_page + segments * 40 + 64;
     // LZ4 worst case plus per-record headers.
     raw + raw / 255 + 16 + (raw / (16 * 1024) + 1) * 64
 }

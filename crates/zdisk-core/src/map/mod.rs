@@ -187,7 +187,8 @@ impl Map {
         self.cache
     }
 
-    /// Leaves, and how many of them are paged out.
+    /// Leaves (a checkpoint writes a page for each: `Space` sizes the
+    /// next dump by them), and how many of them are paged out.
     pub(crate) fn leaf_counts(&self) -> (u64, u64) {
         (self.leaves.len() as u64, self.paged_leaves)
     }
@@ -206,8 +207,9 @@ impl Map {
         self.store.as_ref()
     }
 
-    /// Chunk items a checkpoint dump of the map holds (the dump's format
-    /// records 256-block chunks; `Space` sizes the next dump by this).
+    /// Chunks that hold an entry (what a format 2 dump recorded; a page's
+    /// directory entry keeps its leaf's count).
+    #[cfg(test)]
     pub(crate) fn chunk_count(&self) -> usize {
         self.chunk_items as usize
     }

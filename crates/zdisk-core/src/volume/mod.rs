@@ -496,8 +496,9 @@ impl Volume {
     /// of the two retained checkpoints (each dump is two copies). What is
     /// left is the space data and its garbage can use.
     pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
-        let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
-        let dump = crate::dump::dump_segments_for(chunks, segment_count, segment_size);
+        // At most a leaf, so a page, per chunk.
+        let pages = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
+        let dump = crate::dump::dump_segments_for(pages, segment_count, segment_size);
         2 + space::GC_RESERVE_SEGMENTS + dump + 2 * dump
     }
 

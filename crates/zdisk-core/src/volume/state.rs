@@ -259,7 +259,7 @@ impl State {
 
     /// Free segments `writer` must leave untouched.
     pub(crate) fn floor(&self, writer: Writer) -> u64 {
-        self.space.floor(writer, self.map.chunk_count() as u64)
+        self.space.floor(writer, self.map.leaf_counts().0)
     }
 
     /// The ladder's next rung for `need` (see `Space::next_rung`).
@@ -276,7 +276,7 @@ impl State {
         };
         let background = matches!(need.writer, Writer::Background { .. });
         let outlook = Outlook {
-            map_chunks: self.map.chunk_count() as u64,
+            map_pages: self.map.leaf_counts().0,
             stream_room: self.stream_room(stream),
             checkpoint_interval_bytes,
             // Only the background thread waits for a recycling engine.
