@@ -14,11 +14,15 @@ One image (16 TiB logical by default), served on a Unix socket with
               RAM), a restart with that cache and a timed 4 KiB random read
               of the written blocks (same LFSR sequence), after a warm-up
               pass; each as a ratio of the 100% case's IOPS in this run,
-              with the cache's hits and misses.
+              with the cache's hits and misses. With --rounds N the three
+              caches are measured N times, interleaved, and the ratio is
+              each round's, with the median printed (a shared host's
+              speed drifts). --reads-only measures the reads on the image
+              a previous run left in --dir.
 The idle pass is off (--recompress off). Needs fio with the nbd engine.
 Usage: map_cache.py [--zdisk BIN] [--dir DIR] [--logical 16T]
                     [--physical 12G] [--blocks 2097152] [--cache 8M]
-                    [--seconds 20]
+                    [--seconds 20] [--rounds 1] [--reads-only]
 A JSON object with every figure after the table.
 """
 
@@ -100,6 +104,8 @@ def main():
     parser.add_argument("--blocks", type=int, default=2 * 1024 * 1024)
     parser.add_argument("--cache", default="8M")
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--reads-only", action="store_true")
     args = parser.parse_args()
     if shutil.which("fio") is None:
         sys.exit("map_cache.py: fio is needed")
@@ -108,13 +114,30 @@ def main():
     image = os.path.join(workdir, "paged.zdisk")
     sock = os.path.join(workdir, "paged.sock")
     cache = parse_size(args.cache)
-    subprocess.run(
-        [args.zdisk, "create", image, "--logical", args.logical, "--physical", args.physical, "--force"],
-        check=True, capture_output=True, text=True,
-    )
+    if args.reads_only and not os.path.exists(image):
+        sys.exit(f"map_cache.py: --reads-only needs {image} from a previous run")
+    if not args.reads_only:
+        subprocess.run(
+            [args.zdisk, "create", image, "--logical", args.logical, "--physical", args.physical,
+             "--force"],
+            check=True, capture_output=True, text=True,
+        )
     result = {"zdisk": args.zdisk, "logical": args.logical, "blocks": args.blocks, "cache_bytes": cache}
     server = None
     try:
+        if not args.reads_only:
+            server = fill_and_verify(args, image, sock, cache, result)
+        reads, map_bytes = measure_reads(args, image, sock, result)
+    finally:
+        if server is not None and server.process.poll() is None:
+            server.kill()
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report(result, reads, map_bytes, cache)
+
+
+def fill_and_verify(args, image, sock, cache, result):
+    if True:
         server = Server(args, image, sock, cache)
         rss_before = server.rss()
         started = time.time()
@@ -139,6 +162,11 @@ def main():
         result["verify_rss_bytes"] = server.rss()
         result["verify_stats"] = {k: v for k, v in server.stats().items() if k.startswith("map_")}
         server.stop()
+    return server
+
+
+def measure_reads(args, image, sock, result):
+    if True:
 
         # The map's size: every leaf in RAM after a pass over the blocks.
         server = Server(args, image, sock, 1 << 40)
@@ -146,8 +174,8 @@ def main():
         map_bytes = server.stats()["map_resident_bytes"]
         server.stop()
         result["map_bytes"] = map_bytes
-        reads = {}
-        for percent in (100, 25, 5):
+        reads = {percent: [] for percent in (100, 25, 5)}
+        for _, percent in [(r, p) for r in range(args.rounds) for p in (100, 25, 5)]:
             size = map_bytes * percent // 100 if percent < 100 else 1 << 40
             server = Server(args, image, sock, size)
             fio(sock, "randread", args)  # warm-up: the cache fills
@@ -156,22 +184,26 @@ def main():
             after = server.stats()
             rss = server.rss()
             server.stop()
-            reads[percent] = {
+            reads[percent].append({
                 "cache_bytes": size,
                 "iops": run["jobs"][0]["read"]["iops"],
                 "hits": after["map_cache_hits"] - before["map_cache_hits"],
                 "misses": after["map_cache_misses"] - before["map_cache_misses"],
                 "rss_bytes": rss,
-            }
+            })
         for percent in reads:
-            reads[percent]["ratio"] = reads[percent]["iops"] / reads[100]["iops"]
+            for r, run in enumerate(reads[percent]):
+                run["ratio"] = run["iops"] / reads[100][r]["iops"]
         result["reads"] = reads
-    finally:
-        if server is not None and server.process.poll() is None:
-            server.kill()
-        if args.dir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    return reads, map_bytes
+
+
+def report(result, reads, map_bytes, cache):
     mib = 1 << 20
+    if "fill_seconds" not in result:
+        print_reads(reads, map_bytes)
+        print(json.dumps(result))
+        return
     print(f"fill: {result['fill_mapped_blocks']} blocks in {result['fill_seconds']:.0f} s; "
           f"RSS {result['fill_rss_bytes'] / mib:.1f} MiB (cache {cache / mib:.0f} MiB + 64 MiB: "
           f"{'within' if result['rss_within_cache_plus_64m'] else 'OVER'}); "
@@ -179,12 +211,20 @@ def main():
           f"{result['fill_map_resident_bytes'] / mib:.1f} MiB")
     print(f"kill -9, restart in {result['recovery_seconds']:.2f} s, {result['verified_blocks']} blocks "
           f"verified in {result['verify_seconds']:.0f} s, RSS {result['verify_rss_bytes'] / mib:.1f} MiB")
-    print(f"map {map_bytes / mib:.1f} MiB; 4 KiB random reads by map cache:")
-    print(f"{'cache':>8} {'MiB':>8} {'IOPS':>10} {'ratio':>6} {'hits':>10} {'misses':>10}")
-    for percent, r in reads.items():
-        print(f"{percent:>7}% {min(r['cache_bytes'], map_bytes) / mib:>8.1f} {r['iops']:>10.0f} "
-              f"{r['ratio']:>6.2f} {r['hits']:>10} {r['misses']:>10}")
+    print_reads(reads, map_bytes)
     print(json.dumps(result))
+
+
+def print_reads(reads, map_bytes):
+    mib = 1 << 20
+    print(f"map {map_bytes / mib:.1f} MiB; 4 KiB random reads by map cache:")
+    print(f"{'cache':>8} {'MiB':>8} {'round':>5} {'IOPS':>10} {'ratio':>6} {'hits':>10} {'misses':>10}")
+    for percent, runs in reads.items():
+        for n, r in enumerate(runs):
+            print(f"{percent:>7}% {min(r['cache_bytes'], map_bytes) / mib:>8.1f} {n + 1:>5} "
+                  f"{r['iops']:>10.0f} {r['ratio']:>6.2f} {r['hits']:>10} {r['misses']:>10}")
+        ratios = sorted(r["ratio"] for r in runs)
+        print(f"{percent:>7}% median ratio {ratios[len(ratios) // 2]:.2f}")
 
 
 if __name__ == "__main__":
