@@ -40,6 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from map_rss import BLOCK, free_port, parse_size, rss_bytes, stats, wait_for, _answers  # noqa: E402
 
 
+# The servers started, so that a failure stops them.
+SERVERS = []
+
+
 class Server:
     def __init__(self, args, image, sock, cache):
         self.port = free_port()
@@ -50,6 +54,7 @@ class Server:
              "--recompress", "off", "--map-cache", str(cache)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
+        SERVERS.append(self.process)
         wait_for(lambda: os.path.exists(sock), "the socket", seconds=600)
         wait_for(lambda: _answers(self.port), "the metrics endpoint", seconds=600)
         self.open_seconds = time.time() - started
@@ -123,14 +128,15 @@ def main():
             check=True, capture_output=True, text=True,
         )
     result = {"zdisk": args.zdisk, "logical": args.logical, "blocks": args.blocks, "cache_bytes": cache}
-    server = None
     try:
         if not args.reads_only:
-            server = fill_and_verify(args, image, sock, cache, result)
+            fill_and_verify(args, image, sock, cache, result)
         reads, map_bytes = measure_reads(args, image, sock, result)
     finally:
-        if server is not None and server.process.poll() is None:
-            server.kill()
+        for process in SERVERS:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     report(result, reads, map_bytes, cache)
@@ -141,7 +147,8 @@ def fill_and_verify(args, image, sock, cache, result):
         server = Server(args, image, sock, cache)
         rss_before = server.rss()
         started = time.time()
-        fio(sock, "randwrite", args, ("--do_verify=0", *VERIFY))
+        # Flushed at the end: only flushed writes must survive kill -9.
+        fio(sock, "randwrite", args, ("--do_verify=0", "--end_fsync=1", *VERIFY))
         result["fill_seconds"] = time.time() - started
         after = server.stats()
         result["fill_rss_before_bytes"] = rss_before
@@ -162,7 +169,6 @@ def fill_and_verify(args, image, sock, cache, result):
         result["verify_rss_bytes"] = server.rss()
         result["verify_stats"] = {k: v for k, v in server.stats().items() if k.startswith("map_")}
         server.stop()
-    return server
 
 
 def measure_reads(args, image, sock, result):
