@@ -32,6 +32,18 @@ impl ByteWriter {
     pub fn bytes(&mut self, value: &[u8]) {
         self.buf.extend_from_slice(value);
     }
+    /// LEB128: 7 bits per byte, least significant first.
+    pub fn varint(&mut self, mut value: u64) {
+        while value >= 0x80 {
+            self.u8((value as u8) | 0x80);
+            value >>= 7;
+        }
+        self.u8(value as u8);
+    }
+    /// A signed value as a zigzag varint (small magnitudes stay short).
+    pub fn zigzag(&mut self, value: i64) {
+        self.varint(((value << 1) ^ (value >> 63)) as u64);
+    }
 }
 
 /// Reads little-endian integers with bounds checks.
@@ -88,6 +100,23 @@ impl<'a> ByteReader<'a> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
+    }
+    /// A LEB128 varint of at most 64 bits.
+    pub fn varint(&mut self) -> Result<u64, String> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let byte = self.u8()?;
+            value |= ((byte & 0x7F) as u64) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err("varint longer than 64 bits".into())
+    }
+    /// A zigzag varint.
+    pub fn zigzag(&mut self) -> Result<i64, String> {
+        let value = self.varint()?;
+        Ok(((value >> 1) as i64) ^ -((value & 1) as i64))
     }
 }
 

@@ -1,14 +1,20 @@
-//! The checkpoint dump's byte format: the map and the segment table as
-//! map-chunk records, written twice.
+//! The checkpoint dump's byte format: the map's directory and pages and
+//! the segment table as map-chunk records, written twice.
 //!
-//! A dump is a stream of tagged items (map chunks, then segments), cut into
-//! payloads of at most [`chunk_target_bytes`] uncompressed bytes, each
-//! compressed with LZ4 into one `MapChunk` record: header `lba` = record
-//! index, `version` = the generation of the root that wrote it. Both copies
-//! place the records identically ([`layout`]), each in its own segments, so
-//! that a chunk damaged in one copy is read from the other ([`load_dump`]).
-//! docs/format.md gives the layout; `volume/checkpoint.rs` is the procedure
-//! that writes one.
+//! A dump starts with a stream of tagged items (the map's totals, one
+//! directory entry per leaf, then segments), cut into payloads of at most
+//! [`chunk_target_bytes`] uncompressed bytes, each compressed with LZ4 into
+//! one `MapChunk` record: header `lba` = record index, `version` = the
+//! generation of the root that wrote it. The map's pages follow, one record
+//! per leaf (`map/page.rs`: `lba` = the leaf's first block). Both copies
+//! place the records identically ([`place`]), each in its own segments, so
+//! that a record damaged in one copy is read from the other. Opening reads
+//! only the directory records ([`load_dump`]) and works out where every
+//! page is from the directory's page lengths, by the same placement; the
+//! map reads a page when it needs the leaf. A format 2 dump holds map
+//! chunks instead of a directory, and loads into a map entirely in RAM.
+//! docs/format.md gives the layout; `volume/checkpoint.rs` is the
+//! procedure that writes one.
 //!
 //! Decoding trusts nothing read from the medium: every length, index,
 //! segment and version is checked before use.
@@ -16,7 +22,10 @@
 use crate::bytes::{ByteReader, ByteWriter};
 use crate::codec::{lz4_compress, lz4_decompress, CodecId};
 use crate::error::{Error, Result};
-use crate::map::{Chunk, Entry, Location, Map, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX};
+use crate::map::{
+    Chunk, Entry, Location, Map, MapCounts, PageLoc, PageStore, RangeState, Slot, SnapshotPage,
+    CHUNK_BLOCKS, VERSION_MAX,
+};
 use crate::media::Media;
 use crate::meta::DumpRef;
 use crate::record::{
@@ -30,6 +39,10 @@ const ITEM_CHUNK: u8 = 1;
 const ITEM_SEGMENT: u8 = 2;
 /// A segment with the bytes the cold-data pass wrote into it (format 2).
 const ITEM_SEGMENT_COLD: u8 = 3;
+/// The map's counts, for a map whose leaves are pages (format 3).
+const ITEM_MAP_TOTALS: u8 = 4;
+/// A leaf's directory entry: its range and its page's length (format 3).
+const ITEM_PAGE: u8 = 5;
 
 const FORM_UNIFORM: u8 = 0;
 const FORM_MIXED: u8 = 1;
@@ -63,12 +76,12 @@ fn chunk_record_max_bytes(segment_size: u64) -> u64 {
 }
 
 /// Segments a checkpoint's two dump copies need, at most, for a map of
-/// `chunks` chunks on `segment_count` segments of `segment_size` bytes.
-pub(crate) fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u64) -> u64 {
+/// `pages` leaves on `segment_count` segments of `segment_size` bytes.
+pub(crate) fn dump_segments_for(pages: u64, segment_count: u64, segment_size: u64) -> u64 {
     let usable = segment_size
         .saturating_sub(chunk_record_max_bytes(segment_size))
         .max(1);
-    let segments = 2 * dump_size_for(chunks, segment_count).div_ceil(usable).max(1);
+    let segments = 2 * dump_size_for(pages, segment_count).div_ceil(usable).max(1);
     debug_assert!(
         segments.is_multiple_of(2),
         "both copies take the same segments"
@@ -76,50 +89,28 @@ pub(crate) fn dump_segments_for(chunks: u64, segment_count: u64, segment_size: u
     segments
 }
 
-/// Upper bound of one dump copy's bytes for `chunks` map chunks and `segments` segments.
-fn dump_size_for(chunks: u64, segments: u64) -> u64 {
-    let raw = chunks * (16 + CHUNK_BLOCKS * ENTRY_MAX_BYTES) + segments * 40 + 64;
+/// Upper bound of one dump copy's bytes for `pages` map leaves and `segments` segments.
+fn dump_size_for(pages: u64, segments: u64) -> u64 {
+    // A leaf holds at most 256 entries (a sparse leaf's carry a key of up
+    // to 5 bytes, and a unit member's entry 2 bytes more); then its page's
+    // length prefix, LZ4's worst case, record header and padding, and its
+    // directory entry.
+    let per_page = CHUNK_BLOCKS * (ENTRY_MAX_BYTES + 7) + 128;
+    let raw = pages * per_page + segments * 40 + 64;
     // LZ4 worst case plus per-record headers.
     raw + raw / 255 + 16 + (raw / (16 * 1024) + 1) * 64
 }
 
-fn put_varint(out: &mut ByteWriter, mut value: u64) {
-    while value >= 0x80 {
-        out.u8((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.u8(value as u8);
-}
-
-fn get_varint(input: &mut ByteReader) -> Result<u64, String> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let byte = input.u8()?;
-        value |= ((byte & 0x7F) as u64) << shift;
-        if byte & 0x80 == 0 {
-            return Ok(value);
-        }
-    }
-    Err("varint longer than 64 bits".into())
-}
-
 /// A version read from the medium, checked against the map's 48 bits.
 fn get_version(input: &mut ByteReader, what: &str) -> Result<u64, String> {
-    let version = get_varint(input)?;
+    let version = input.varint()?;
     if version > VERSION_MAX {
         return Err(format!("version {version} out of range in {what}"));
     }
     Ok(version)
 }
 
-fn zigzag(delta: i64) -> u64 {
-    ((delta << 1) ^ (delta >> 63)) as u64
-}
-
-fn unzigzag(value: u64) -> i64 {
-    ((value >> 1) as i64) ^ -((value & 1) as i64)
-}
-
+#[cfg(test)]
 fn range_tag(state: RangeState) -> u8 {
     match state {
         RangeState::Hole => TAG_HOLE,
@@ -176,6 +167,7 @@ impl Payloads {
     }
 }
 
+#[cfg(test)]
 fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
     out.u8(ITEM_CHUNK);
     out.u64(index);
@@ -183,7 +175,7 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
         Chunk::Uniform { state, version } => {
             out.u8(FORM_UNIFORM);
             out.u8(range_tag(*state));
-            put_varint(out, *version);
+            out.varint(*version);
         }
         Chunk::Mixed(entries) => {
             out.u8(FORM_MIXED);
@@ -193,11 +185,11 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
                     Slot::Hole => out.u8(TAG_HOLE),
                     Slot::Zero => {
                         out.u8(TAG_ZERO);
-                        put_varint(out, entry.version());
+                        out.varint(entry.version());
                     }
                     Slot::Damaged => {
                         out.u8(TAG_DAMAGED);
-                        put_varint(out, entry.version());
+                        out.varint(entry.version());
                     }
                     Slot::Data(loc) => {
                         out.u8(if loc.members > 1 {
@@ -205,14 +197,14 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
                         } else {
                             TAG_DATA
                         });
-                        put_varint(out, zigzag(loc.segment.0 as i64 - segment));
-                        put_varint(out, zigzag(loc.offset as i64 - offset));
-                        put_varint(out, loc.len as u64);
+                        out.zigzag(loc.segment.0 as i64 - segment);
+                        out.zigzag(loc.offset as i64 - offset);
+                        out.varint(loc.len as u64);
                         if loc.members > 1 {
                             out.u8(loc.member);
                             out.u8(loc.members);
                         }
-                        put_varint(out, zigzag(entry.version() as i64 - version));
+                        out.zigzag(entry.version() as i64 - version);
                         segment = loc.segment.0 as i64;
                         offset = loc.offset as i64 + loc.len as i64;
                         version = entry.version() as i64;
@@ -223,10 +215,10 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
     }
 }
 
-/// Serialises `map` and `segments` (every segment that is not free and
-/// never used) into chunk payloads of at most `target_bytes` uncompressed
-/// bytes each.
-pub(crate) fn encode_dump(
+/// Serialises `map` and `segments` the way format 2 did (map chunks), for
+/// the tests of reading old dumps.
+#[cfg(test)]
+pub(crate) fn encode_chunk_dump(
     map: &Map,
     segments: impl Iterator<Item = (SegmentId, DumpedSegment)>,
     target_bytes: usize,
@@ -240,6 +232,15 @@ pub(crate) fn encode_dump(
         encode_chunk(&mut payloads.raw, index, chunk);
         payloads.cut(false);
     });
+    encode_segments(&mut payloads, segments);
+    payloads.cut(true);
+    payloads.done
+}
+
+fn encode_segments(
+    payloads: &mut Payloads,
+    segments: impl Iterator<Item = (SegmentId, DumpedSegment)>,
+) {
     for (segment, dumped) in segments {
         let out = &mut payloads.raw;
         out.u8(if dumped.cold_bytes > 0 {
@@ -256,8 +257,61 @@ pub(crate) fn encode_dump(
         }
         payloads.cut(false);
     }
+}
+
+/// The directory of a dump whose map is `pages` (a checkpoint's snapshot,
+/// in block order) with `counts`, and `segments` (every segment that is
+/// not free and never used), as chunk payloads of at most `target_bytes`
+/// uncompressed bytes each.
+pub(crate) fn encode_directory(
+    pages: &[SnapshotPage],
+    counts: MapCounts,
+    segments: impl Iterator<Item = (SegmentId, DumpedSegment)>,
+    target_bytes: usize,
+) -> Vec<Vec<u8>> {
+    let mut payloads = Payloads {
+        target_bytes,
+        raw: ByteWriter::new(),
+        done: Vec::new(),
+    };
+    let out = &mut payloads.raw;
+    out.u8(ITEM_MAP_TOTALS);
+    out.varint(counts.data_blocks);
+    out.varint(counts.zero_blocks);
+    out.varint(counts.damaged_blocks);
+    out.varint(counts.stored_bytes);
+    let mut end = 0u64;
+    for page in pages {
+        let out = &mut payloads.raw;
+        out.u8(ITEM_PAGE);
+        out.varint(page.start - end);
+        out.varint(page.blocks);
+        out.varint(page.chunk_items);
+        out.varint(page.payload_len() as u64);
+        end = page.start + page.blocks;
+        payloads.cut(false);
+    }
+    encode_segments(&mut payloads, segments);
     payloads.cut(true);
     payloads.done
+}
+
+/// A dump's directory as read back: the map's totals and its leaves'
+/// ranges and page lengths, in block order.
+#[derive(Debug, Default)]
+pub(crate) struct Directory {
+    totals: Option<MapCounts>,
+    pages: Vec<DirectoryPage>,
+    /// End of the last page's range.
+    end: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct DirectoryPage {
+    start: u64,
+    blocks: u64,
+    chunk_items: u64,
+    payload_len: u32,
 }
 
 /// Decodes a data entry (or, with `unit`, a unit member) of a mixed
@@ -270,15 +324,15 @@ fn decode_data_entry(
     unit: bool,
 ) -> Result<Entry, String> {
     let (segment, offset, version) = previous;
-    *segment += unzigzag(get_varint(input)?);
-    *offset += unzigzag(get_varint(input)?);
-    let len = get_varint(input)?;
+    *segment += input.zigzag()?;
+    *offset += input.zigzag()?;
+    let len = input.varint()?;
     let (member, members) = if unit {
         (input.u8()?, input.u8()?)
     } else {
         (0, 1)
     };
-    *version += unzigzag(get_varint(input)?);
+    *version += input.zigzag()?;
     let len_max = record_len_for_payload(UNIT_PAYLOAD_MAX as usize) as i64;
     if !(0..segment_count as i64).contains(segment)
         || !(0..u32::MAX as i64).contains(offset)
@@ -344,6 +398,7 @@ fn decode_chunk(input: &mut ByteReader, index: u64, segment_count: usize) -> Res
 pub(crate) fn decode_chunk_payload(
     payload: &[u8],
     map: &mut Map,
+    directory: &mut Directory,
     segments: &mut [Option<DumpedSegment>],
     logical_blocks: u64,
 ) -> Result<(), String> {
@@ -365,6 +420,42 @@ pub(crate) fn decode_chunk_payload(
                 }
                 let chunk = decode_chunk(&mut input, index, segments.len())?;
                 map.insert_chunk(index, chunk)?;
+            }
+            ITEM_MAP_TOTALS => {
+                if directory.totals.is_some() {
+                    return Err("the map's totals appear twice".into());
+                }
+                directory.totals = Some(MapCounts {
+                    data_blocks: input.varint()?,
+                    zero_blocks: input.varint()?,
+                    damaged_blocks: input.varint()?,
+                    stored_bytes: input.varint()?,
+                });
+            }
+            ITEM_PAGE => {
+                let start = directory
+                    .end
+                    .checked_add(input.varint()?)
+                    .ok_or("a map page beyond any volume")?;
+                let blocks = input.varint()?;
+                let chunk_items = input.varint()?;
+                let payload_len = input.varint()?;
+                let end = start
+                    .checked_add(blocks)
+                    .ok_or("a map page beyond any volume")?;
+                if end > chunk_limit * CHUNK_BLOCKS {
+                    return Err(format!("map page at {start} lies beyond the volume"));
+                }
+                if !(1..=MAP_CHUNK_PAYLOAD_MAX as u64).contains(&payload_len) {
+                    return Err(format!("map page at {start} of {payload_len} bytes"));
+                }
+                directory.pages.push(DirectoryPage {
+                    start,
+                    blocks,
+                    chunk_items,
+                    payload_len: payload_len as u32,
+                });
+                directory.end = end;
             }
             tag @ (ITEM_SEGMENT | ITEM_SEGMENT_COLD) => {
                 let segment = input.u32()? as usize;
@@ -393,41 +484,73 @@ pub(crate) fn decode_chunk_payload(
     }
 }
 
-/// Places chunk payloads into segments: returns, per segment, the payload
-/// indices it holds. Both copies use this same layout.
-pub(crate) fn layout(payloads: &[Vec<u8>], segment_size: u64) -> Vec<Vec<usize>> {
-    let mut segments: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut offset = 0u64;
-    for (index, payload) in payloads.iter().enumerate() {
-        let len = record_len_for_payload(payload.len());
-        assert!(len <= segment_size, "chunk record larger than a segment");
-        if offset + len > segment_size {
-            segments.push(Vec::new());
-            offset = 0;
+/// Places records of `record_lens` bytes into segments in order, each
+/// where the last ended or, if it does not fit there, at the start of the
+/// next segment. Both
+/// copies use this same layout, and opening works out where pages are by
+/// it ([`Cursor`]).
+pub(crate) fn place(record_lens: &[u64], segment_size: u64) -> Placement {
+    let mut placement = Placement {
+        segments: vec![Vec::new()],
+        at: Vec::with_capacity(record_lens.len()),
+    };
+    let mut cursor = Cursor::default();
+    for (index, &len) in record_lens.iter().enumerate() {
+        assert!(len <= segment_size, "dump record larger than a segment");
+        let (position, offset) = cursor.place(len, segment_size);
+        if position as usize == placement.segments.len() {
+            placement.segments.push(Vec::new());
         }
-        segments.last_mut().expect("one segment").push(index);
-        offset += len;
+        placement.segments[position as usize].push(index);
+        placement.at.push((position, offset));
     }
-    segments
+    placement
+}
+
+/// Where [`place`] put a dump's records.
+pub(crate) struct Placement {
+    /// Per segment, the indices of the records it holds.
+    pub segments: Vec<Vec<usize>>,
+    /// Per record, its segment's position and its offset there.
+    pub at: Vec<(u32, u64)>,
+}
+
+/// Where the next dump record goes: a segment's position and an offset.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Cursor {
+    position: u32,
+    offset: u64,
+}
+
+impl Cursor {
+    /// Places a record of `len` bytes; returns its position and offset.
+    pub(crate) fn place(&mut self, len: u64, segment_size: u64) -> (u32, u64) {
+        if self.offset + len > segment_size {
+            self.position += 1;
+            self.offset = 0;
+        }
+        let at = (self.position, self.offset);
+        self.offset += len;
+        at
+    }
 }
 
 /// Builds the image of one dump segment: its records with `seq`, padded to whole pages.
+/// `records` are (header `lba`, payload) pairs.
 pub(crate) fn build_segment(
-    payloads: &[Vec<u8>],
-    indices: &[usize],
+    records: &[(u64, &[u8])],
     seq: u64,
     generation: u64,
     page_size: u64,
     key: &RecordKey,
 ) -> Vec<u8> {
     let mut image = Vec::new();
-    for &index in indices {
-        let payload = &payloads[index];
+    for &(lba, payload) in records {
         let header = RecordHeader {
             kind: RecordKind::MapChunk,
             codec: CodecId::Lz4 as u8,
             seg_seq: seq as u32,
-            lba: index as u64,
+            lba,
             version: generation,
             payload_len: payload.len() as u32,
             crc: 0,
@@ -448,8 +571,10 @@ pub(crate) fn build_segment(
     image
 }
 
-/// Reads a dump back into a map and per-segment facts. A chunk damaged in
-/// one copy is taken from the other; damage in both is an error.
+/// Reads a dump back into a map and per-segment facts. A record damaged in
+/// one copy is taken from the other; damage in both is an error. Reads
+/// only the directory: the map's leaves stay paged out, and the map reads
+/// them from this dump when it needs them.
 pub(crate) fn load_dump(
     media: &dyn Media,
     key: &RecordKey,
@@ -476,9 +601,14 @@ pub(crate) fn load_dump(
     };
     let mut expected = 0u64;
     let mut problems = Vec::new();
+    let mut directory = Directory::default();
+    let mut cursor = Cursor::default();
     for (position, (&first, &second)) in
         dump.copies[0].iter().zip(dump.copies[1].iter()).enumerate()
     {
+        if expected == dump.record_count {
+            break;
+        }
         let copies = [read_segment(first)?, read_segment(second)?];
         let mut offset = 0usize;
         while expected < dump.record_count && offset < copies[0].len() {
@@ -503,11 +633,16 @@ pub(crate) fn load_dump(
             let Some((header, payload)) = decoded else {
                 break; // end of this segment's records, or damage in both copies
             };
-            decode_chunk_payload(payload, map, &mut segments, logical_blocks).map_err(|e| {
-                Error::CorruptImage(format!("checkpoint chunk {expected} is malformed: {e}"))
-            })?;
+            decode_chunk_payload(payload, map, &mut directory, &mut segments, logical_blocks)
+                .map_err(|e| {
+                    Error::CorruptImage(format!("checkpoint chunk {expected} is malformed: {e}"))
+                })?;
             expected += 1;
             offset += header.record_len() as usize;
+            cursor = Cursor {
+                position: position as u32,
+                offset: offset as u64,
+            };
         }
     }
     if expected != dump.record_count {
@@ -517,7 +652,60 @@ pub(crate) fn load_dump(
             problems.last().cloned().unwrap_or_default()
         )));
     }
+    install_pages(map, directory, cursor, dump, key, geometry)?;
     Ok(segments)
+}
+
+/// Installs the directory's leaves in `map`, paged out, at the places the
+/// dump's layout gives their pages after the directory's records.
+fn install_pages(
+    map: &mut Map,
+    directory: Directory,
+    mut cursor: Cursor,
+    dump: &DumpRef,
+    key: &RecordKey,
+    geometry: crate::media::MediaGeometry,
+) -> Result<()> {
+    let segment_size = geometry.segment_size_bytes;
+    let corrupt = |problem: String| Error::CorruptImage(format!("checkpoint directory: {problem}"));
+    let Some(totals) = directory.totals else {
+        if directory.pages.is_empty() {
+            return Ok(()); // a format 2 dump: the map is in RAM
+        }
+        return Err(corrupt("map pages without the map's totals".into()));
+    };
+    for page in &directory.pages {
+        let len = record_len_for_payload(page.payload_len as usize);
+        if len > segment_size {
+            return Err(corrupt(format!(
+                "map page at {} exceeds a segment",
+                page.start
+            )));
+        }
+        let (position, offset) = cursor.place(len, segment_size);
+        if position as usize >= dump.copies[0].len() {
+            return Err(corrupt(format!(
+                "map page at {} lies beyond the dump's segments",
+                page.start
+            )));
+        }
+        let loc = PageLoc {
+            position,
+            offset: offset as u32,
+            len: len as u32,
+        };
+        map.insert_paged(page.start, page.blocks, page.chunk_items, loc)
+            .map_err(corrupt)?;
+    }
+    map.add_paged_counts(totals);
+    map.set_store(PageStore {
+        copies: dump.copies.clone(),
+        generation: dump.generation,
+        key: *key,
+        segment_count: geometry.segment_count,
+        segment_size_bytes: segment_size,
+    });
+    Ok(())
 }
 
 #[cfg(test)]
@@ -528,13 +716,15 @@ mod tests {
     fn varints_and_zigzag_round_trip() {
         for value in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX] {
             let mut out = ByteWriter::new();
-            put_varint(&mut out, value);
-            assert_eq!(get_varint(&mut ByteReader::new(&out.buf)), Ok(value));
+            out.varint(value);
+            assert_eq!(ByteReader::new(&out.buf).varint(), Ok(value));
         }
         for delta in [0i64, 1, -1, 1000, -1000, i64::MAX, i64::MIN] {
-            assert_eq!(unzigzag(zigzag(delta)), delta);
+            let mut out = ByteWriter::new();
+            out.zigzag(delta);
+            assert_eq!(ByteReader::new(&out.buf).zigzag(), Ok(delta));
         }
-        assert!(get_varint(&mut ByteReader::new(&[0xFF; 11])).is_err());
+        assert!(ByteReader::new(&[0xFF; 11]).varint().is_err());
     }
 
     /// A map chunk with an out-of-range uniform version is a decode error.
@@ -545,14 +735,20 @@ mod tests {
         raw.u64(0);
         raw.u8(FORM_UNIFORM);
         raw.u8(TAG_ZERO);
-        put_varint(&mut raw, 1 << 60);
+        raw.varint(1 << 60);
         raw.u8(ITEM_END);
         let mut payload = ByteWriter::new();
         payload.u32(raw.buf.len() as u32);
         payload.bytes(&lz4_compress(&raw.buf));
         let mut map = Map::new(true);
         let mut segments = vec![None; 16];
-        let decoded = decode_chunk_payload(&payload.buf, &mut map, &mut segments, 1 << 20);
+        let decoded = decode_chunk_payload(
+            &payload.buf,
+            &mut map,
+            &mut Directory::default(),
+            &mut segments,
+            1 << 20,
+        );
         assert!(decoded.is_err(), "{decoded:?}");
     }
 
@@ -599,12 +795,19 @@ mod tests {
                 u64::from(i) * 4096
             },
         };
-        let payloads = encode_dump(&map, (0..7).map(|i| (SegmentId(i), dumped(i))), 4096);
+        let payloads = encode_chunk_dump(&map, (0..7).map(|i| (SegmentId(i), dumped(i))), 4096);
         assert!(payloads.len() > 1, "small targets cut several payloads");
         let mut decoded = Map::new(true);
         let mut segments = vec![None; 8];
         for payload in &payloads {
-            decode_chunk_payload(payload, &mut decoded, &mut segments, 1 << 20).unwrap();
+            decode_chunk_payload(
+                payload,
+                &mut decoded,
+                &mut Directory::default(),
+                &mut segments,
+                1 << 20,
+            )
+            .unwrap();
         }
         decoded.compact();
         assert_eq!(decoded.counts(), map.counts());

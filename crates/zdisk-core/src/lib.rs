@@ -38,6 +38,7 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, SegmentCounts, Stats, Wear};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    CheckReport, Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, OpenReport, Random,
-    Recompress, SystemClock, Volume, WriteEstimate, WriteEstimator,
+    default_map_cache_bytes, CheckReport, Clock, CreateOptions, FixedClock, IdleBudget,
+    OpenOptions, OpenReport, Random, Recompress, SystemClock, Volume, WriteEstimate,
+    WriteEstimator,
 };

@@ -20,10 +20,14 @@ use crate::units::SegmentId;
 pub use crate::media::META_MAGIC;
 /// The format version this zdisk writes. Version 2 added compression
 /// units and may leave flushed records in staging slots, which version 1
-/// never reads, so a version-1 zdisk must refuse it.
-pub const FORMAT_VERSION: u32 = 2;
+/// never reads, so a version-1 zdisk must refuse it. Version 3 writes the
+/// map as pages behind a directory in the checkpoint dump (dump items 4
+/// and 5), which version 2 cannot read.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest format this code still opens (and upgrades on its first
-/// root; version 1 has no units, and its staging areas are zeros).
+/// root; version 1 has no units, and its staging areas are zeros; a
+/// version 1 or 2 dump loads into a map in RAM, which the first
+/// checkpoint writes as pages).
 pub const FORMAT_VERSION_MIN: u32 = 1;
 
 /// What kind of medium an image lives on.
@@ -538,9 +542,10 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 2);
+        assert_eq!(FORMAT_VERSION, 3);
+        assert_eq!(with_version(3).unwrap(), root);
         assert_eq!(with_version(2).unwrap(), root);
-        for version in [0, 3] {
+        for version in [0, 4] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

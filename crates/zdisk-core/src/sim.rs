@@ -334,6 +334,8 @@ pub struct SimStats {
     /// Partial sectors recoveries found only in staging slots (on media
     /// that overwrite in place).
     pub staged_sectors: u64,
+    /// Map leaves read back from their pages (evicted, then needed).
+    pub map_pages_read: u64,
 }
 
 /// Where a run's choices came from.
@@ -466,6 +468,14 @@ fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
             0 => Recompress::Off,
             1 => Recompress::Idle,
             _ => Recompress::Gc,
+        },
+        // The map paged out at every release of the state lock (every
+        // clean leaf evicted), through a small cache, or all in RAM, each
+        // in a third of the runs.
+        map_cache_bytes: match (seed / 3) % 3 {
+            0 => Some(0),
+            1 => Some(16 * 1024),
+            _ => None,
         },
         ..OpenOptions::default()
     }
@@ -712,6 +722,7 @@ impl<C: Choices> Run<C> {
 
     fn crash(&mut self, step: usize) -> Result<(), SimFailure> {
         self.stats.crashes += 1;
+        self.stats.map_pages_read += self.volume.stats().map_cache_misses;
         let pending = self.media.pending_count();
         self.trace
             .push(format!("power cut ({pending} pending operations)"));
@@ -920,6 +931,7 @@ mod tests {
                     totals.partial += stats.partial;
                     totals.mid_operation_crashes += stats.mid_operation_crashes;
                     totals.staged_sectors += stats.staged_sectors;
+                    totals.map_pages_read += stats.map_pages_read;
                 }
                 Err(failure) => panic!("{failure}"),
             }
@@ -944,6 +956,10 @@ mod tests {
             "the idle pass must run in the simulation"
         );
         if count >= 20 {
+            assert!(
+                totals.map_pages_read > 0,
+                "map leaves must be evicted and read back in the simulation"
+            );
             assert!(
                 totals.staged_sectors > 0,
                 "power cuts must find flushed records only in staging slots"

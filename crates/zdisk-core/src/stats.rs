@@ -165,8 +165,24 @@ pub struct Stats {
     /// everything it rewrote, some of which may since have been overwritten).
     pub recompress_saved_bytes: u64,
     pub damaged_blocks: u64,
-    /// RAM used by the logical-to-physical map.
+    /// RAM used by the logical-to-physical map: its leaves in RAM, the
+    /// tree over all leaves (evicted ones included) and the bookkeeping of
+    /// their pages.
     pub map_memory_bytes: u64,
+    /// The map cache's bound on its leaves in RAM (`serve --map-cache`).
+    pub map_cache_bytes: u64,
+    /// Heap bytes of the map's leaves in RAM: what the bound applies to
+    /// (dirty leaves stay until the next checkpoint, whatever the bound).
+    pub map_resident_bytes: u64,
+    /// Leaves of the map, and how many of them are paged out.
+    pub map_leaves: u64,
+    pub map_paged_leaves: u64,
+    /// Since the volume opened: map lookups that found every leaf they
+    /// needed in RAM, leaves read back from their pages, and pages
+    /// checkpoints wrote (a page per leaf per checkpoint).
+    pub map_cache_hits: u64,
+    pub map_cache_misses: u64,
+    pub map_pages_written: u64,
     /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
     pub segments_by_state: SegmentCounts,
     /// Sealed segments by live fraction: bucket i counts segments that are
@@ -275,11 +291,46 @@ impl Stats {
             "RAM used by the block map.",
             self.map_memory_bytes as f64,
         );
+        gauge(
+            "map_cache_bytes",
+            "Bound on the block map's leaves in RAM.",
+            self.map_cache_bytes as f64,
+        );
+        gauge(
+            "map_resident_bytes",
+            "Heap bytes of the block map's leaves in RAM.",
+            self.map_resident_bytes as f64,
+        );
+        gauge(
+            "map_leaves",
+            "Leaves of the block map.",
+            self.map_leaves as f64,
+        );
+        gauge(
+            "map_paged_leaves",
+            "Leaves of the block map paged out to the medium.",
+            self.map_paged_leaves as f64,
+        );
         let mut counter = |name: &str, help: &str, value: u64| {
             out.push_str(&format!(
                 "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} counter\nzdisk_{name} {value}\n"
             ));
         };
+        counter(
+            "map_cache_hits_total",
+            "Map lookups that found their leaves in RAM, since the volume opened.",
+            self.map_cache_hits,
+        );
+        counter(
+            "map_cache_misses_total",
+            "Map leaves read back from their pages, since the volume opened.",
+            self.map_cache_misses,
+        );
+        counter(
+            "map_pages_written_total",
+            "Map pages written by checkpoints, since the volume opened.",
+            self.map_pages_written,
+        );
         let c = &self.counters;
         counter(
             "host_write_bytes_total",

@@ -160,6 +160,11 @@ pub struct ServeArgs {
     /// Serve read-only: write requests fail with EPERM.
     #[arg(long)]
     pub read_only: bool,
+    /// RAM the block map's leaves may take (e.g. 8M, 1G); leaves beyond it
+    /// are paged out to the image and read back when needed. Default: 2
+    /// bytes per 4 KiB block of the volume, at least 64M and at most 4G.
+    #[arg(long, value_parser = size_arg, value_name = "SIZE")]
+    pub map_cache: Option<u64>,
     /// Serve statistics over HTTP at ADDR: /stats (JSON) and /metrics (Prometheus).
     #[arg(long)]
     pub metrics: Option<String>,

@@ -158,6 +158,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         unit_blocks: args.unit_max,
         recompress: args.recompress.unwrap_or_default(),
         idle_compact: args.idle_compact,
+        map_cache_bytes: args.map_cache,
         ..OpenOptions::default()
     };
     let volume = if existing {

@@ -782,6 +782,8 @@ fn tcp_and_metrics(m: Medium) -> TestResult {
             &format!("127.0.0.1:{port}"),
             "--metrics",
             &format!("127.0.0.1:{metrics_port}"),
+            "--map-cache",
+            "1M",
         ])
         .stderr(Stdio::null())
         .spawn()
@@ -819,6 +821,19 @@ fn tcp_and_metrics(m: Medium) -> TestResult {
         )?);
         let stats: serde_json::Value = serde_json::from_str(&stats).map_err(|e| e.to_string())?;
         ensure!(stats["codec"] == "deflate:6", "codec {}", stats["codec"]);
+        ensure!(
+            stats["map_cache_bytes"] == 1 << 20,
+            "map cache {}",
+            stats["map_cache_bytes"]
+        );
+        let hits = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("zdisk_map_cache_hits_total "))
+            .ok_or("no map cache hit counter")?;
+        ensure!(
+            hits.trim().parse::<u64>().is_ok_and(|hits| hits > 0),
+            "map cache hits {hits}"
+        );
         Ok(())
     })();
     let _ = Command::new("kill").arg(child.id().to_string()).status();

@@ -114,7 +114,7 @@ pub(crate) const SEGMENTS_MAX: u32 = 1 << 24;
 /// Records are at most this long: 14 bits of 16-byte units.
 pub(super) const LEN_MAX: u32 = ((1 << 14) - 1) * 16;
 /// Offsets within a segment: 30 bits of 16-byte units.
-const OFFSET_UNITS_MAX: u64 = (1 << 30) - 1;
+pub(super) const OFFSET_UNITS_MAX: u64 = (1 << 30) - 1;
 
 /// One packed entry: 16 bytes.
 /// `w0` = segment(24) << 40 | (members − 1)(5) << 35 | member(5) << 30 |
@@ -212,6 +212,7 @@ impl Entry {
     }
 
     /// The state of an entry that is not data.
+    #[cfg(test)]
     pub(super) fn range_state(self) -> Option<RangeState> {
         match self.w1 & 3 {
             STATE_HOLE => Some(RangeState::Hole),
@@ -256,6 +257,14 @@ pub(crate) struct MapCounts {
 }
 
 impl MapCounts {
+    /// Adds another part's counts (an evicted leaf's, a dump's totals).
+    pub(crate) fn merge(&mut self, other: MapCounts) {
+        self.data_blocks += other.data_blocks;
+        self.zero_blocks += other.zero_blocks;
+        self.damaged_blocks += other.damaged_blocks;
+        self.stored_bytes += other.stored_bytes;
+    }
+
     pub(super) fn add(&mut self, slot: Slot, count: u64) {
         match slot {
             Slot::Hole => {}

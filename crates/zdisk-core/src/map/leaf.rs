@@ -17,8 +17,11 @@
 //! Between the two, neither conversion happens, so a block toggled at the
 //! boundary does not convert the leaf back and forth.
 //!
-//! A leaf is also the unit a paged map would read and write: a dense or
-//! full sparse leaf is about 4 KiB of cells.
+//! A leaf is also the unit the paged map reads and writes (`page.rs`): a
+//! dense or full sparse leaf is about 4 KiB of cells. A leaf the cache
+//! evicted stays in the tree as [`Leaf::Paged`], its range and chunk count
+//! only; nothing reads or changes its entries until the map has read it
+//! back (`Map::load`).
 
 use std::ops::ControlFlow;
 
@@ -63,6 +66,9 @@ pub(super) enum Leaf {
         keys: Vec<u32>,
         column: Column,
     },
+    /// Evicted: the entries of `blocks` blocks are in a map page on the
+    /// medium; `chunk_items` is what [`Leaf::chunk_items`] said in RAM.
+    Paged { blocks: u64, chunk_items: u64 },
 }
 
 impl Leaf {
@@ -101,7 +107,9 @@ impl Leaf {
     #[inline]
     pub(super) fn blocks(&self) -> u64 {
         match self {
-            Leaf::Run { blocks, .. } | Leaf::Sparse { blocks, .. } => *blocks,
+            Leaf::Run { blocks, .. } | Leaf::Sparse { blocks, .. } | Leaf::Paged { blocks, .. } => {
+                *blocks
+            }
             Leaf::Dense { .. } => CHUNK_BLOCKS,
         }
     }
@@ -116,13 +124,14 @@ impl Leaf {
                 Ok(index) => column.get(index),
                 Err(_) => Entry::default(),
             },
+            Leaf::Paged { .. } => panic!("reading a map leaf that is paged out"),
         }
     }
 
     /// Heap bytes of its cells and keys, allocator overhead included.
     pub(super) fn heap_bytes(&self) -> u64 {
         match self {
-            Leaf::Run { .. } => 0,
+            Leaf::Run { .. } | Leaf::Paged { .. } => 0,
             Leaf::Dense { column, .. } => column.heap_bytes(),
             Leaf::Sparse { keys, column, .. } => sparse_heap_bytes(keys, column),
         }
@@ -137,6 +146,7 @@ impl Leaf {
             Leaf::Sparse { keys, .. } => (0..keys.len())
                 .filter(|&i| i == 0 || !same_chunk(keys[i - 1], keys[i]))
                 .count() as u64,
+            Leaf::Paged { chunk_items, .. } => *chunk_items,
         }
     }
 
@@ -177,7 +187,16 @@ impl Leaf {
                 }
                 ControlFlow::Continue(())
             }
+            Leaf::Paged { .. } => panic!("visiting a map leaf that is paged out at {start}"),
         }
+    }
+}
+
+impl Leaf {
+    /// True if the leaf's entries are in RAM.
+    #[inline]
+    pub(super) fn is_resident(&self) -> bool {
+        !matches!(self, Leaf::Paged { .. })
     }
 }
 

@@ -8,8 +8,19 @@
 //! So the map's RAM grows with the entries it stores, never with the
 //! logical size, and stays under 24 bytes per stored entry whatever the
 //! pattern (under 16 for dense data). Leaves split, merge and change form
-//! at thresholds, as a B+-tree's nodes do; a later paged map can write
-//! them out one by one.
+//! at thresholds, as a B+-tree's nodes do.
+//!
+//! The map pages (`page.rs`): every checkpoint writes each leaf as a page
+//! into its dump ([`Map::snapshot_pages`]), and once that checkpoint is
+//! durable ([`Map::commit_pages`]) a leaf unchanged since is *clean*: the
+//! cache may evict it ([`Map::evict`]) down to [`Map::set_cache_bytes`],
+//! leaving a [`Leaf::Paged`] stub with its range, and [`Map::load`] reads
+//! it back before anything touches its blocks. Lookups and changes
+//! require the leaves they touch to be in RAM (they panic otherwise): the
+//! engine loads a range before it reads or changes it; whole-map walks
+//! ([`Map::for_each_data`], [`Map::check_counts_with`]) read evicted pages
+//! as they go without keeping them. A changed leaf is *dirty* and stays in
+//! RAM until the next checkpoint.
 //!
 //! Every entry carries the version of the write that produced it. In normal
 //! operation the newest write always wins, so versions only matter during
@@ -34,20 +45,26 @@
 mod column;
 mod entry;
 mod leaf;
+mod page;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::ControlFlow;
 
+use crate::error::{Error, Result};
+use crate::media::Media;
 use crate::units::Lba;
 use column::alloc_bytes;
-pub(crate) use entry::{Chunk, Entry, Location, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX};
-use entry::{MapCounts, CHUNK_MASK, CHUNK_SHIFT};
+pub(crate) use entry::{
+    Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX,
+};
+use entry::{CHUNK_MASK, CHUNK_SHIFT};
 use leaf::{
     chunk_positions, grow_sparse, shares_chunk, shrink_sparse, sparse_heap_bytes, sparse_part,
     Leaf, Piece, DENSE_FROM, DENSE_KEEP, MERGED_MAX, SPAN_MAX, SPARSE_MAX, SPARSE_MIN,
 };
+pub(crate) use page::{read_page_payload, PageLoc, PageStore};
 
 /// The sparse logical-to-physical map.
 pub(crate) struct Map {
@@ -58,8 +75,61 @@ pub(crate) struct Map {
     keep_tombstones: bool,
     /// Chunks a checkpoint dump of the map records.
     chunk_items: u64,
-    /// Heap bytes of the leaves' cells and keys.
+    /// Heap bytes of the leaves' cells and keys (of leaves in RAM).
     leaf_heap_bytes: u64,
+    /// Leaves unchanged since a checkpoint's snapshot wrote them as pages,
+    /// or since they were read back: `Some(page)` once that checkpoint is
+    /// durable. Every paged-out leaf is here with its page; a leaf that
+    /// changes leaves (it is dirty).
+    written: HashMap<u64, Option<PageLoc>>,
+    /// The dump pages are read back from.
+    store: Option<PageStore>,
+    /// Heap bytes of leaves in RAM beyond which clean ones are evicted.
+    cache_bytes: u64,
+    /// Clean leaves in RAM, oldest first: the eviction order (entries may
+    /// be stale; eviction skips those).
+    clean_queue: VecDeque<u64>,
+    paged_leaves: u64,
+    cache: CacheCounts,
+}
+
+/// What the map's page cache did since the volume opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CacheCounts {
+    /// Lookups that found every leaf they needed in RAM.
+    pub hits: u64,
+    /// Leaves read back from their pages.
+    pub misses: u64,
+    /// Leaves evicted.
+    pub evictions: u64,
+    /// Pages checkpoints wrote (one per leaf per checkpoint).
+    pub pages_written: u64,
+}
+
+/// Where a checkpoint takes a leaf's page from.
+pub(crate) enum PageSource {
+    /// Encoded from the leaf in RAM.
+    Encoded(Vec<u8>),
+    /// Copied from the page of an evicted leaf in the current dump.
+    Stored(PageLoc),
+}
+
+/// One leaf as a checkpoint's snapshot saw it.
+pub(crate) struct SnapshotPage {
+    pub start: u64,
+    pub blocks: u64,
+    pub chunk_items: u64,
+    pub source: PageSource,
+}
+
+impl SnapshotPage {
+    /// Bytes of the page's payload.
+    pub(crate) fn payload_len(&self) -> usize {
+        match &self.source {
+            PageSource::Encoded(payload) => payload.len(),
+            PageSource::Stored(loc) => loc.len as usize - crate::record::HEADER_SIZE,
+        }
+    }
 }
 
 /// `total` after a part of it went from `before` to `after`.
@@ -75,6 +145,12 @@ impl Map {
             keep_tombstones,
             chunk_items: 0,
             leaf_heap_bytes: 0,
+            written: HashMap::new(),
+            store: None,
+            cache_bytes: u64::MAX,
+            clean_queue: VecDeque::new(),
+            paged_leaves: 0,
+            cache: CacheCounts::default(),
         }
     }
 
@@ -82,14 +158,58 @@ impl Map {
         self.counts
     }
 
-    /// Heap bytes used: the leaves' cells and keys with the allocator's
-    /// overhead, and an estimate of the B-tree's nodes.
+    /// Heap bytes used: the cells and keys of the leaves in RAM with the
+    /// allocator's overhead, and estimates of the B-tree's nodes (evicted
+    /// leaves included) and of the page bookkeeping.
     pub(crate) fn memory_bytes(&self) -> u64 {
-        self.leaf_heap_bytes + btree_bytes(self.leaves.len())
+        let written_bytes = if self.written.capacity() == 0 {
+            0
+        } else {
+            // hashbrown: a control byte per bucket, buckets a power of two
+            // at least 8/7 of the capacity.
+            let buckets = (self.written.capacity() * 8 / 7).next_power_of_two() as u64;
+            alloc_bytes((buckets * (1 + size_of::<(u64, Option<PageLoc>)>() as u64)) as usize)
+        };
+        let queue_bytes = match self.clean_queue.capacity() {
+            0 => 0,
+            capacity => alloc_bytes(capacity * size_of::<u64>()),
+        };
+        self.leaf_heap_bytes + btree_bytes(self.leaves.len()) + written_bytes + queue_bytes
     }
 
-    /// Chunk items a checkpoint dump of the map holds (the dump's format
-    /// records 256-block chunks; `Space` sizes the next dump by this).
+    /// Heap bytes of the cells and keys of the leaves in RAM: what the
+    /// cache bound applies to.
+    pub(crate) fn resident_bytes(&self) -> u64 {
+        self.leaf_heap_bytes
+    }
+
+    pub(crate) fn cache_counts(&self) -> CacheCounts {
+        self.cache
+    }
+
+    /// Leaves (a checkpoint writes a page for each: `Space` sizes the
+    /// next dump by them), and how many of them are paged out.
+    pub(crate) fn leaf_counts(&self) -> (u64, u64) {
+        (self.leaves.len() as u64, self.paged_leaves)
+    }
+
+    /// Bounds the heap bytes of leaves in RAM (dirty leaves stay whatever
+    /// the bound until a checkpoint writes them).
+    pub(crate) fn set_cache_bytes(&mut self, bytes: u64) {
+        self.cache_bytes = bytes;
+    }
+
+    pub(crate) fn cache_bytes(&self) -> u64 {
+        self.cache_bytes
+    }
+
+    pub(crate) fn store(&self) -> Option<&PageStore> {
+        self.store.as_ref()
+    }
+
+    /// Chunks that hold an entry (what a format 2 dump recorded; a page's
+    /// directory entry keeps its leaf's count).
+    #[cfg(test)]
     pub(crate) fn chunk_count(&self) -> usize {
         self.chunk_items as usize
     }
@@ -156,13 +276,20 @@ impl Map {
                 .is_none_or(|(&next, _)| next >= start + leaf.blocks()),
             "leaf at {start} overlaps the next"
         );
+        debug_assert!(leaf.is_resident(), "inserting a paged-out leaf");
         self.chunk_items += leaf.chunk_items();
         self.leaf_heap_bytes += leaf.heap_bytes();
+        self.written.remove(&start);
         self.leaves.insert(start, leaf);
     }
 
     fn remove_leaf(&mut self, start: u64) -> Leaf {
         let leaf = self.leaves.remove(&start).expect("a leaf starts there");
+        assert!(
+            leaf.is_resident(),
+            "map leaf at {start} changed while paged out"
+        );
+        self.written.remove(&start);
         self.chunk_items -= leaf.chunk_items();
         self.leaf_heap_bytes -= leaf.heap_bytes();
         leaf
@@ -190,7 +317,11 @@ impl Map {
             return Entry::default();
         };
         let offset = lba - start;
+        if !matches!(leaf, Leaf::Run { .. }) {
+            self.written.remove(&start);
+        }
         match leaf {
+            Leaf::Paged { .. } => panic!("changing block {lba} of a map leaf that is paged out"),
             Leaf::Run { entry, .. } => {
                 let old = *entry;
                 if old == new {
@@ -299,6 +430,7 @@ impl Map {
             if let Some(Leaf::Sparse { blocks, .. }) = self.leaves.get_mut(&start) {
                 *blocks = chunk_end - start;
             }
+            self.written.remove(&start);
         } else if let Some(start) = after {
             let Leaf::Sparse {
                 blocks,
@@ -486,6 +618,7 @@ impl Map {
                 self.insert_leaf(at, Leaf::Run { blocks, entry });
             }
             Leaf::Dense { .. } => unreachable!("a dense leaf is one chunk"),
+            Leaf::Paged { .. } => unreachable!("remove_leaf returns leaves in RAM"),
             Leaf::Sparse {
                 blocks,
                 keys,
@@ -631,6 +764,7 @@ impl Map {
                             spared.push((low, high, true));
                         }
                     }
+                    Leaf::Paged { .. } => panic!("map leaf at {start} is paged out"),
                     Leaf::Sparse { keys, column, .. } => {
                         let first = keys.partition_point(|&key| start + (key as u64) < low);
                         for (index, &key) in keys.iter().enumerate().skip(first) {
@@ -813,8 +947,10 @@ impl Map {
         hit
     }
 
-    /// Every chunk that holds an entry, in block order, as a checkpoint
-    /// dump records it (the chunk's index and its entries).
+    /// Every chunk that holds an entry, in block order, as a format 2
+    /// checkpoint dump records it (the chunk's index and its entries): the
+    /// tests' way to write an old dump.
+    #[cfg(test)]
     pub(crate) fn for_each_chunk(&self, mut f: impl FnMut(u64, &Chunk)) {
         let mut mixed = Chunk::Mixed(Box::new([Entry::default(); CHUNK_BLOCKS as usize]));
         let mut emitted = 0u64;
@@ -865,6 +1001,7 @@ impl Map {
                         first = end;
                     }
                 }
+                Leaf::Paged { .. } => panic!("dumping a map leaf that is paged out"),
             }
         }
         debug_assert_eq!(emitted, self.chunk_items);
@@ -874,7 +1011,7 @@ impl Map {
     fn chunk_present(&self, start: u64) -> bool {
         match self.leaf_at(start) {
             None => false,
-            Some((_, Leaf::Run { .. } | Leaf::Dense { .. })) => true,
+            Some((_, Leaf::Run { .. } | Leaf::Dense { .. } | Leaf::Paged { .. })) => true,
             Some((leaf_start, Leaf::Sparse { keys, .. })) => {
                 let offset = start - leaf_start;
                 let index = keys.partition_point(|&key| (key as u64) < offset);
@@ -885,7 +1022,11 @@ impl Map {
     }
 
     /// Installs a chunk read from a checkpoint; a chunk listed twice is an error.
-    pub(crate) fn insert_chunk(&mut self, index: u64, chunk: Chunk) -> Result<(), String> {
+    pub(crate) fn insert_chunk(
+        &mut self,
+        index: u64,
+        chunk: Chunk,
+    ) -> std::result::Result<(), String> {
         let start = index
             .checked_mul(CHUNK_BLOCKS)
             .filter(|start| start.checked_add(CHUNK_BLOCKS).is_some())
@@ -924,34 +1065,42 @@ impl Map {
         Ok(())
     }
 
-    /// Every data block and its location.
-    pub(crate) fn for_each_data(&self, mut f: impl FnMut(Lba, Location, u64)) {
-        self.for_each_stored(|lba, entry| {
+    /// Every data block and its location, in block order; evicted leaves
+    /// are read from their pages (and not kept).
+    pub(crate) fn for_each_data(
+        &self,
+        media: &dyn Media,
+        mut f: impl FnMut(Lba, Location, u64),
+    ) -> Result<()> {
+        self.for_each_stored(media, |lba, entry| {
             if let Slot::Data(loc) = entry.slot() {
                 f(Lba(lba), loc, entry.version());
             }
-        });
+        })
     }
 
     /// Every damaged block, in order.
-    pub(crate) fn for_each_damaged(&self, mut f: impl FnMut(Lba)) {
-        self.visit(0, u64::MAX, |piece| {
-            match piece {
-                Piece::Same(from, to, entry) if entry.slot() == Slot::Damaged => {
-                    (from..to).for_each(|lba| f(Lba(lba)))
+    pub(crate) fn for_each_damaged(&self, media: &dyn Media, mut f: impl FnMut(Lba)) -> Result<()> {
+        self.for_each_leaf(media, |start, leaf| {
+            let _ = leaf.visit(start, start, start + leaf.blocks(), &mut |piece| {
+                match piece {
+                    Piece::Same(from, to, entry) if entry.slot() == Slot::Damaged => {
+                        (from..to).for_each(|lba| f(Lba(lba)))
+                    }
+                    Piece::One(lba, entry) if entry.slot() == Slot::Damaged => f(Lba(lba)),
+                    _ => {}
                 }
-                Piece::One(lba, entry) if entry.slot() == Slot::Damaged => f(Lba(lba)),
-                _ => {}
-            }
-            ControlFlow::Continue(())
-        });
+                ControlFlow::Continue(())
+            });
+            Ok(())
+        })
     }
 
     /// Every entry held in a dense or sparse leaf, in block order.
-    fn for_each_stored(&self, mut f: impl FnMut(u64, Entry)) {
-        for (&start, leaf) in &self.leaves {
+    fn for_each_stored(&self, media: &dyn Media, mut f: impl FnMut(u64, Entry)) -> Result<()> {
+        self.for_each_leaf(media, |start, leaf| {
             match leaf {
-                Leaf::Run { .. } => {}
+                Leaf::Run { .. } | Leaf::Paged { .. } => {}
                 Leaf::Dense { column, .. } => column
                     .entries()
                     .enumerate()
@@ -961,7 +1110,219 @@ impl Map {
                     .enumerate()
                     .for_each(|(index, &key)| f(start + key as u64, column.get(index))),
             }
+            Ok(())
+        })
+    }
+
+    /// Every leaf in block order, an evicted one read from its page and
+    /// checked (and dropped after `f`).
+    fn for_each_leaf(
+        &self,
+        media: &dyn Media,
+        mut f: impl FnMut(u64, &Leaf) -> Result<()>,
+    ) -> Result<()> {
+        for (&start, leaf) in &self.leaves {
+            if leaf.is_resident() {
+                f(start, leaf)?;
+            } else {
+                let read = self.read_leaf(media, start, leaf)?;
+                f(start, &read)?;
+            }
         }
+        Ok(())
+    }
+
+    /// The paged-out leaf at `start` read back from its page and checked
+    /// against its stub and the leaves' invariants.
+    fn read_leaf(&self, media: &dyn Media, start: u64, stub: &Leaf) -> Result<Leaf> {
+        let loc = self
+            .written
+            .get(&start)
+            .copied()
+            .flatten()
+            .expect("a paged-out leaf has its page");
+        let store = self.store.as_ref().expect("paged-out leaves have a store");
+        let leaf = page::read_page(media, store, start, loc)?;
+        if leaf.blocks() != stub.blocks() || leaf.chunk_items() != stub.chunk_items() {
+            return Err(Error::CorruptImage(format!(
+                "the map page of block {start} holds {} blocks in {} chunks, its directory says {} in {}",
+                leaf.blocks(),
+                leaf.chunk_items(),
+                stub.blocks(),
+                stub.chunk_items()
+            )));
+        }
+        self.check_leaf(start, &leaf).map_err(Error::CorruptImage)?;
+        Ok(leaf)
+    }
+
+    // --- Paging.
+
+    /// Reads back every paged-out leaf holding a block of
+    /// `first..first+count`, so that lookups and changes there may follow.
+    pub(crate) fn load(&mut self, media: &dyn Media, first: Lba, count: u64) -> Result<()> {
+        if self.paged_leaves == 0 {
+            self.cache.hits += 1;
+            return Ok(());
+        }
+        let end = first.0.saturating_add(count);
+        let mut paged: Vec<u64> = Vec::new();
+        if let Some((start, leaf)) = self.leaf_at(first.0) {
+            if start < first.0 && !leaf.is_resident() {
+                paged.push(start);
+            }
+        }
+        paged.extend(
+            self.leaves
+                .range(first.0..end)
+                .filter(|(_, leaf)| !leaf.is_resident())
+                .map(|(&start, _)| start),
+        );
+        if paged.is_empty() {
+            self.cache.hits += 1;
+        }
+        for start in paged {
+            let stub = &self.leaves[&start];
+            let leaf = self.read_leaf(media, start, stub)?;
+            self.leaf_heap_bytes += leaf.heap_bytes();
+            self.paged_leaves -= 1;
+            self.cache.misses += 1;
+            self.leaves.insert(start, leaf);
+            // Still clean: it may go again.
+            self.clean_queue.push_back(start);
+        }
+        Ok(())
+    }
+
+    /// True if the leaves in RAM take more than the cache may.
+    #[inline]
+    pub(crate) fn over_cache(&self) -> bool {
+        self.leaf_heap_bytes > self.cache_bytes && !self.clean_queue.is_empty()
+    }
+
+    /// Evicts clean leaves, oldest first, until the leaves in RAM fit the
+    /// cache or none is clean. Nothing may rely on a leaf staying in RAM
+    /// across a call (the engine calls it as it releases the state lock).
+    pub(crate) fn evict(&mut self) {
+        while self.leaf_heap_bytes > self.cache_bytes {
+            let Some(start) = self.clean_queue.pop_front() else {
+                return;
+            };
+            let clean = matches!(self.written.get(&start), Some(Some(_)));
+            let Some(leaf) = self.leaves.get_mut(&start).filter(|_| clean) else {
+                continue;
+            };
+            if !leaf.is_resident() {
+                continue;
+            }
+            let stub = Leaf::Paged {
+                blocks: leaf.blocks(),
+                chunk_items: leaf.chunk_items(),
+            };
+            let old = std::mem::replace(leaf, stub);
+            self.leaf_heap_bytes -= old.heap_bytes();
+            self.paged_leaves += 1;
+            self.cache.evictions += 1;
+        }
+        if self.clean_queue.capacity() > 64
+            && self.clean_queue.len() < self.clean_queue.capacity() / 4
+        {
+            self.clean_queue.shrink_to(self.clean_queue.len() * 2);
+        }
+    }
+
+    /// A checkpoint's snapshot: every leaf as a page, in block order (in
+    /// RAM: encoded; paged out: where its page is). Every leaf counts as
+    /// written from now on, until it changes.
+    pub(crate) fn snapshot_pages(&mut self) -> Vec<SnapshotPage> {
+        let mut pages = Vec::with_capacity(self.leaves.len());
+        for (&start, leaf) in &self.leaves {
+            let source = match leaf {
+                Leaf::Paged { .. } => PageSource::Stored(
+                    self.written
+                        .get(&start)
+                        .copied()
+                        .flatten()
+                        .expect("a paged-out leaf has its page"),
+                ),
+                _ => PageSource::Encoded(page::encode_page(leaf)),
+            };
+            self.written.entry(start).or_insert(None);
+            pages.push(SnapshotPage {
+                start,
+                blocks: leaf.blocks(),
+                chunk_items: leaf.chunk_items(),
+                source,
+            });
+        }
+        pages
+    }
+
+    /// The checkpoint whose snapshot placed its pages at `placed` (leaf
+    /// start, page) is durable in `store`: every leaf unchanged since the
+    /// snapshot is clean there, and evicted leaves are read from there.
+    pub(crate) fn commit_pages(&mut self, placed: &[(u64, PageLoc)], store: PageStore) {
+        for &(start, loc) in placed {
+            if let Some(page) = self.written.get_mut(&start) {
+                *page = Some(loc);
+            }
+        }
+        self.cache.pages_written += placed.len() as u64;
+        self.store = Some(store);
+        self.clean_queue.clear();
+        for (&start, leaf) in &self.leaves {
+            let page = self.written.get(&start).copied().flatten();
+            match leaf.is_resident() {
+                true if page.is_some() => self.clean_queue.push_back(start),
+                true => {}
+                false => assert!(page.is_some(), "paged-out leaf at {start} lost its page"),
+            }
+        }
+    }
+
+    /// Installs a paged-out leaf from a checkpoint's directory.
+    pub(crate) fn insert_paged(
+        &mut self,
+        start: u64,
+        blocks: u64,
+        chunk_items: u64,
+        loc: PageLoc,
+    ) -> std::result::Result<(), String> {
+        let end = start
+            .checked_add(blocks)
+            .ok_or_else(|| format!("map page at {start} of {blocks} blocks overflows"))?;
+        if start & CHUNK_MASK != 0 || blocks == 0 || blocks & CHUNK_MASK != 0 {
+            return Err(format!(
+                "map page at {start} of {blocks} blocks is not chunk-aligned"
+            ));
+        }
+        if chunk_items == 0 || chunk_items > blocks >> CHUNK_SHIFT {
+            return Err(format!("map page at {start} claims {chunk_items} chunks"));
+        }
+        if self.leaf_at(start).is_some() || self.leaves.range(start..end).next().is_some() {
+            return Err(format!("map page at {start} overlaps another"));
+        }
+        self.leaves.insert(
+            start,
+            Leaf::Paged {
+                blocks,
+                chunk_items,
+            },
+        );
+        self.chunk_items += chunk_items;
+        self.written.insert(start, Some(loc));
+        self.paged_leaves += 1;
+        Ok(())
+    }
+
+    /// Adds the counts of leaves installed paged out (a dump's totals).
+    pub(crate) fn add_paged_counts(&mut self, counts: MapCounts) {
+        self.counts.merge(counts);
+    }
+
+    /// Where paged-out leaves are read from (after a dump was loaded).
+    pub(crate) fn set_store(&mut self, store: PageStore) {
+        self.store = Some(store);
     }
 
     /// Drops tombstones and switches to normal operation (end of recovery).
@@ -969,6 +1330,8 @@ impl Map {
         self.keep_tombstones = false;
         let starts: Vec<u64> = self.leaves.keys().copied().collect();
         for &start in &starts {
+            // A paged-out leaf was written by a checkpoint outside recovery:
+            // it holds no tombstone.
             match self.leaves.get(&start) {
                 Some(Leaf::Run { entry, .. }) if entry.is_hole() => {
                     self.remove_leaf(start);
@@ -1002,11 +1365,34 @@ impl Map {
     }
 
     /// Recounts everything from scratch, compares with the running totals,
-    /// and checks the leaves' invariants.
-    pub(crate) fn check_counts(&self) -> Result<(), String> {
+    /// and checks the leaves' invariants (with every leaf in RAM).
+    #[cfg(test)]
+    pub(crate) fn check_counts(&self) -> std::result::Result<(), String> {
+        self.check_counts_with(None)
+    }
+
+    /// Recounts everything from scratch, compares with the running totals,
+    /// and checks the leaves' invariants; evicted leaves are read from
+    /// their pages, which are checked too.
+    pub(crate) fn check_counts_with(
+        &self,
+        media: Option<&dyn Media>,
+    ) -> std::result::Result<(), String> {
         let mut counts = MapCounts::default();
         let (mut chunk_items, mut heap_bytes, mut end) = (0u64, 0u64, 0u64);
-        for (&start, leaf) in &self.leaves {
+        let mut paged = 0u64;
+        for (&start, stub) in &self.leaves {
+            let read;
+            let leaf = if stub.is_resident() {
+                stub
+            } else {
+                paged += 1;
+                let media = media.ok_or_else(|| format!("map leaf at {start} is paged out"))?;
+                read = self
+                    .read_leaf(media, start, stub)
+                    .map_err(|e| e.to_string())?;
+                &read
+            };
             let blocks = leaf.blocks();
             if start < end || start & CHUNK_MASK != 0 || blocks == 0 || blocks & CHUNK_MASK != 0 {
                 return Err(format!(
@@ -1015,7 +1401,9 @@ impl Map {
             }
             end = start + blocks;
             chunk_items += leaf.chunk_items();
-            heap_bytes += leaf.heap_bytes();
+            if stub.is_resident() {
+                heap_bytes += leaf.heap_bytes();
+            }
             self.check_leaf(start, leaf)?;
             let _ = leaf.visit(start, start, end, &mut |piece| {
                 match piece {
@@ -1032,6 +1420,12 @@ impl Map {
                 self.counts, counts
             ));
         }
+        if paged != self.paged_leaves {
+            return Err(format!(
+                "{paged} leaves paged out, {} counted",
+                self.paged_leaves
+            ));
+        }
         if chunk_items != self.chunk_items || heap_bytes != self.leaf_heap_bytes {
             return Err(format!(
                 "map totals drifted: chunks {} (recount {chunk_items}), heap bytes {} (recount {heap_bytes})",
@@ -1041,8 +1435,9 @@ impl Map {
         Ok(())
     }
 
-    fn check_leaf(&self, start: u64, leaf: &Leaf) -> Result<(), String> {
+    fn check_leaf(&self, start: u64, leaf: &Leaf) -> std::result::Result<(), String> {
         let problem = match leaf {
+            Leaf::Paged { .. } => None,
             Leaf::Run { entry, .. } => {
                 if entry.is_data() || !entry.is_well_formed() {
                     Some(format!("holds {entry:?}"))

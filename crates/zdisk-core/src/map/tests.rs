@@ -25,6 +25,11 @@ use super::entry::{LEN_MAX, SEGMENTS_MAX};
 use super::*;
 use crate::units::SegmentId;
 
+/// A medium for walks over a map whose leaves are all in RAM.
+fn unused_media() -> crate::media::MemMedia {
+    crate::media::MemMedia::with_size(4096, 64 * 1024, 8).unwrap()
+}
+
 // --- A counting allocator: heap bytes this thread holds, by glibc's rule.
 
 struct Counting;
@@ -518,6 +523,7 @@ impl Trial {
                     seen[2] = true;
                     seen[3] |= column.is_wide();
                 }
+                Leaf::Paged { .. } => {}
             }
         }
         seen
@@ -580,8 +586,12 @@ impl Trial {
             }
         }
         let mut data_blocks = Vec::new();
+        let media = unused_media();
         self.map
-            .for_each_data(|lba, loc, version| data_blocks.push((lba.0, Slot::Data(loc), version)));
+            .for_each_data(&media, |lba, loc, version| {
+                data_blocks.push((lba.0, Slot::Data(loc), version))
+            })
+            .unwrap();
         let want: Vec<(u64, Slot, u64)> = self
             .model
             .intervals
@@ -593,7 +603,9 @@ impl Trial {
         let damaged_want = self.model.counts().damaged_blocks;
         if damaged_want < 1 << 20 {
             let mut damaged = Vec::new();
-            self.map.for_each_damaged(|lba| damaged.push(lba.0));
+            self.map
+                .for_each_damaged(&unused_media(), |lba| damaged.push(lba.0))
+                .unwrap();
             assert_eq!(damaged.len() as u64, damaged_want);
             assert!(damaged.windows(2).all(|pair| pair[0] < pair[1]));
             assert!(damaged
@@ -920,4 +932,243 @@ fn map_speed() {
         dense.memory_bytes(),
         sparse.memory_bytes()
     );
+}
+
+// --- Paging: leaves written as pages, evicted, read back.
+
+/// Writes `map`'s pages the way a checkpoint does (both copies, each in
+/// its own segments of `media`) and commits them as generation
+/// `generation`; evicted leaves' pages are copied from the store they are
+/// in. Returns the store.
+fn checkpoint_pages(map: &mut Map, media: &crate::media::MemMedia, generation: u64) -> PageStore {
+    use crate::record::{encode_record, record_len_for_payload, RecordHeader, RecordKind};
+    let geometry = media.geometry();
+    let segment_size = geometry.segment_size_bytes;
+    let key = crate::record::RecordKey([7; 16]);
+    let pages = map.snapshot_pages();
+    let old = map.store().cloned();
+    // Each page where the last ended, or at the start of the next segment.
+    let mut images: Vec<Vec<u8>> = vec![Vec::new()];
+    let mut placed: Vec<(u64, PageLoc)> = Vec::new();
+    for page in &pages {
+        let payload = match &page.source {
+            PageSource::Encoded(payload) => payload.clone(),
+            PageSource::Stored(loc) => {
+                read_page_payload(media, old.as_ref().unwrap(), page.start, *loc).unwrap()
+            }
+        };
+        let len = record_len_for_payload(payload.len());
+        if images.last().unwrap().len() as u64 + len > segment_size {
+            images.push(Vec::new());
+        }
+        let image = images.last_mut().unwrap();
+        let offset = image.len();
+        image.resize(offset + len as usize, 0);
+        let header = RecordHeader {
+            kind: RecordKind::MapChunk,
+            codec: 1,
+            seg_seq: 0,
+            lba: page.start,
+            version: generation,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        encode_record(
+            &mut image[offset..],
+            header,
+            &payload,
+            crc32c::crc32c(&payload),
+            &key,
+        );
+        let loc = PageLoc {
+            position: images.len() as u32 - 1,
+            offset: offset as u32,
+            len: len as u32,
+        };
+        placed.push((page.start, loc));
+    }
+    // Generations alternate between two halves of the medium, as a
+    // checkpoint's dump never overwrites the one it copies from.
+    let half = geometry.segment_count / 2;
+    let base = (generation as u32 % 2) * half;
+    let segments = images.len() as u32;
+    assert!(2 * segments <= half, "the test medium is too small");
+    let copies = [
+        (0..segments)
+            .map(|i| SegmentId(base + i))
+            .collect::<Vec<_>>(),
+        (0..segments)
+            .map(|i| SegmentId(base + segments + i))
+            .collect::<Vec<_>>(),
+    ];
+    let page_size = geometry.page_size_bytes as usize;
+    for copy in &copies {
+        for (position, image) in images.iter().enumerate() {
+            let mut image = image.clone();
+            image.resize(image.len().div_ceil(page_size).max(1) * page_size, 0);
+            media.erase_segment(copy[position]).unwrap();
+            media
+                .write_pages(copy[position], crate::units::PageIndex(0), &image)
+                .unwrap();
+        }
+    }
+    let store = PageStore {
+        copies,
+        generation,
+        key,
+        // The entries name segments of a larger medium than the pages'.
+        segment_count: 1 << 20,
+        segment_size_bytes: segment_size,
+    };
+    map.commit_pages(&placed, store.clone());
+    store
+}
+
+/// Every block of `blocks` reads the same from `map` (loading what it
+/// needs) as from `reference` (all in RAM).
+fn assert_same(map: &mut Map, reference: &Map, media: &dyn Media, blocks: &[u64]) {
+    for &lba in blocks {
+        map.load(media, Lba(lba), 1).unwrap();
+        assert_eq!(map.get(Lba(lba)), reference.get(Lba(lba)), "block {lba}");
+    }
+}
+
+/// A map of every leaf form, paged out through a small cache and read
+/// back, leaf by leaf and while it changes, equals the same map kept in
+/// RAM; dirty leaves are never evicted; evicted pages are checked; a page
+/// damaged in one copy is read from the other, and in both is an error.
+#[test]
+fn pages_evict_and_read_back_unchanged() {
+    let media = crate::media::MemMedia::with_size(4096, 256 * 1024, 64).unwrap();
+    let mut rng = SmallRng::seed_from_u64(12);
+    let (mut map, mut reference) = (Map::new(false), Map::new(false));
+    let mut version = 0;
+    let mut touched = Vec::new();
+    let set = |map: &mut Map, reference: &mut Map, lba: u64, slot: Slot, version: u64| {
+        map.load(&media, Lba(lba), 1).unwrap();
+        map.set(Lba(lba), slot, version);
+        reference.set(Lba(lba), slot, version);
+    };
+    // Dense chunks, sparse blocks over 2^36 blocks, a zero run, damage.
+    for lba in 0..2048u64 {
+        version += 1;
+        set(&mut map, &mut reference, lba, data(lba), version);
+        touched.push(lba);
+    }
+    for _ in 0..3000 {
+        let lba = rng.gen_range(0..1u64 << 36);
+        version += 1;
+        set(&mut map, &mut reference, lba, data(lba), version);
+        touched.push(lba);
+    }
+    version += 1;
+    for target in [&mut map, &mut reference] {
+        target.set_range(
+            Lba(1 << 20),
+            4096,
+            RangeState::Zero,
+            version,
+            false,
+            &mut |_| {},
+        );
+        target.set(Lba(5000), Slot::Damaged, version);
+    }
+    touched.extend([1 << 20, (1 << 20) + 4095, 5000, 7, 1 << 40]);
+
+    checkpoint_pages(&mut map, &media, 1);
+    let all_in_ram = map.resident_bytes();
+    map.set_cache_bytes(all_in_ram / 10);
+    map.evict();
+    assert!(
+        map.resident_bytes() <= all_in_ram / 10,
+        "the cache bound holds"
+    );
+    let (leaves, paged) = map.leaf_counts();
+    assert!(paged > leaves / 2, "{paged} of {leaves} leaves paged out");
+    map.check_counts_with(Some(&media)).unwrap();
+    assert_eq!(map.counts(), reference.counts());
+    assert_same(&mut map, &reference, &media, &touched);
+    assert!(map.cache_counts().misses > 0);
+
+    // Changes to leaves read back make them dirty: they stay in RAM.
+    let changed: Vec<u64> = touched.iter().copied().step_by(7).collect();
+    for &lba in &changed {
+        version += 1;
+        set(&mut map, &mut reference, lba, data(lba + 1), version);
+    }
+    map.set_cache_bytes(0);
+    map.evict();
+    for &lba in &changed {
+        assert!(
+            map.leaf_at(lba).unwrap().1.is_resident(),
+            "dirty leaf of {lba} evicted"
+        );
+    }
+    // The next checkpoint copies evicted pages and writes dirty leaves;
+    // then everything may go.
+    checkpoint_pages(&mut map, &media, 2);
+    map.evict();
+    assert_eq!(map.resident_bytes(), 0);
+    map.check_counts_with(Some(&media)).unwrap();
+    assert_same(&mut map, &reference, &media, &touched);
+    let mut data_blocks = (0, 0);
+    map.for_each_data(&media, |_, _, _| data_blocks.0 += 1)
+        .unwrap();
+    reference
+        .for_each_data(&media, |_, _, _| data_blocks.1 += 1)
+        .unwrap();
+    assert_eq!(data_blocks.0, data_blocks.1);
+
+    // Damage: one copy of a page, then both.
+    map.evict();
+    let (&start, _) = map
+        .leaves
+        .iter()
+        .find(|(_, leaf)| !leaf.is_resident())
+        .unwrap();
+    let loc = map.written[&start].unwrap();
+    let store = map.store().cloned().unwrap();
+    let flip = |copy: usize| {
+        let segment = store.copies[copy][loc.position as usize];
+        let mut bytes = vec![0u8; 256 * 1024];
+        media.read(segment, 0, &mut bytes).unwrap();
+        bytes[loc.offset as usize + loc.len as usize / 2] ^= 0x40;
+        media.erase_segment(segment).unwrap();
+        media
+            .write_pages(segment, crate::units::PageIndex(0), &bytes)
+            .unwrap();
+    };
+    flip(0);
+    map.check_counts_with(Some(&media)).unwrap();
+    flip(1);
+    let error = map.check_counts_with(Some(&media)).unwrap_err();
+    assert!(error.contains("damaged in both"), "{error}");
+    let error = map.load(&media, Lba(start), 1).unwrap_err();
+    assert!(matches!(error, Error::CorruptImage(_)), "{error}");
+}
+
+/// Garbage never decodes into a leaf that panics later: a page either
+/// fails to decode or gives a leaf (which the map then checks).
+#[test]
+fn random_pages_decode_or_fail_cleanly() {
+    let mut rng = SmallRng::seed_from_u64(5);
+    let mut map = Map::new(false);
+    for lba in (0..4000u64).step_by(3) {
+        map.set(Lba(lba), data(lba), lba + 1);
+    }
+    let valid: Vec<Vec<u8>> = map.leaves.values().map(page::encode_page).collect();
+    for round in 0..20_000 {
+        let mut payload = valid[round % valid.len()].clone();
+        let raw_len = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
+        let mut raw = lz4_flex::block::decompress(&payload[4..], raw_len).unwrap();
+        for _ in 0..rng.gen_range(1..4) {
+            let at = rng.gen_range(0..raw.len());
+            raw[at] = rng.gen();
+        }
+        payload.truncate(4);
+        payload.extend(lz4_flex::block::compress(&raw));
+        if let Ok(leaf) = page::decode_page(&payload, 1 << 20) {
+            let _ = map.check_leaf(0, &leaf);
+        }
+    }
 }

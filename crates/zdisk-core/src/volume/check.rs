@@ -89,18 +89,26 @@ impl Volume {
             ..CheckReport::default()
         };
         let state = self.lock();
-        if let Err(problem) = state.map().check_counts() {
+        let media = &*self.media;
+        // Reads every evicted leaf's page: that checks the map's pages.
+        if let Err(problem) = state.map().check_counts_with(Some(media)) {
             report.errors.push(problem);
         }
         let mut extents: Vec<Extent> = Vec::new();
-        state.map().for_each_data(|lba, loc, version| {
+        let walked = state.map().for_each_data(media, |lba, loc, version| {
             extents.push((loc, lba, version));
         });
+        if let Err(error) = walked {
+            report.errors.push(format!("map: {error}"));
+        }
         check_extents(&state, &mut extents, &mut report.errors);
         check_segments(&state, &extents, &mut report.errors);
-        state
+        let walked = state
             .map()
-            .for_each_damaged(|lba| report.damaged_blocks.push(lba.0));
+            .for_each_damaged(media, |lba| report.damaged_blocks.push(lba.0));
+        if let Err(error) = walked {
+            report.errors.push(format!("map: {error}"));
+        }
         if verify_data {
             self.verify_extents(&state, &extents, &mut report, progress)?;
         }

@@ -1,14 +1,27 @@
 //! Checkpoints: the procedure that writes the map and segment table into
 //! the log and commits a root naming them.
 //!
+//! Each dump holds the whole map as pages, one per leaf: a leaf in RAM is
+//! encoded under the lock at the snapshot; an evicted leaf's page is
+//! copied, after the lock is released, from the dump it was read from (the
+//! newest durable one, which nothing releases before this checkpoint's
+//! root is durable). So every dump stands alone, its segments live and
+//! die with its root as before, and the cleaner never sees a map page.
+//! Once the root is durable, the leaves unchanged since the snapshot are
+//! clean in the new dump (`Map::commit_pages`).
+//!
 //! The dump's byte format lives in `dump.rs`; this module decides when its
 //! pieces are taken, written and committed, so that the root it writes is
 //! durable only once everything it points at is, and the dump it replaces
 //! is given back only once nothing needs it.
 
-use crate::dump::{build_segment, chunk_target_bytes, encode_dump, layout, DumpedSegment};
+use crate::dump::{
+    build_segment, chunk_target_bytes, encode_directory, place, DumpedSegment, Placement,
+};
 use crate::error::{Error, Result};
+use crate::map::{read_page_payload, PageLoc, PageSource, PageStore, SnapshotPage};
 use crate::meta::{DumpRef, OpenSegmentPos, RetainedRoot};
+use crate::record::record_len_for_payload;
 use crate::segments::SegmentState;
 use crate::units::{PageIndex, SegmentId};
 
@@ -27,16 +40,22 @@ enum Attempt {
 
 /// The map and segment table at a barrier, encoded.
 struct Snapshot {
-    payloads: Vec<Vec<u8>>,
+    /// The directory and segment table's records.
+    directory: Vec<Vec<u8>>,
+    /// Every leaf's page, in block order, after them.
+    pages: Vec<SnapshotPage>,
+    /// Where evicted leaves' pages are copied from.
+    source: Option<PageStore>,
     /// Segments with a sequence number at least this were opened after it.
     boundary: u64,
     /// Where the open streams stood.
     open: Vec<OpenSegmentPos>,
 }
 
-/// The dump of `state`: its map and every segment that is not free and
-/// never used.
-fn encode_state(state: &State, target_bytes: usize) -> Vec<Vec<u8>> {
+/// The dump of `state`: its map's directory and pages, and every segment
+/// that is not free and never used.
+fn encode_state(state: &mut State, target_bytes: usize) -> (Vec<Vec<u8>>, Vec<SnapshotPage>) {
+    let pages = state.snapshot_map();
     let segments = state
         .space()
         .table()
@@ -51,7 +70,36 @@ fn encode_state(state: &State, target_bytes: usize) -> Vec<Vec<u8>> {
             };
             (segment, dumped)
         });
-    encode_dump(state.map(), segments, target_bytes)
+    let directory = encode_directory(&pages, state.map().counts(), segments, target_bytes);
+    (directory, pages)
+}
+
+impl Snapshot {
+    /// Every record's length: the directory's, then the pages'.
+    fn record_lens(&self) -> Vec<u64> {
+        let directory = self
+            .directory
+            .iter()
+            .map(|p| record_len_for_payload(p.len()));
+        let pages = self
+            .pages
+            .iter()
+            .map(|page| record_len_for_payload(page.payload_len()));
+        directory.chain(pages).collect()
+    }
+
+    /// Transient bytes it holds.
+    fn bytes(&self) -> usize {
+        let pages: usize = self
+            .pages
+            .iter()
+            .map(|page| match &page.source {
+                PageSource::Encoded(payload) => payload.len(),
+                PageSource::Stored(_) => 0,
+            })
+            .sum();
+        self.directory.iter().map(Vec::len).sum::<usize>() + pages
+    }
 }
 
 /// Transient bytes from which a checkpoint hands the allocator's free
@@ -138,19 +186,21 @@ impl Volume {
         let (snapshot, gen) = {
             let mut state = self.lock();
             let gen = state.barrier()?;
+            let (directory, pages) = encode_state(&mut state, chunk_target_bytes(segment_size));
             let snapshot = Snapshot {
-                payloads: encode_state(&state, chunk_target_bytes(segment_size)),
+                directory,
+                pages,
+                source: state.map().store().cloned(),
                 boundary: state.space().next_seq(),
                 open: state.open_positions(),
             };
             (snapshot, gen)
         };
-        trim.transient_bytes =
-            snapshot.payloads.iter().map(Vec::len).sum::<usize>() + segment_size as usize;
+        trim.transient_bytes = snapshot.bytes() + segment_size as usize;
         self.sync_to(gen)?;
 
-        let placement = layout(&snapshot.payloads, segment_size);
-        let wanted = 2 * placement.len();
+        let placement = place(&snapshot.record_lens(), segment_size);
+        let wanted = 2 * placement.segments.len();
         self.lock().release_replaced_root();
         let need = |_: &State| Need {
             writer: Writer::Checkpoint,
@@ -164,7 +214,7 @@ impl Volume {
         let (copies, generation) = match self.make_room(Reach::Nested, need) {
             Ok((mut state, _)) => {
                 let mut first = state.acquire_dump_segments(wanted)?;
-                let second = first.split_off(placement.len());
+                let second = first.split_off(placement.segments.len());
                 debug_assert!(
                     first.iter().all(|taken| !second.contains(taken)),
                     "the two dump copies share a segment"
@@ -190,6 +240,13 @@ impl Volume {
                 return Err(error);
             }
         };
+        let store = PageStore {
+            copies: dump.copies.clone(),
+            generation,
+            key: self.record_key,
+            segment_count: self.geometry.segment_count,
+            segment_size_bytes: segment_size,
+        };
         let retained = RetainedRoot {
             generation,
             boundary: snapshot.boundary,
@@ -197,6 +254,21 @@ impl Volume {
             dump: Some(dump),
         };
         state.install_root(retained, &reservation);
+        let first_page = snapshot.directory.len();
+        let placed: Vec<(u64, PageLoc)> = snapshot
+            .pages
+            .iter()
+            .zip(&placement.at[first_page..])
+            .map(|(page, &(position, offset))| {
+                let loc = PageLoc {
+                    position,
+                    offset: offset as u32,
+                    len: record_len_for_payload(page.payload_len()) as u32,
+                };
+                (page.start, loc)
+            })
+            .collect();
+        state.commit_map_pages(&placed, store);
         // Segments cleaned while damage forced a checkpoint can go now.
         state.note_checkpoint();
         Ok(Attempt::Done)
@@ -206,24 +278,52 @@ impl Volume {
     fn write_dump_and_root(
         &self,
         snapshot: &Snapshot,
-        placement: &[Vec<usize>],
+        placement: &Placement,
         copies: &[Vec<(SegmentId, u64)>; 2],
         generation: u64,
         clean: bool,
     ) -> Result<(DumpRef, Reservation)> {
         let page_size = self.geometry.page_size_bytes as u64;
+        let first_page = snapshot.directory.len();
         let mut written = 0u64;
-        for copy in copies {
-            assert_eq!(copy.len(), placement.len(), "both copies have one layout");
-            for (&(segment, seq), indices) in copy.iter().zip(placement.iter()) {
-                let image = build_segment(
-                    &snapshot.payloads,
-                    indices,
-                    seq,
-                    generation,
-                    page_size,
-                    &self.record_key,
+        for (position, indices) in placement.segments.iter().enumerate() {
+            // Evicted leaves' pages, copied from the dump they were read from.
+            let mut copied: Vec<Vec<u8>> = Vec::new();
+            for &index in indices.iter().filter(|&&index| index >= first_page) {
+                let page = &snapshot.pages[index - first_page];
+                if let PageSource::Stored(loc) = page.source {
+                    let source = snapshot
+                        .source
+                        .as_ref()
+                        .expect("evicted leaves have a store");
+                    copied.push(read_page_payload(&*self.media, source, page.start, loc)?);
+                }
+            }
+            let mut copied_iter = copied.iter();
+            let records: Vec<(u64, &[u8])> = indices
+                .iter()
+                .map(|&index| match index.checked_sub(first_page) {
+                    None => (index as u64, snapshot.directory[index].as_slice()),
+                    Some(page_index) => {
+                        let page = &snapshot.pages[page_index];
+                        let payload = match &page.source {
+                            PageSource::Encoded(payload) => payload.as_slice(),
+                            PageSource::Stored(_) => {
+                                copied_iter.next().expect("a copied page").as_slice()
+                            }
+                        };
+                        (page.start, payload)
+                    }
+                })
+                .collect();
+            for copy in copies {
+                assert_eq!(
+                    copy.len(),
+                    placement.segments.len(),
+                    "both copies have one layout"
                 );
+                let (segment, seq) = copy[position];
+                let image = build_segment(&records, seq, generation, page_size, &self.record_key);
                 self.media.write_pages(segment, PageIndex(0), &image)?;
                 written += image.len() as u64;
                 self.lock().note_dump_segment(segment, image.len() as u64);
@@ -238,7 +338,7 @@ impl Volume {
                 copies[0].iter().map(|(s, _)| *s).collect(),
                 copies[1].iter().map(|(s, _)| *s).collect(),
             ],
-            record_count: snapshot.payloads.len() as u64,
+            record_count: snapshot.directory.len() as u64,
             generation,
         };
         let retained = RetainedRoot {

@@ -367,10 +367,13 @@ impl Volume {
 
     /// The live records of `segment`: (block, location, version), found
     /// through the segment summary, or a scan of the map if it has none.
-    fn live_extents(&self, segment: SegmentId) -> Vec<LiveExtent> {
-        let state = self.lock();
+    fn live_extents(&self, segment: SegmentId) -> Result<Vec<LiveExtent>> {
+        let mut state = self.lock();
+        let members: Vec<u64> = state.space().table().members(segment);
+        for &lba in &members {
+            state.load_map(Lba(lba), 1)?;
+        }
         let (map, space) = (state.map(), state.space());
-        let members = space.table().members(segment);
         let mut live = Vec::new();
         let mut live_bytes = 0;
         for lba in members {
@@ -386,13 +389,13 @@ impl Volume {
             // The summary is incomplete (it is rebuilt from the map at open,
             // so this is a bug guard): fall back to the whole map.
             live.clear();
-            map.for_each_data(|lba, loc, version| {
+            map.for_each_data(&*self.media, |lba, loc, version| {
                 if loc.segment == segment {
                     live.push((lba, loc, version));
                 }
-            });
+            })?;
         }
-        live
+        Ok(live)
     }
 
     /// Step 2, outside the state lock: the whole victim if it must be
@@ -408,7 +411,7 @@ impl Volume {
             let scan = scan_segment(&bytes, 0, victim.seq as u32, page_size, &self.record_key);
             return Ok(Contents::Scanned { bytes, scan });
         }
-        let mut live = self.live_extents(segment);
+        let mut live = self.live_extents(segment)?;
         live.sort_by_key(|(_, loc, _)| loc.offset);
         let mut spans: Vec<(u64, u64)> = Vec::new();
         for (_, loc, _) in &live {
@@ -512,7 +515,7 @@ impl Volume {
     /// verifies them one by one; returns the state lock.
     fn relocate_stragglers(&self, victim: &Victim) -> Result<StateGuard<'_>> {
         self.wait_all_written();
-        let stragglers = self.live_extents(victim.segment);
+        let stragglers = self.live_extents(victim.segment)?;
         let moves: Vec<Move> = by_record(stragglers)
             .iter()
             .map(|record| {
@@ -587,6 +590,7 @@ fn relocate_scanned(
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                 let count = range_count(payload);
+                state.load_map(Lba(header.lba), count)?;
                 if !state
                     .map()
                     .all_newer_than(Lba(header.lba), count, header.version)

@@ -44,9 +44,11 @@ impl DerefMut for StateGuard<'_> {
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        let Some(guard) = self.guard.take() else {
+        let Some(mut guard) = self.guard.take() else {
             return;
         };
+        // Nothing holds on to a map leaf across the lock's release.
+        guard.evict_map_leaves();
         if guard.page_writes_unclaimed() || guard.page_writes_over_limit() {
             self.volume.write_out(guard);
         }

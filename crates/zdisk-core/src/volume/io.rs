@@ -241,7 +241,8 @@ impl Volume {
         };
         // Records not on the medium yet, by where they start.
         let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
-        let state = self.lock();
+        let mut state = self.lock();
+        state.load_map(first, count)?;
         let mut error = None;
         state.map().for_each_in(first, count, |lba, entry| {
             if error.is_some() {
@@ -355,7 +356,11 @@ impl Volume {
     fn reread_block(&self, lba: Lba, out: &mut [u8], mut error: Error) -> Result<()> {
         let mut previous = None;
         for _ in 0..4 {
-            let entry = self.lock().map().get(lba);
+            let entry = {
+                let mut state = self.lock();
+                state.load_map(lba, 1)?;
+                state.map().get(lba)
+            };
             if previous == Some(entry) {
                 break;
             }

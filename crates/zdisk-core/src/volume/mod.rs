@@ -38,7 +38,8 @@ mod tests;
 pub use check::CheckReport;
 pub use estimate::{WriteEstimate, WriteEstimator};
 pub use options::{
-    Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, Random, Recompress, SystemClock,
+    default_map_cache_bytes, Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, Random,
+    Recompress, SystemClock,
 };
 pub use recovery::OpenReport;
 
@@ -269,13 +270,16 @@ impl Volume {
             .max(gc_low + 1);
         let record_key = RecordKey(root.superblock.uuid);
         let logical_blocks = root.superblock.logical_size_bytes / BLOCK_SIZE_U64;
-        let state = State::new(
+        let mut state = State::new(
             media.clone(),
             record_key,
             logical_blocks,
             options.write_batch_bytes,
             recovered,
         );
+        state.set_map_cache_bytes(options.map_cache_bytes.unwrap_or_else(|| {
+            options::default_map_cache_bytes(root.superblock.logical_size_bytes)
+        }));
         let read_only = options.read_only;
         Volume {
             media,
@@ -477,7 +481,10 @@ impl Volume {
     /// diagnosing simulation failures.
     #[doc(hidden)]
     pub fn describe_block(&self, lba: u64) -> String {
-        let state = self.lock();
+        let mut state = self.lock();
+        if let Err(error) = state.load_map(Lba(lba), 1) {
+            return format!("block {lba}: its map page is unreadable: {error}");
+        }
         let entry = state.map().get(Lba(lba));
         let segment = match entry.slot() {
             Slot::Data(loc) => format!("{:?}", state.space().segment(loc.segment)),
@@ -498,8 +505,9 @@ impl Volume {
     /// of the two retained checkpoints (each dump is two copies). What is
     /// left is the space data and its garbage can use.
     pub fn overhead_segments_for(mapped_blocks: u64, segment_count: u64, segment_size: u64) -> u64 {
-        let chunks = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
-        let dump = crate::dump::dump_segments_for(chunks, segment_count, segment_size);
+        // At most a leaf, so a page, per chunk.
+        let pages = mapped_blocks.div_ceil(crate::map::CHUNK_BLOCKS);
+        let dump = crate::dump::dump_segments_for(pages, segment_count, segment_size);
         2 + space::GC_RESERVE_SEGMENTS + dump + 2 * dump
     }
 
@@ -509,6 +517,8 @@ impl Volume {
         let media_stats = self.media.media_stats();
         let state = self.lock();
         let counts = state.map().counts();
+        let cache = state.map().cache_counts();
+        let (map_leaves, map_paged_leaves) = state.map().leaf_counts();
         let segment_size = self.geometry.segment_size_bytes;
         let usage = segment_usage(&state, segment_size);
         let meta_bytes = self
@@ -562,6 +572,13 @@ impl Volume {
                 .saturating_sub(counters.recompress_out_bytes),
             damaged_blocks: counts.damaged_blocks,
             map_memory_bytes: state.map().memory_bytes(),
+            map_cache_bytes: state.map().cache_bytes(),
+            map_resident_bytes: state.map().resident_bytes(),
+            map_leaves,
+            map_paged_leaves,
+            map_cache_hits: cache.hits,
+            map_cache_misses: cache.misses,
+            map_pages_written: cache.pages_written,
             segments_by_state: usage.by_state,
             sealed_utilization_histogram: usage.histogram,
             counters,
@@ -835,10 +852,13 @@ impl BlockDevice for Volume {
         }
         let first = offset / BLOCK_SIZE_U64;
         let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
-        let runs = self
-            .lock()
-            .map()
-            .runs(Lba(first), end - first, max_extents.max(1));
+        let runs = {
+            let mut state = self.lock();
+            state.load_map(Lba(first), end - first)?;
+            state
+                .map()
+                .runs(Lba(first), end - first, max_extents.max(1))
+        };
         let mut extents = Vec::with_capacity(runs.len());
         let mut position = offset;
         let limit = offset + len;

@@ -367,6 +367,7 @@ pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
             Move::Rewrite(records, codec) => moved += apply_rewrites(state, records, codec)?,
             Move::Damaged(blocks) => {
                 for (lba, loc) in blocks {
+                    state.load_map(lba, 1)?;
                     if state.map().get(lba).slot() == Slot::Data(loc) {
                         state.mark_damaged(lba)?;
                     }

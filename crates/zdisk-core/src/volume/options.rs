@@ -98,6 +98,20 @@ pub struct OpenOptions {
     /// written in between may be lost). Off, such an image opens read-only
     /// only: writing would replace the lost root and hide the loss.
     pub accept_lost_checkpoint: bool,
+    /// Heap bytes the map's leaves may take in RAM; clean leaves beyond it
+    /// are evicted and read back from their pages when needed. `None`:
+    /// [`default_map_cache_bytes`] of the volume's size.
+    pub map_cache_bytes: Option<u64>,
+}
+
+/// The map cache a volume of `logical_size_bytes` gets by default: an
+/// eighth of its map if every block were written (2 bytes per 4 KiB
+/// block), at least 64 MiB and at most 4 GiB. A 1 TiB volume gets 512 MiB;
+/// a dense map needs 16 bytes per block, so a quarter of a 1 TiB volume
+/// written densely fits in it, and so does any sparse fill of 25 million
+/// blocks.
+pub fn default_map_cache_bytes(logical_size_bytes: u64) -> u64 {
+    (logical_size_bytes / 4096 * 2).clamp(64 << 20, 4 << 30)
 }
 
 impl Default for OpenOptions {
@@ -123,6 +137,7 @@ impl Default for OpenOptions {
             clock: Arc::new(SystemClock::new()),
             random: Random::from_entropy(),
             accept_lost_checkpoint: false,
+            map_cache_bytes: None,
         }
     }
 }

@@ -318,7 +318,7 @@ impl<'a> Recovery<'a> {
             self.next_seq = self.next_seq.max(seq + 1);
             for record in &scan.records {
                 let payload = &bytes[record.payload.clone()];
-                self.replay_record(seq, segment, record, payload, &mut versions_seen);
+                self.replay_record(seq, segment, record, payload, &mut versions_seen)?;
             }
         }
         if self.report.replayed_records > 0 {
@@ -334,7 +334,7 @@ impl<'a> Recovery<'a> {
         record: &Scanned,
         payload: &[u8],
         versions_seen: &mut HashSet<u64>,
-    ) {
+    ) -> Result<()> {
         let header = record.header;
         if header.version > crate::map::VERSION_MAX {
             // Only damage or a forgery gets past the checksum with this;
@@ -343,7 +343,7 @@ impl<'a> Recovery<'a> {
                 "segment {segment} (seq {seq}) at offset {}: version {} out of range",
                 record.offset, header.version
             ));
-            return;
+            return Ok(());
         }
         self.next_version = self.next_version.max(header.version + 1);
         let info = &mut self.infos[segment.index()];
@@ -358,7 +358,7 @@ impl<'a> Recovery<'a> {
                                 "segment {segment} (seq {seq}) at offset {}: {why}",
                                 record.offset
                             ));
-                            return;
+                            return Ok(());
                         }
                     },
                     _ => vec![header.version],
@@ -368,9 +368,11 @@ impl<'a> Recovery<'a> {
                     .checked_add(versions.len() as u64)
                     .is_none_or(|end| end > self.logical_blocks);
                 if beyond {
-                    return;
+                    return Ok(());
                 }
                 self.report.replayed_records += 1;
+                self.map
+                    .load(self.media, Lba(header.lba), versions.len() as u64)?;
                 let len = header.record_len() as u32;
                 if is_cold_unit(&header, payload) {
                     self.infos[segment.index()].cold_bytes += len as u64;
@@ -399,8 +401,9 @@ impl<'a> Recovery<'a> {
                     .checked_add(count)
                     .is_none_or(|end| end > self.logical_blocks);
                 if count == 0 || beyond {
-                    return;
+                    return Ok(());
                 }
+                self.map.load(self.media, Lba(header.lba), count)?;
                 self.report.replayed_records += 1;
                 self.ranges.push(ReplayedRange {
                     seq,
@@ -425,13 +428,14 @@ impl<'a> Recovery<'a> {
             }
             RecordKind::MapChunk => {}
         }
+        Ok(())
     }
 
     /// Until the next checkpoint is durable, a replay from the current one
     /// needs every range record that still determines some block: the
     /// segments holding one copy of each (the cleaner may have left stale
     /// copies behind in segments it had already freed).
-    fn segments_holding_needed_ranges(&mut self) -> HashSet<SegmentId> {
+    fn segments_holding_needed_ranges(&mut self) -> Result<HashSet<SegmentId>> {
         let mut holds_ranges: HashSet<SegmentId> = HashSet::new();
         let mut kept_versions: HashSet<u64> = HashSet::new();
         self.ranges.sort_by(|a, b| b.cmp(a));
@@ -439,6 +443,7 @@ impl<'a> Recovery<'a> {
             if kept_versions.contains(&range.version) && !holds_ranges.contains(&range.segment) {
                 continue;
             }
+            self.map.load(self.media, Lba(range.first), range.count)?;
             if self
                 .map
                 .any_at_version(Lba(range.first), range.count, range.version)
@@ -447,21 +452,22 @@ impl<'a> Recovery<'a> {
                 kept_versions.insert(range.version);
             }
         }
-        holds_ranges
+        Ok(holds_ranges)
     }
 
     /// Rebuilds live bytes from the map; entries that point nowhere valid
     /// (only possible on a damaged image) become damaged markers.
-    fn count_live_bytes(&mut self) {
+    fn count_live_bytes(&mut self) -> Result<()> {
         let segment_size = self.media.geometry().segment_size_bytes;
         let mut dangling = Vec::new();
         let Recovery {
+            media,
             map,
             infos,
             dump_segments,
             ..
         } = self;
-        map.for_each_data(|lba, loc, _| {
+        map.for_each_data(*media, |lba, loc, _| {
             let valid = (loc.segment.0 as usize) < infos.len()
                 && !dump_segments.contains(&loc.segment)
                 && loc.offset as u64 + loc.len as u64 <= segment_size;
@@ -470,12 +476,14 @@ impl<'a> Recovery<'a> {
             } else {
                 dangling.push(lba);
             }
-        });
+        })?;
         for lba in &dangling {
+            self.map.load(self.media, *lba, 1)?;
             let version = self.map.get(*lba).version();
             self.map.set(*lba, Slot::Damaged, version);
         }
         self.report.dangling_entries = dangling.len() as u64;
+        Ok(())
     }
 
     /// Segments the crashed run was allowed to allocate but that recovery
@@ -523,9 +531,9 @@ impl<'a> Recovery<'a> {
     /// Settles every segment's state from the map and what replay kept.
     fn finish(mut self, writable: bool) -> Result<Recovered> {
         let segment_size = self.media.geometry().segment_size_bytes;
-        let holds_ranges = self.segments_holding_needed_ranges();
+        let holds_ranges = self.segments_holding_needed_ranges()?;
         self.map.compact();
-        self.count_live_bytes();
+        self.count_live_bytes()?;
         for (index, info) in self.infos.iter_mut().enumerate() {
             let segment = SegmentId(index as u32);
             info.state = if self.dump_segments.contains(&segment) {
@@ -559,8 +567,9 @@ impl<'a> Recovery<'a> {
             }
         }
         let mut segments = SegmentTable::from_infos(self.infos);
-        self.map
-            .for_each_data(|lba, loc, _| segments.add_member(loc.segment, lba.0));
+        self.map.for_each_data(self.media, |lba, loc, _| {
+            segments.add_member(loc.segment, lba.0)
+        })?;
         segments.seal_members();
         Ok(Recovered {
             roots: self.roots,

@@ -119,8 +119,8 @@ pub(crate) struct Need {
 /// What else the ladder looks at, which the state beside [`Space`] knows.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Outlook {
-    /// Map chunks now (the next dump's size grows with them).
-    pub map_chunks: u64,
+    /// Map leaves now: the next dump holds a page for each.
+    pub map_pages: u64,
     /// Bytes left in the writer's open segment.
     pub stream_room: u64,
     /// Log bytes after which the background thread checkpoints.
@@ -517,25 +517,26 @@ impl Space {
     // --- Floors and the ladder.
 
     /// Segments the next checkpoint's two dump copies need, once
-    /// `extra_blocks` more blocks may have been mapped.
-    pub(crate) fn dump_segments(&self, map_chunks: u64, extra_blocks: u64) -> u64 {
-        let extra_chunks = extra_blocks.div_ceil(CHUNK_BLOCKS) + 1;
+    /// `extra_blocks` more blocks may have been mapped: each chunk they
+    /// touch may split a leaf in three.
+    pub(crate) fn dump_segments(&self, map_pages: u64, extra_blocks: u64) -> u64 {
+        let extra_pages = 2 * (extra_blocks.div_ceil(CHUNK_BLOCKS) + 2);
         dump_segments_for(
-            map_chunks + extra_chunks,
+            map_pages + extra_pages,
             self.table.len() as u64,
             self.segment_size_bytes,
         )
     }
 
     /// Free segments `writer` must leave untouched.
-    pub(crate) fn floor(&self, writer: Writer, map_chunks: u64) -> u64 {
+    pub(crate) fn floor(&self, writer: Writer, map_pages: u64) -> u64 {
         match writer {
-            Writer::Host { blocks } => GC_RESERVE_SEGMENTS + self.dump_segments(map_chunks, blocks),
-            Writer::Range => self.dump_segments(map_chunks, 0),
+            Writer::Host { blocks } => GC_RESERVE_SEGMENTS + self.dump_segments(map_pages, blocks),
+            Writer::Range => self.dump_segments(map_pages, 0),
             // Cleaning borrows at most one of the checkpoint's segments
             // (see `fits`), and returns it once its victim is released,
             // so a checkpoint is delayed at worst, never prevented.
-            Writer::Cleaner => self.dump_segments(map_chunks, 0).saturating_sub(1),
+            Writer::Cleaner => self.dump_segments(map_pages, 0).saturating_sub(1),
             Writer::Checkpoint | Writer::Background { .. } => 0,
         }
     }
@@ -642,7 +643,7 @@ impl Space {
         reach: Reach,
         climbed: &Climbed,
     ) -> Option<Rung> {
-        let floor = self.floor(need.writer, outlook.map_chunks);
+        let floor = self.floor(need.writer, outlook.map_pages);
         let background = matches!(need.writer, Writer::Background { .. });
         if background {
             if self.reservation_low() {
@@ -725,7 +726,7 @@ mod tests {
 
     fn outlook() -> Outlook {
         Outlook {
-            map_chunks: 1,
+            map_pages: 1,
             stream_room: 0,
             checkpoint_interval_bytes: 1 << 30,
             recycling_ready: true,

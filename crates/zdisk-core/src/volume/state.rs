@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::map::{Location, Map, RangeState, Slot};
+use crate::map::{Location, Map, PageLoc, PageStore, RangeState, Slot, SnapshotPage};
 use crate::media::{Media, MediaGeometry, SECTOR_BYTES};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
 use crate::record::{
@@ -164,6 +164,33 @@ impl State {
         &self.map
     }
 
+    /// Reads back the paged-out leaves of blocks `first..first+count`, so
+    /// that `map()` may look them up (until the lock is released).
+    pub(crate) fn load_map(&mut self, first: Lba, count: u64) -> Result<()> {
+        self.map.load(&*self.media, first, count)
+    }
+
+    /// Evicts clean map leaves beyond the cache (as the lock is released).
+    pub(crate) fn evict_map_leaves(&mut self) {
+        if self.map.over_cache() {
+            self.map.evict();
+        }
+    }
+
+    /// A checkpoint's snapshot of the map, as pages.
+    pub(crate) fn snapshot_map(&mut self) -> Vec<SnapshotPage> {
+        self.map.snapshot_pages()
+    }
+
+    /// The checkpoint that placed its pages at `placed` is durable in `store`.
+    pub(crate) fn commit_map_pages(&mut self, placed: &[(u64, PageLoc)], store: PageStore) {
+        self.map.commit_pages(placed, store);
+    }
+
+    pub(crate) fn set_map_cache_bytes(&mut self, bytes: u64) {
+        self.map.set_cache_bytes(bytes);
+    }
+
     pub(crate) fn space(&self) -> &Space {
         &self.space
     }
@@ -232,7 +259,7 @@ impl State {
 
     /// Free segments `writer` must leave untouched.
     pub(crate) fn floor(&self, writer: Writer) -> u64 {
-        self.space.floor(writer, self.map.chunk_count() as u64)
+        self.space.floor(writer, self.map.leaf_counts().0)
     }
 
     /// The ladder's next rung for `need` (see `Space::next_rung`).
@@ -249,7 +276,7 @@ impl State {
         };
         let background = matches!(need.writer, Writer::Background { .. });
         let outlook = Outlook {
-            map_chunks: self.map.chunk_count() as u64,
+            map_pages: self.map.leaf_counts().0,
             stream_room: self.stream_room(stream),
             checkpoint_interval_bytes,
             // Only the background thread waits for a recycling engine.
@@ -369,6 +396,7 @@ impl State {
         floor: u64,
     ) -> Result<()> {
         debug_assert!(lba.0 < self.logical_blocks, "block {lba} beyond the volume");
+        self.load_map(lba, 1)?;
         let version = self.space.take_version();
         let header = RecordHeader {
             kind: RecordKind::Data,
@@ -406,6 +434,7 @@ impl State {
             first.0 + count <= self.logical_blocks,
             "range {first}+{count} beyond the volume"
         );
+        self.load_map(first, count)?;
         let version = self.space.take_version();
         let payload = count.to_le_bytes();
         let header = RecordHeader {
@@ -457,6 +486,7 @@ impl State {
             first.0 + count <= self.logical_blocks,
             "unit beyond the volume"
         );
+        self.load_map(first, count)?;
         let versions: Vec<u64> = (0..count).map(|_| self.space.take_version()).collect();
         debug_assert!(versions.windows(2).all(|pair| pair[1] == pair[0] + 1));
         let header = RecordHeader {
@@ -490,6 +520,7 @@ impl State {
         payload: &[u8],
     ) -> Result<bool> {
         let versions = record_versions(&header, payload);
+        self.load_map(Lba(header.lba), versions.len() as u64)?;
         if !self.all_live_at(Lba(header.lba), &versions, |member| {
             from.with_member_of(member as u8, versions.len() as u8)
         }) {
@@ -538,6 +569,7 @@ impl State {
         cold: bool,
     ) -> Result<bool> {
         assert_eq!(versions.len(), sources.len(), "a version per source");
+        self.load_map(first, versions.len() as u64)?;
         if !self.all_live_at(first, versions, |i| sources[i]) {
             return Ok(false);
         }
@@ -588,6 +620,7 @@ impl State {
     /// `Damaged` entry, logged (in the GC stream) so that it survives
     /// restarts.
     pub(crate) fn mark_damaged(&mut self, lba: Lba) -> Result<()> {
+        self.load_map(lba, 1)?;
         let version = self.space.take_version();
         let payload = 1u64.to_le_bytes();
         let header = RecordHeader {

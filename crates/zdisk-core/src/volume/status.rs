@@ -31,6 +31,10 @@ use super::Volume;
 const WINDOW_DATA_BLOCKS: u64 = 4096;
 /// Data blocks one call describes at most (1 GiB of data).
 const DATA_BLOCKS_PER_CALL: u64 = 1 << 18;
+/// Blocks of the map one window spans at most (4 GiB logical): its leaves
+/// are read back first when they are paged out, so this bounds what one
+/// window brings into the map cache.
+const WINDOW_SPAN_BLOCKS: u64 = 1 << 20;
 
 type Headers = HashMap<(SegmentId, u32), Option<RecordHeader>>;
 
@@ -73,7 +77,7 @@ impl Volume {
         let mut cursor = first;
         let mut data_blocks = 0u64;
         while cursor < end && runs.len() <= max_extents && data_blocks < DATA_BLOCKS_PER_CALL {
-            let window = self.look_up_window(Lba(cursor), end);
+            let window = self.look_up_window(Lba(cursor), end)?;
             let headers = self.read_headers(&window.found, window.headers);
             for piece in window.found {
                 let (stored, blocks) = match piece {
@@ -112,13 +116,15 @@ impl Volume {
     }
 
     /// Under the state lock: the runs from `from` up to about
-    /// `WINDOW_DATA_BLOCKS` data blocks.
-    fn look_up_window(&self, from: Lba, end: u64) -> Window {
+    /// `WINDOW_DATA_BLOCKS` data blocks, within `WINDOW_SPAN_BLOCKS`.
+    fn look_up_window(&self, from: Lba, end: u64) -> Result<Window> {
+        let end = end.min(from.0 + WINDOW_SPAN_BLOCKS);
         let mut found = Vec::new();
         let mut headers = HashMap::new();
         let mut next = from.0;
         let mut window_data = 0u64;
-        let state = self.lock();
+        let mut state = self.lock();
+        state.load_map(from, end - from.0)?;
         state
             .map()
             .for_each_run(from, end - from.0, |lba, blocks, entry| {
@@ -143,12 +149,12 @@ impl Volume {
                     false => ControlFlow::Continue(()),
                 }
             });
-        Window {
+        Ok(Window {
             found,
             headers,
             next: next.min(end),
             data_blocks: window_data,
-        }
+        })
     }
 
     /// Reads the header of every record in `found` not already in `headers`.
@@ -213,6 +219,10 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn volume(codec: Codec) -> Arc<Volume> {
+        volume_with_map_cache(codec, None)
+    }
+
+    fn volume_with_map_cache(codec: Codec, map_cache_bytes: Option<u64>) -> Arc<Volume> {
         let media: Arc<dyn Media> = Arc::new(MemMedia::with_size(4096, MIB, 32).unwrap());
         let create = CreateOptions {
             codec,
@@ -221,6 +231,7 @@ mod tests {
         };
         let options = OpenOptions {
             background: false,
+            map_cache_bytes,
             ..OpenOptions::default()
         };
         Volume::create(media, create, options).unwrap()
@@ -311,6 +322,42 @@ mod tests {
             assert_eq!(end.len(), 1);
             assert_eq!(end[0].length_bytes, 10);
         }
+    }
+
+    #[test]
+    fn paged_out_map_leaves_are_read_back_to_describe_them() {
+        // A map cache of 0 evicts every clean leaf whenever the state lock
+        // is released, so after the checkpoint every leaf is on the medium.
+        let volume = volume_with_map_cache(Codec::Lz4, Some(0));
+        let mut random = vec![0u8; MIB as usize];
+        rand::rngs::SmallRng::seed_from_u64(3).fill_bytes(&mut random);
+        volume.write(0, &text(MIB as usize), false).unwrap();
+        volume.write(2 * MIB, &random, false).unwrap();
+        volume.checkpoint().unwrap();
+        let before = volume.stats();
+        assert!(before.map_paged_leaves > 0, "the leaves must be paged out");
+        let runs = volume.stored_status(0, 8 * MIB, 100).unwrap();
+        let kinds: Vec<(u64, bool, bool)> = runs
+            .iter()
+            .map(|r| {
+                let compressed = matches!(r.stored, Stored::Compressed { .. });
+                let raw = matches!(r.stored, Stored::Raw { .. });
+                (r.length_bytes, compressed, raw)
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (MIB, true, false),
+                (MIB, false, false),
+                (MIB, false, true),
+                (5 * MIB, false, false)
+            ]
+        );
+        assert!(
+            volume.stats().map_cache_misses > before.map_cache_misses,
+            "describing the range must have read pages back"
+        );
     }
 
     #[test]

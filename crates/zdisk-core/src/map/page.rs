@@ -1,0 +1,323 @@
+//! Map pages: one leaf's entries as bytes on the medium, and reading a
+//! page back into a leaf.
+//!
+//! Every checkpoint writes each leaf of the map as one page, a map-chunk
+//! record in its dump after the dump's directory records (docs/format.md):
+//! the record's `lba` is the leaf's first block and its `version` the
+//! generation of the root that wrote the dump, so a page is never taken
+//! for another leaf's or another checkpoint's. A leaf the cache evicted is
+//! read back from the newest durable dump ([`PageStore`]) when something
+//! needs it.
+//!
+//! Decoding trusts nothing it reads: lengths, keys, segments, offsets and
+//! versions are checked before an entry is built, and the map checks the
+//! leaf's own invariants before it takes it.
+
+use crate::bytes::{ByteReader, ByteWriter};
+use crate::codec::{lz4_compress, lz4_decompress};
+use crate::error::{Error, Result};
+use crate::media::Media;
+use crate::record::{decode_record, RecordKey, RecordKind};
+use crate::units::SegmentId;
+
+use super::entry::{
+    Entry, Location, Slot, CHUNK_BLOCKS, CHUNK_MASK, LEN_MAX, OFFSET_UNITS_MAX, SEGMENTS_MAX,
+    VERSION_MAX,
+};
+use super::leaf::{Leaf, SPARSE_MAX};
+
+const FORM_RUN: u8 = 0;
+const FORM_DENSE: u8 = 1;
+const FORM_SPARSE: u8 = 2;
+
+const TAG_HOLE: u8 = 0;
+const TAG_ZERO: u8 = 1;
+const TAG_DATA: u8 = 2;
+const TAG_DAMAGED: u8 = 3;
+
+/// The largest uncompressed page a payload may claim: a full sparse leaf
+/// takes under 7 KiB.
+const PAGE_RAW_MAX_BYTES: usize = 64 * 1024;
+
+/// Where a page lives in a dump: its segment's position in the dump's
+/// list of segments (the same in both copies), the record's byte offset in
+/// that segment and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PageLoc {
+    pub position: u32,
+    pub offset: u32,
+    pub len: u32,
+}
+
+/// The dump evicted leaves are read back from: the newest durable
+/// checkpoint's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PageStore {
+    pub copies: [Vec<SegmentId>; 2],
+    /// The generation its records carry.
+    pub generation: u64,
+    pub key: RecordKey,
+    /// Segments of the medium: a data entry naming one beyond is damage.
+    pub segment_count: u32,
+    pub segment_size_bytes: u64,
+}
+
+/// The previous data entry, which the next one is encoded against.
+#[derive(Default)]
+struct Previous {
+    segment: i64,
+    end_offset: i64,
+    version: i64,
+}
+
+fn put_entry(out: &mut ByteWriter, entry: Entry, previous: &mut Previous) {
+    match entry.slot() {
+        Slot::Hole => {
+            out.u8(TAG_HOLE);
+            out.varint(entry.version());
+        }
+        Slot::Zero => {
+            out.u8(TAG_ZERO);
+            out.varint(entry.version());
+        }
+        Slot::Damaged => {
+            out.u8(TAG_DAMAGED);
+            out.varint(entry.version());
+        }
+        Slot::Data(loc) => {
+            out.u8(TAG_DATA);
+            out.zigzag(loc.segment.0 as i64 - previous.segment);
+            out.zigzag(loc.offset as i64 - previous.end_offset);
+            out.varint(loc.len as u64);
+            out.u8(loc.member);
+            out.u8(loc.members);
+            out.zigzag(entry.version() as i64 - previous.version);
+            *previous = Previous {
+                segment: loc.segment.0 as i64,
+                end_offset: loc.offset as i64 + loc.len as i64,
+                version: entry.version() as i64,
+            };
+        }
+    }
+}
+
+fn get_version(input: &mut ByteReader) -> Result<u64, String> {
+    let version = input.varint()?;
+    if version > VERSION_MAX {
+        return Err(format!("version {version} out of range"));
+    }
+    Ok(version)
+}
+
+fn get_entry(
+    input: &mut ByteReader,
+    previous: &mut Previous,
+    segment_count: u32,
+) -> Result<Entry, String> {
+    let (slot, version) = match input.u8()? {
+        TAG_HOLE => return Ok(Entry::new(Slot::Hole, get_version(input)?)),
+        TAG_ZERO => return Ok(Entry::new(Slot::Zero, get_version(input)?)),
+        TAG_DAMAGED => return Ok(Entry::new(Slot::Damaged, get_version(input)?)),
+        TAG_DATA => {
+            let add = |base: i64, delta: i64| {
+                base.checked_add(delta)
+                    .ok_or_else(|| "entry delta overflows".to_string())
+            };
+            let segment = add(previous.segment, input.zigzag()?)?;
+            let offset = add(previous.end_offset, input.zigzag()?)?;
+            let len = input.varint()?;
+            let (member, members) = (input.u8()?, input.u8()?);
+            let version = add(previous.version, input.zigzag()?)?;
+            let segments = segment_count.min(SEGMENTS_MAX) as i64;
+            let offset_max = (OFFSET_UNITS_MAX * 16) as i64;
+            if !(0..segments).contains(&segment)
+                || !(0..=offset_max).contains(&offset)
+                || offset % 16 != 0
+                || !(16..=LEN_MAX as u64).contains(&len)
+                || len % 16 != 0
+                || !(1..=32).contains(&members)
+                || member >= members
+                || !(0..=VERSION_MAX as i64).contains(&version)
+            {
+                return Err(format!(
+                    "bad data entry: segment {segment} offset {offset} len {len} \
+                     member {member} of {members} version {version}"
+                ));
+            }
+            *previous = Previous {
+                segment,
+                end_offset: offset + len as i64,
+                version,
+            };
+            let loc = Location::unit_member(
+                SegmentId(segment as u32),
+                offset as u32,
+                len as u32,
+                member,
+                members,
+            );
+            (Slot::Data(loc), version as u64)
+        }
+        other => return Err(format!("bad entry tag {other}")),
+    };
+    Ok(Entry::new(slot, version))
+}
+
+/// The page payload of a leaf that is in RAM: its uncompressed length
+/// (u32), then the LZ4 block of its encoding.
+pub(super) fn encode_page(leaf: &Leaf) -> Vec<u8> {
+    let mut raw = ByteWriter::new();
+    let mut previous = Previous::default();
+    match leaf {
+        Leaf::Run { blocks, entry } => {
+            raw.u8(FORM_RUN);
+            raw.varint(*blocks);
+            put_entry(&mut raw, *entry, &mut previous);
+        }
+        Leaf::Dense { column, .. } => {
+            raw.u8(FORM_DENSE);
+            for entry in column.entries() {
+                put_entry(&mut raw, entry, &mut previous);
+            }
+        }
+        Leaf::Sparse {
+            blocks,
+            keys,
+            column,
+        } => {
+            raw.u8(FORM_SPARSE);
+            raw.varint(*blocks);
+            raw.varint(keys.len() as u64);
+            let mut last = 0u32;
+            for (index, &key) in keys.iter().enumerate() {
+                raw.varint((key - last) as u64);
+                last = key;
+                put_entry(&mut raw, column.get(index), &mut previous);
+            }
+        }
+        Leaf::Paged { .. } => unreachable!("encoding a leaf that is not in RAM"),
+    }
+    debug_assert!(raw.buf.len() <= PAGE_RAW_MAX_BYTES);
+    let mut payload = ByteWriter::new();
+    payload.u32(raw.buf.len() as u32);
+    payload.bytes(&lz4_compress(&raw.buf));
+    payload.buf
+}
+
+/// Blocks a run or sparse leaf read from a page covers: whole chunks.
+fn get_blocks(input: &mut ByteReader) -> Result<u64, String> {
+    let blocks = input.varint()?;
+    if blocks == 0 || blocks & CHUNK_MASK != 0 {
+        return Err(format!("a leaf of {blocks} blocks"));
+    }
+    Ok(blocks)
+}
+
+/// Decodes a page payload into a leaf (whose invariants the map checks).
+pub(super) fn decode_page(payload: &[u8], segment_count: u32) -> Result<Leaf, String> {
+    let mut head = ByteReader::new(payload);
+    let raw_len = head.u32()? as usize;
+    if raw_len > PAGE_RAW_MAX_BYTES {
+        return Err(format!("page claims {raw_len} uncompressed bytes"));
+    }
+    let raw = lz4_decompress(&payload[4..], raw_len)?;
+    let mut input = ByteReader::new(&raw);
+    let mut previous = Previous::default();
+    let leaf = match input.u8()? {
+        FORM_RUN => {
+            let blocks = get_blocks(&mut input)?;
+            let entry = get_entry(&mut input, &mut previous, segment_count)?;
+            if entry.is_data() {
+                return Err("a run of data".into());
+            }
+            Leaf::Run { blocks, entry }
+        }
+        FORM_DENSE => {
+            let mut entries = [Entry::default(); CHUNK_BLOCKS as usize];
+            for entry in entries.iter_mut() {
+                *entry = get_entry(&mut input, &mut previous, segment_count)?;
+            }
+            Leaf::dense(&entries)
+        }
+        FORM_SPARSE => {
+            let blocks = get_blocks(&mut input)?;
+            let count = input.varint()? as usize;
+            if count == 0 || count > SPARSE_MAX {
+                return Err(format!("a sparse leaf of {count} entries"));
+            }
+            let (mut keys, mut entries) = (Vec::with_capacity(count), Vec::with_capacity(count));
+            let mut key = 0u64;
+            for index in 0..count {
+                let delta = input.varint()?;
+                if index > 0 && delta == 0 {
+                    return Err("sparse keys out of order".into());
+                }
+                key = key.saturating_add(delta);
+                if key >= blocks {
+                    return Err(format!("key {key} beyond a leaf of {blocks} blocks"));
+                }
+                keys.push(key as u32);
+                entries.push(get_entry(&mut input, &mut previous, segment_count)?);
+            }
+            Leaf::sparse(blocks, keys, &entries)
+        }
+        other => return Err(format!("bad leaf form {other}")),
+    };
+    if input.remaining() != 0 {
+        return Err(format!("{} bytes after the leaf", input.remaining()));
+    }
+    Ok(leaf)
+}
+
+/// The payload of the page of the leaf at `start`, read from `store` at
+/// `loc`: from copy 0, or copy 1 if copy 0's does not verify.
+pub(crate) fn read_page_payload(
+    media: &dyn Media,
+    store: &PageStore,
+    start: u64,
+    loc: PageLoc,
+) -> Result<Vec<u8>> {
+    let mut problems = Vec::new();
+    let mut bytes = vec![0u8; loc.len as usize];
+    let fits = loc.offset as u64 + loc.len as u64 <= store.segment_size_bytes;
+    for (copy, segments) in store.copies.iter().enumerate() {
+        let Some(&segment) = segments.get(loc.position as usize).filter(|_| fits) else {
+            problems.push(format!("copy {copy}: no segment holds {loc:?}"));
+            continue;
+        };
+        media.read(segment, loc.offset as u64, &mut bytes)?;
+        match decode_record(&bytes, &store.key, None) {
+            Ok((header, payload))
+                if header.kind == RecordKind::MapChunk
+                    && header.lba == start
+                    && header.version == store.generation =>
+            {
+                return Ok(payload.to_vec());
+            }
+            Ok((header, _)) => problems.push(format!(
+                "copy {copy}: found {:?} #{} of generation {}",
+                header.kind, header.lba, header.version
+            )),
+            Err(error) => problems.push(format!("copy {copy}: {error}")),
+        }
+    }
+    Err(Error::CorruptImage(format!(
+        "the map page of block {start} is damaged in both checkpoint copies ({})",
+        problems.join("; ")
+    )))
+}
+
+/// The leaf at `start` read back from its page.
+pub(super) fn read_page(
+    media: &dyn Media,
+    store: &PageStore,
+    start: u64,
+    loc: PageLoc,
+) -> Result<Leaf> {
+    let payload = read_page_payload(media, store, start, loc)?;
+    decode_page(&payload, store.segment_count).map_err(|problem| {
+        Error::CorruptImage(format!(
+            "the map page of block {start} is malformed: {problem}"
+        ))
+    })
+}
