@@ -7,26 +7,16 @@
 //! runs behind docs/emulation.md use the same scenarios through
 //! `zdisk bench --profile ...`.
 
+mod common;
+
+use common::drive;
 use serde_json::Value;
 use zdisk_bench::drive::NandDrive;
 use zdisk_bench::pattern::Pattern;
 use zdisk_bench::scenarios::Settings;
 use zdisk_bench::{run, BenchConfig, Scenario};
-use zdisk_core::GcPolicy;
-use zdisk_nand::NandParams;
 
 const MIB: u64 = 1 << 20;
-
-fn drive(profile: &str, physical: u64, recycle_cap_mb_s: Option<u64>) -> NandDrive {
-    let mut params = NandParams::named(profile).unwrap();
-    params.profile = params.profile.clone().with_physical_bytes(physical);
-    params.config.recycle_cap_bytes_per_sec = recycle_cap_mb_s.map(|cap| cap * 1_000_000);
-    NandDrive {
-        params,
-        codec: None,
-        gc_policy: GcPolicy::CostBenefit,
-    }
-}
 
 fn bench(drive: &NandDrive, scenario: Scenario, size: u64, patterns: Vec<Pattern>) -> Value {
     let config = BenchConfig {

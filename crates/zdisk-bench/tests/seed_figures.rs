@@ -11,29 +11,19 @@
 //! docs/emulation.md; each test prints what it measured beside the
 //! published figure.
 
+mod common;
+
+use common::drive;
 use serde_json::Value;
 use zdisk_bench::drive::NandDrive;
 use zdisk_bench::scenarios::{Settings, COPY_SOURCE_MB_S};
 use zdisk_bench::{run, BenchConfig, Scenario};
-use zdisk_core::GcPolicy;
-use zdisk_nand::NandParams;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 /// The band the issue asks for: emulated within 15% of published.
 const BAND: f64 = 0.15;
-
-fn drive(profile: &str, physical: u64, recycle_cap_mb_s: Option<u64>) -> NandDrive {
-    let mut params = NandParams::named(profile).unwrap();
-    params.profile = params.profile.clone().with_physical_bytes(physical);
-    params.config.recycle_cap_bytes_per_sec = recycle_cap_mb_s.map(|cap| cap * 1_000_000);
-    NandDrive {
-        params,
-        codec: None,
-        gc_policy: GcPolicy::CostBenefit,
-    }
-}
 
 fn bench(drive: &NandDrive, scenario: Scenario, size: u64, source_mb_s: Option<f64>) -> Value {
     let config = BenchConfig {
