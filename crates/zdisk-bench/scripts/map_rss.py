@@ -16,7 +16,8 @@ checkpoint's dump, requests' payloads), which comes in jumps of a few
 MiB. map_memory_bytes (the map's own count of its heap bytes, allocator
 overhead included) is printed too, per mapped block.
 
-The idle pass is off (--recompress off) so that nothing runs between the
+The idle pass is off (--recompress off, and --idle-compact off on builds
+that have idle compaction) so that nothing runs between the
 fill and the reading. Needs fio with the nbd engine.
 Usage: map_rss.py [--zdisk BIN] [--dir DIR] [--logical 1T] [--physical 4G]
                   [--fill 1G] [--only sparse|sequential]
@@ -95,9 +96,12 @@ def measure(args, fill, workdir):
         check=True, capture_output=True, text=True,
     )
     port = free_port()
+    idle = ["--recompress", "off"]
+    help_text = subprocess.run([args.zdisk, "serve", "--help"], capture_output=True, text=True)
+    if "--idle-compact" in help_text.stdout + help_text.stderr:
+        idle += ["--idle-compact", "off"]
     server = subprocess.Popen(
-        [args.zdisk, "serve", image, "--socket", sock, "--metrics", f"127.0.0.1:{port}",
-         "--recompress", "off"],
+        [args.zdisk, "serve", image, "--socket", sock, "--metrics", f"127.0.0.1:{port}"] + idle,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
