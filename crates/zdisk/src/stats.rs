@@ -61,7 +61,7 @@ pub const FIELDS: &[Field] = &[
     field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired"),
     field("map_memory_bytes", "bytes", "RAM the block map holds: its leaves in RAM, the tree over all leaves, page bookkeeping"),
     field("map_cache_bytes", "bytes", "the map cache's bound (--map-cache): RAM for map leaves beyond which clean leaves are paged out"),
-    field("map_resident_bytes", "bytes", "RAM the map's leaves in memory take now (dirty leaves stay until the next checkpoint writes them)"),
+    field("map_resident_bytes", "bytes", "RAM the map's leaves in memory take now (dirty leaves stay until a checkpoint writes them; one is due once they pass twice the cache)"),
     field("map_leaves", "leaves", "leaves of the block map, each a page on the medium"),
     field("map_paged_leaves", "leaves", "leaves paged out: on the medium only, read back on demand"),
     field("map_cache_hits", "loads", "map range loads that found their leaves in RAM, since the volume opened"),

@@ -56,6 +56,11 @@ use crate::error::{Error, Result};
 use crate::media::Media;
 use crate::units::Lba;
 use column::alloc_bytes;
+
+/// How far dirty leaves may take the leaves in RAM past the cache (or the
+/// cache's own size, if that is more) before a checkpoint is due: see
+/// [`Map::dirty_over_cache`].
+const DIRTY_SLACK_BYTES: u64 = 1 << 20;
 pub(crate) use entry::{
     Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX,
 };
@@ -1192,6 +1197,15 @@ impl Map {
             self.clean_queue.push_back(start);
         }
         Ok(())
+    }
+
+    /// True if the leaves in RAM take more than twice the cache, and at
+    /// least `DIRTY_SLACK_BYTES` more than it: eviction runs at every
+    /// release of the state lock, so what is left over is dirty, and only
+    /// a checkpoint makes it clean (the background thread then takes one).
+    pub(crate) fn dirty_over_cache(&self) -> bool {
+        let bound = (self.cache_bytes.saturating_mul(2)).max(self.cache_bytes + DIRTY_SLACK_BYTES);
+        self.leaf_heap_bytes > bound
     }
 
     /// True if the leaves in RAM take more than the cache may.

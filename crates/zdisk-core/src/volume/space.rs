@@ -125,6 +125,9 @@ pub(crate) struct Outlook {
     pub stream_room: u64,
     /// Log bytes after which the background thread checkpoints.
     pub checkpoint_interval_bytes: u64,
+    /// Dirty map leaves hold the map's RAM well past its cache: a
+    /// checkpoint writes them, and then they may be evicted.
+    pub map_dirty_over_cache: bool,
     /// False while a rate-capped recycling engine is busy.
     pub recycling_ready: bool,
 }
@@ -614,12 +617,14 @@ impl Space {
     }
 
     /// True when the background thread should checkpoint: the log since
-    /// the last one is long (recovery would replay it all), or space only
-    /// a checkpoint gives back has grown.
+    /// the last one is long (recovery would replay it all), dirty map
+    /// leaves hold too much RAM, or space only a checkpoint gives back has
+    /// grown.
     fn checkpoint_due(&self, outlook: &Outlook) -> bool {
         let log_capacity = self.segment_size_bytes * self.table.len() as u64;
         let range_limit = (log_capacity / 64).min(outlook.checkpoint_interval_bytes);
         self.log_bytes_since_checkpoint >= outlook.checkpoint_interval_bytes
+            || outlook.map_dirty_over_cache
             || self.range_bytes_since_checkpoint >= range_limit
             || self.parked_count() > 0
     }
@@ -729,6 +734,7 @@ mod tests {
             map_pages: 1,
             stream_room: 0,
             checkpoint_interval_bytes: 1 << 30,
+            map_dirty_over_cache: false,
             recycling_ready: true,
         }
     }

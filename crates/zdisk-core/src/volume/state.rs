@@ -279,6 +279,7 @@ impl State {
             map_pages: self.map.leaf_counts().0,
             stream_room: self.stream_room(stream),
             checkpoint_interval_bytes,
+            map_dirty_over_cache: self.map.dirty_over_cache(),
             // Only the background thread waits for a recycling engine.
             recycling_ready: !background || self.media.recycling_ready(),
         };

@@ -339,3 +339,54 @@ proptest::proptest! {
         run_against_model(&ops);
     }
 }
+
+#[test]
+fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
+    // One block in every 257: every write lands in a leaf of its own, so
+    // the map grows by a sparse leaf per write, all of them dirty.
+    let cache = 64 * 1024;
+    let media = Arc::new(MemMedia::with_size(4096, 4 * MIB, 64).unwrap());
+    let options = OpenOptions {
+        background: false,
+        map_cache_bytes: Some(cache),
+        ..OpenOptions::default()
+    };
+    let volume = Volume::create(
+        media as Arc<dyn Media>,
+        CreateOptions::new(1 << 40),
+        options,
+    )
+    .unwrap();
+    let bound = (2 * cache).max(cache + MIB);
+    let mut block = vec![7u8; BLOCK_SIZE];
+    let mut lba = 0u64;
+    while volume.stats().map_resident_bytes <= bound {
+        block[..8].copy_from_slice(&lba.to_le_bytes());
+        volume
+            .write(lba * BLOCK_SIZE as u64, &block, false)
+            .unwrap();
+        lba += 257;
+    }
+    let before = volume.stats();
+    assert_eq!(before.map_paged_leaves, 0, "dirty leaves are never evicted");
+    // The log is far from the checkpoint interval; only the dirty leaves
+    // make the background work checkpoint.
+    while volume.maintenance_tick().unwrap() {}
+    let after = volume.stats();
+    assert!(
+        after.map_pages_written > before.map_pages_written,
+        "a checkpoint must have written the map's pages"
+    );
+    assert!(
+        after.map_resident_bytes <= cache,
+        "once written, leaves past the cache are evicted: {} bytes resident, cache {cache}",
+        after.map_resident_bytes
+    );
+    assert!(after.map_paged_leaves > 0);
+    // Every block still reads back.
+    let mut read = vec![0u8; BLOCK_SIZE];
+    for lba in (0..lba).step_by(257) {
+        volume.read(lba * BLOCK_SIZE as u64, &mut read).unwrap();
+        assert_eq!(read[..8], lba.to_le_bytes());
+    }
+}
