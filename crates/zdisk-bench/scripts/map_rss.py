@@ -28,31 +28,17 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pg_on_zdisk import free_port, wait_for  # noqa: E402  (map_cache.py takes them from here too)
+
 BLOCK = 4096
 PARTS = 4
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_for(predicate, what, seconds=60):
-    deadline = time.time() + seconds
-    while not predicate():
-        if time.time() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rss_bytes(pid):
