@@ -99,32 +99,23 @@ fn draw<DB: DrawingBackend>(
     for ((scenario, outcome), area) in outcomes.iter().zip(areas.iter()) {
         match scenario {
             Scenario::Sweep => sweep(area, &outcome.json)?,
-            Scenario::Dirty => bars(
-                area,
-                "dirty drive: sequential incompressible writes",
-                "MB/s",
-                &[
-                    ("clean".into(), number(&outcome.json["clean_mb_s"])),
-                    ("dirty".into(), number(&outcome.json["dirty_mb_s"])),
-                    (
-                        "after TRIM".into(),
-                        number(&outcome.json["after_trim_mb_s"]),
-                    ),
-                ],
-            )?,
-            Scenario::FileCopy => bars(
-                area,
-                "QD1 copy of incompressible data",
-                "MB/s",
-                &[
-                    ("clean".into(), number(&outcome.json["clean_mb_s"])),
-                    ("dirty".into(), number(&outcome.json["dirty_mb_s"])),
-                    (
-                        "after TRIM".into(),
-                        number(&outcome.json["after_trim_mb_s"]),
-                    ),
-                ],
-            )?,
+            Scenario::Dirty | Scenario::FileCopy => {
+                let title = match scenario {
+                    Scenario::Dirty => "dirty drive: sequential incompressible writes",
+                    _ => "QD1 copy of incompressible data",
+                };
+                let json = &outcome.json;
+                let states = [
+                    ("clean", "clean_mb_s"),
+                    ("dirty", "dirty_mb_s"),
+                    ("after TRIM", "after_trim_mb_s"),
+                ];
+                let values: Vec<(String, f64)> = states
+                    .iter()
+                    .map(|(label, key)| ((*label).into(), number(&json[*key])))
+                    .collect();
+                bars(area, title, "MB/s", &values)?
+            }
             Scenario::Flush => {
                 let values: Vec<(String, f64)> = outcome.json["results"]
                     .as_array()
