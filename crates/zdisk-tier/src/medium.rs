@@ -70,6 +70,12 @@ pub struct TierConfig {
     pub retry_timeout: Duration,
     /// Upload and publish nothing (a reader of someone else's volume).
     pub read_only: bool,
+    /// A FLUSH returns only once a root object covering it is in the bucket.
+    pub sync: bool,
+    /// How long a root object stays in the bucket after a newer one is
+    /// published (readers opened from it keep working that long); segment
+    /// objects no kept root names are then deleted.
+    pub keep_roots_for: Duration,
 }
 
 impl Default for TierConfig {
@@ -79,6 +85,8 @@ impl Default for TierConfig {
             fetch_cache_bytes: 64 << 20,
             retry_timeout: Duration::from_secs(30),
             read_only: false,
+            sync: false,
+            keep_roots_for: Duration::from_secs(600),
         }
     }
 }

@@ -34,7 +34,7 @@ fn config() -> TierConfig {
         publish_interval: Duration::from_millis(0),
         fetch_cache_bytes: 4 * MIB,
         retry_timeout: Duration::from_secs(5),
-        read_only: false,
+        ..TierConfig::default()
     }
 }
 

@@ -59,6 +59,13 @@ fn seconds_arg(text: &str) -> Result<f64, String> {
     }
 }
 
+fn seconds_or_zero_arg(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && (0.0..=1e9).contains(&seconds) => Ok(seconds),
+        _ => Err(format!("{text:?} is not a number of seconds, 0 or more")),
+    }
+}
+
 fn count_arg(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(count) if count > 0 => Ok(count),
@@ -200,6 +207,19 @@ pub struct ServeArgs {
     /// Seconds a client may take no reply data, while replies wait, before it is disconnected.
     #[arg(long, value_parser = seconds_arg, default_value = "30")]
     pub reply_timeout: f64,
+    /// Tiered volumes: make FLUSH and FUA wait until a root object covering
+    /// them is in the bucket (the bucket is then the durable copy).
+    #[arg(long)]
+    pub tier_sync: bool,
+    /// Tiered volumes: seconds one request to the bucket is retried before
+    /// it fails (a read of evicted data then fails with EIO; uploads retry).
+    #[arg(long, value_parser = seconds_arg, value_name = "SECONDS")]
+    pub tier_timeout: Option<f64>,
+    /// Tiered volumes: seconds a root object is kept after a newer one is
+    /// published (readers opened from it work that long); segment objects
+    /// no kept root needs are then deleted. Default 600; 0 keeps only the newest.
+    #[arg(long, value_parser = seconds_or_zero_arg, value_name = "SECONDS")]
+    pub tier_keep: Option<f64>,
     /// Layout used only when the image has to be created.
     #[command(flatten)]
     pub layout: LayoutArgs,

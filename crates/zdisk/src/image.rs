@@ -370,11 +370,12 @@ pub fn is_nand_image(path: &Path) -> bool {
 }
 
 /// Opens an existing image; an emulated drive runs in real time unless
-/// `virtual_time`.
+/// `virtual_time`, and a tiered one runs as `tier` says.
 pub fn open_with_clock(
     path: &Path,
     options: OpenOptions,
     virtual_time: bool,
+    tier: zdisk_tier::TierConfig,
 ) -> Result<Arc<Volume>, String> {
     if is_nand_image(path) {
         let clock = if virtual_time {
@@ -385,17 +386,18 @@ pub fn open_with_clock(
         let media = zdisk_nand::NandMedia::open(path, clock).map_err(|e| e.to_string())?;
         return Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string());
     }
-    open(path, options)
+    if zdisk_tier::is_tiered(path) {
+        return zdisk_tier::open(path, tier, options);
+    }
+    open_file(path, options)
 }
 
 /// Opens an existing image (an emulated drive without its timing).
 pub fn open(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
-    if is_nand_image(path) {
-        return open_with_clock(path, options, true);
-    }
-    if zdisk_tier::is_tiered(path) {
-        return zdisk_tier::open(path, zdisk_tier::TierConfig::default(), options);
-    }
+    open_with_clock(path, options, true, zdisk_tier::TierConfig::default())
+}
+
+fn open_file(path: &Path, options: OpenOptions) -> Result<Arc<Volume>, String> {
     let media = FileMedia::open(path, options.read_only, geometry).map_err(|e| match e {
         zdisk_core::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
             format!(

@@ -143,7 +143,30 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig, String> {
     Ok(config)
 }
 
+/// The tier's settings; refused for an image that has no tier.
+fn tier_config(args: &ServeArgs) -> Result<zdisk_tier::TierConfig, String> {
+    let given = args.tier_sync || args.tier_timeout.is_some() || args.tier_keep.is_some();
+    if given && !zdisk_tier::is_tiered(&args.image) {
+        return Err(format!(
+            "--tier-sync, --tier-timeout and --tier-keep apply to tiered volumes; {} has no tier",
+            args.image.display()
+        ));
+    }
+    let defaults = zdisk_tier::TierConfig::default();
+    Ok(zdisk_tier::TierConfig {
+        sync: args.tier_sync,
+        retry_timeout: args
+            .tier_timeout
+            .map_or(defaults.retry_timeout, Duration::from_secs_f64),
+        keep_roots_for: args
+            .tier_keep
+            .map_or(defaults.keep_roots_for, Duration::from_secs_f64),
+        ..defaults
+    })
+}
+
 fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, String> {
+    let tier = tier_config(args)?;
     let nand = existing && image::is_nand_image(&args.image);
     if nand && args.recompress.is_some_and(|mode| mode != Recompress::Off) {
         return Err(
@@ -162,7 +185,7 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         ..OpenOptions::default()
     };
     let volume = if existing {
-        let volume = image::open_with_clock(&args.image, options, args.virtual_time)?;
+        let volume = image::open_with_clock(&args.image, options, args.virtual_time, tier)?;
         let report = volume.open_report();
         for problem in &report.slot_problems {
             log::warn!("metadata {problem}");
