@@ -61,6 +61,56 @@ const WRITE_BACK_READS: u32 = 2;
 /// Most bytes of reused segments' old incarnations held in RAM for upload.
 const STASH_MAX_BYTES: u64 = 256 << 20;
 
+/// The tier's stats, in the order `media_stats` gives their values.
+const TIER_STATS: [(&str, &str); 13] = [
+    (
+        "tier_lag_bytes",
+        "Bytes written locally and not yet in the bucket.",
+    ),
+    (
+        "tier_uploaded_bytes",
+        "Bytes of segments uploaded to the bucket.",
+    ),
+    (
+        "tier_fetched_bytes",
+        "Bytes of evicted segments fetched from the bucket.",
+    ),
+    (
+        "tier_cache_hits",
+        "Segment reads served by the local cache or fetched RAM.",
+    ),
+    ("tier_cache_misses", "Segment reads that needed the bucket."),
+    (
+        "tier_evicted_bytes",
+        "Bytes of segments dropped from the local cache.",
+    ),
+    (
+        "tier_resident_bytes",
+        "Bytes of segments the local cache holds.",
+    ),
+    ("tier_roots_published", "Root objects this run published."),
+    (
+        "tier_deleted_bytes",
+        "Bytes of segment objects deleted from the bucket (no kept root needed them).",
+    ),
+    (
+        "tier_roots_deleted",
+        "Old root objects deleted after --tier-keep.",
+    ),
+    (
+        "tier_written_back_bytes",
+        "Bytes of evicted segments fetched whole and written back into the cache.",
+    ),
+    (
+        "tier_held_micros",
+        "Microseconds new segments waited for uploads to make room in the cache.",
+    ),
+    (
+        "tier_bucket_root",
+        "Number of the newest root object published or restored from.",
+    ),
+];
+
 /// How a tiered volume runs.
 #[derive(Debug, Clone)]
 pub struct TierConfig {
@@ -1633,74 +1683,26 @@ impl Media for TieredMedia {
         };
         let counter = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         let c = &shared.counters;
-        vec![
-            MediaStat {
-                name: "tier_lag_bytes",
-                help: "Bytes written locally and not yet in the bucket.",
-                value: lag,
-            },
-            MediaStat {
-                name: "tier_uploaded_bytes",
-                help: "Bytes of segments uploaded to the bucket.",
-                value: counter(&c.uploaded_bytes),
-            },
-            MediaStat {
-                name: "tier_fetched_bytes",
-                help: "Bytes of evicted segments fetched from the bucket.",
-                value: counter(&c.fetched_bytes),
-            },
-            MediaStat {
-                name: "tier_cache_hits",
-                help: "Segment reads served by the local cache or fetched RAM.",
-                value: counter(&c.cache_hits),
-            },
-            MediaStat {
-                name: "tier_cache_misses",
-                help: "Segment reads that needed the bucket.",
-                value: counter(&c.cache_misses),
-            },
-            MediaStat {
-                name: "tier_evicted_bytes",
-                help: "Bytes of segments dropped from the local cache.",
-                value: counter(&c.evicted_bytes),
-            },
-            MediaStat {
-                name: "tier_resident_bytes",
-                help: "Bytes of segments the local cache holds.",
-                value: resident_bytes,
-            },
-            MediaStat {
-                name: "tier_roots_published",
-                help: "Root objects this run published.",
-                value: counter(&c.roots_published),
-            },
-            MediaStat {
-                name: "tier_deleted_bytes",
-                help:
-                    "Bytes of segment objects deleted from the bucket (no kept root needed them).",
-                value: counter(&c.deleted_bytes),
-            },
-            MediaStat {
-                name: "tier_roots_deleted",
-                help: "Old root objects deleted after --tier-keep.",
-                value: counter(&c.deleted_roots),
-            },
-            MediaStat {
-                name: "tier_written_back_bytes",
-                help: "Bytes of evicted segments fetched whole and written back into the cache.",
-                value: counter(&c.written_back_bytes),
-            },
-            MediaStat {
-                name: "tier_held_micros",
-                help: "Microseconds new segments waited for uploads to make room in the cache.",
-                value: counter(&c.held_micros),
-            },
-            MediaStat {
-                name: "tier_bucket_root",
-                help: "Number of the newest root object published or restored from.",
-                value: bucket_root,
-            },
-        ]
+        let values = [
+            lag,
+            counter(&c.uploaded_bytes),
+            counter(&c.fetched_bytes),
+            counter(&c.cache_hits),
+            counter(&c.cache_misses),
+            counter(&c.evicted_bytes),
+            resident_bytes,
+            counter(&c.roots_published),
+            counter(&c.deleted_bytes),
+            counter(&c.deleted_roots),
+            counter(&c.written_back_bytes),
+            counter(&c.held_micros),
+            bucket_root,
+        ];
+        TIER_STATS
+            .iter()
+            .zip(values)
+            .map(|(&(name, help), value)| MediaStat { name, help, value })
+            .collect()
     }
 }
 

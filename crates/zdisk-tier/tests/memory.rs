@@ -72,6 +72,25 @@ fn create(dir: &Scratch, url: &str, cache_bytes: u64) -> Arc<Volume> {
     zdisk_tier::create(&dir.0.join("a.img"), &layout, create, config(), options()).unwrap()
 }
 
+/// A new cache `name` in `dir` for the volume at `url`.
+fn restore(
+    dir: &Scratch,
+    name: &str,
+    url: &str,
+    cache_bytes: u64,
+    take_over: bool,
+    options: OpenOptions,
+) -> Result<Arc<Volume>, String> {
+    zdisk_tier::restore(
+        &dir.0.join(name),
+        url,
+        cache_bytes,
+        take_over,
+        config(),
+        options,
+    )
+}
+
 fn stat(volume: &Volume, name: &str) -> u64 {
     *volume
         .stats()
@@ -124,30 +143,14 @@ fn a_volume_larger_than_its_cache_comes_back_whole_on_a_new_cache() {
     // The local image is gone; a new cache serves the same bytes.
     std::fs::remove_file(dir.0.join("a.img")).unwrap();
     std::fs::remove_file(dir.0.join("a.img.tier")).unwrap();
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&restored, 8192, 1);
     assert!(stat(&restored, "tier_fetched_bytes") > 0);
     // It writes, and a later cache sees that too.
     write_all(&restored, 1024, 2);
     restored.close().unwrap();
     drop(restored);
-    let again = zdisk_tier::restore(
-        &dir.0.join("c.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let again = restore(&dir, "c.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&again, 1024, 2);
     let mut buf = vec![0u8; 4096];
     again.read(5000 * 4096, &mut buf).unwrap();
@@ -164,15 +167,7 @@ fn a_second_writer_is_refused() {
     first.close().unwrap();
     drop(first);
     // Another machine attaches to the volume and writes.
-    let second = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        8 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let second = restore(&dir, "b.img", url, 8 * MIB, false, options()).unwrap();
     write_all(&second, 16, 2);
     second.close().unwrap();
     drop(second);
@@ -218,30 +213,15 @@ fn a_crashed_writers_volume_needs_take_over_and_serves_its_newest_root() {
     drop(volume);
     std::fs::remove_file(dir.0.join("a.img")).unwrap();
 
-    let error = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .err()
-    .expect("a dirty root needs --take-over");
+    let error = restore(&dir, "b.img", url, 4 * MIB, false, options())
+        .err()
+        .expect("a dirty root needs --take-over");
     assert!(error.contains("--take-over"), "{error}");
     assert!(
         !dir.0.join("b.img").exists(),
         "a refused restore leaves nothing"
     );
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        true,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 4 * MIB, true, options()).unwrap();
     check_all(&restored, 2048, 2);
     restored.close().unwrap();
 }
@@ -271,15 +251,7 @@ fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() 
     drop(volume);
     // A new cache from that root numbers its segments from there too; it
     // must read and write its own objects, never the dead writer's.
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        2 * MIB,
-        true,
-        config(),
-        options.clone(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 2 * MIB, true, options.clone()).unwrap();
     let mut buf = vec![0u8; 4096];
     for index in 0..1024 {
         restored.read(index * 4096, &mut buf).unwrap();
@@ -292,8 +264,7 @@ fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() 
     check_all(&restored, 8192, 3);
     restored.close().unwrap();
     drop(restored);
-    let again =
-        zdisk_tier::restore(&dir.0.join("c.img"), url, 2 * MIB, false, config(), options).unwrap();
+    let again = restore(&dir, "c.img", url, 2 * MIB, false, options).unwrap();
     check_all(&again, 8192, 3);
     again.close().unwrap();
 }
@@ -352,15 +323,7 @@ fn with_tier_sync_a_flush_returns_only_once_the_bucket_covers_it() {
         write_all(&volume, 512, 1); // ends with a flush
         volume.halt();
         drop(volume);
-        let restored = zdisk_tier::restore(
-            &dir.0.join("b.img"),
-            &url,
-            8 * MIB,
-            true,
-            config(),
-            options(),
-        )
-        .unwrap();
+        let restored = restore(&dir, "b.img", &url, 8 * MIB, true, options()).unwrap();
         let mut buf = vec![0u8; 4096];
         let mut found = 0;
         for index in 0..512 {
@@ -447,15 +410,7 @@ fn the_bucket_gives_space_back_and_never_names_a_missing_object() {
     // Every object the newest root names is there: a new cache serves it all.
     let (_, roots) = bucket("collect");
     assert_eq!(roots.len(), 1, "old roots were kept: {roots:?}");
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&restored, 8192, 3);
     restored.close().unwrap();
 }
@@ -470,15 +425,7 @@ fn segments_read_again_are_written_back_into_the_cache() {
     drop(volume);
     std::fs::remove_file(dir.0.join("a.img")).unwrap();
     // A new cache: every segment is another writer's object.
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        12 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 12 * MIB, false, options()).unwrap();
     // Two passes over the first 2 MiB: the second miss on a segment writes it back.
     check_all(&restored, 512, 1);
     check_all(&restored, 512, 1);
@@ -516,15 +463,7 @@ fn readers_attach_to_a_running_writers_volume_without_taking_it() {
         ..options()
     };
     // The newest root is not a clean stop's, and no --take-over is needed.
-    let reader = zdisk_tier::restore(
-        &dir.0.join("r.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        read_only.clone(),
-    )
-    .unwrap();
+    let reader = restore(&dir, "r.img", url, 4 * MIB, false, read_only.clone()).unwrap();
     check_all(&reader, 2048, 1);
     assert!(
         reader.write(0, &block(0, 9), false).is_err(),
@@ -543,15 +482,7 @@ fn readers_attach_to_a_running_writers_volume_without_taking_it() {
     write_all(&writer, 2048, 2);
     writer.close().unwrap();
     drop(writer);
-    let again = zdisk_tier::restore(
-        &dir.0.join("c.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let again = restore(&dir, "c.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&again, 2048, 2);
     again.close().unwrap();
 }
