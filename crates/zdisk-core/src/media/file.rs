@@ -25,7 +25,12 @@
 //! copying them out of the page cache with `pread`: the copy and the page
 //! cache lookups were a fifth of a 1 MiB sequential read's server CPU.
 //! Everything else (the cleaner, map pages, recovery, metadata) reads with
-//! `pread`, so that only pages host reads touch count in the server's RSS.
+//! `pread`. Mapped pages that host reads touched count in the server's RSS
+//! (as RssFile, or RssShmem on tmpfs) for as long as the image is served,
+//! although they are the page cache's and no extra memory; dropping them
+//! every 16 MiB read (`MADV_DONTNEED`) gave back most of the gain to page
+//! faults. Small reads copy instead (see `volume/io.rs`), so random 4 KiB
+//! reads leave the RSS as it was.
 //! A mapped page that cannot be read (a media error on the disk under the
 //! file, or a file cut shorter by someone else despite the lock) kills the
 //! server with SIGBUS where `pread` would have failed one request; the log

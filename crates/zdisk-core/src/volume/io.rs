@@ -40,6 +40,12 @@ use super::Volume;
 
 /// Adjacent extents are read from the medium in one request up to this size.
 const READ_COALESCE_BYTES: u64 = 1 << 20;
+/// A read of fewer bytes from the medium copies them even where the medium
+/// could lend them from a mapping: copying a few KiB costs little, while
+/// each mapped page a read touches (64 KiB of them around each fault)
+/// stays in the server's RSS, so random small reads over a large image
+/// would make its RSS look like the image's size.
+const MAPPED_READ_MIN_BYTES: u64 = 64 << 10;
 
 /// The three ways of discarding data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -310,10 +316,12 @@ impl Volume {
         incarnations: &[(SegmentId, u64)],
         out: &mut [u8],
     ) -> Vec<(usize, Error)> {
-        if let Some(failed) = self.read_mapped(first, records, runs, incarnations, out) {
-            return failed;
-        }
         let media_read: u64 = runs.iter().map(|run| run.span_bytes).sum();
+        if media_read >= MAPPED_READ_MIN_BYTES {
+            if let Some(failed) = self.read_mapped(first, records, runs, incarnations, out) {
+                return failed;
+            }
+        }
         // The worker's buffer from its earlier reads: zeroing a fresh one
         // for every request showed as 8% of a sequential read's profile.
         let mut buffer = READ_SCRATCH.with(|kept| kept.take());

@@ -306,6 +306,12 @@ fn run_against_model(ops: &[Op], file: Option<&std::path::Path>) {
                     buf == model[offset as usize..(offset + len) as usize],
                     "{op:?} returned wrong bytes"
                 );
+                if file.is_some() {
+                    // Large enough to decode from the file's mapping.
+                    let mut all = vec![0u8; model.len()];
+                    volume.read(0, &mut all).unwrap();
+                    assert!(all == model, "after {op:?}, a whole read differs");
+                }
             }
             Op::Flush => volume.flush().unwrap(),
             Op::Clean => {
