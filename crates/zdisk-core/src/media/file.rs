@@ -35,7 +35,8 @@
 //! file, or a file cut shorter by someone else despite the lock) kills the
 //! server with SIGBUS where `pread` would have failed one request; the log
 //! is durable, so a restart loses nothing that was flushed. A block device
-//! is always read with `pread`, so that a bad sector fails one request.
+//! is always read with `pread`, so that a bad sector fails one request, and
+//! `serve --mapped-reads off` ([`set_mapped_reads`]) reads files that way too.
 //!
 //! The file is locked with `flock` for as long as the medium is open:
 //! exclusively for read-write use, shared for read-only use. A second
@@ -246,10 +247,21 @@ fn device_size(file: &File, path: &Path) -> Result<u64> {
         .map_err(|e| Error::io(format!("measuring {}", path.display()), e))
 }
 
+/// Whether file media opened from now on map their data area for host
+/// reads (`serve --mapped-reads`); on by default.
+static MAPPED_READS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns mapped host reads on or off for file media opened after the call:
+/// off, every read is a `pread`, and a media error fails one request
+/// instead of raising SIGBUS.
+pub fn set_mapped_reads(enabled: bool) {
+    MAPPED_READS.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The mapping host reads use: a regular file's data area, never a block
 /// device's (see the module documentation).
 fn map_data_area(file: &File, is_block_device: bool, geometry: &MediaGeometry) -> Option<Mapping> {
-    if is_block_device {
+    if is_block_device || !MAPPED_READS.load(std::sync::atomic::Ordering::Relaxed) {
         return None;
     }
     Mapping::new(file, FILE_DATA_OFFSET, geometry.log_capacity_bytes())

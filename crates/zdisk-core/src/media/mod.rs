@@ -31,7 +31,7 @@ mod file;
 mod mem;
 
 pub use file::{
-    file_geometry, lock_file, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,
+    file_geometry, lock_file, set_mapped_reads, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,
     FILE_ROOT_MAX_BYTES, FILE_STAGING_AREA_BYTES,
 };
 pub use mem::{CrashConfig, MemMedia};
