@@ -354,16 +354,25 @@ impl TieredMedia {
             if let Some(seq32) = first_record_seq(&header) {
                 // Written by an earlier run: sealed (recovery seals every
                 // segment); how much of it is written is not known here.
-                let writer = sidecar
+                let foreign = sidecar
                     .written_back
                     .iter()
                     .find(|entry| entry.0 == index as u32 && entry.1 == seq32)
-                    .map_or(writer, |entry| entry.2);
+                    .map(|entry| entry.2);
+                // A segment written back from another writer's object holds
+                // exactly that object (it is never uploaded again, so its
+                // length must be the object's).
+                let (writer, written) = match foreign
+                    .and_then(|w| Some((w, *listing.segments.get(&(index as u32, seq32, w))?)))
+                {
+                    Some((foreign, len)) => (foreign, len),
+                    None => (writer, segment_size),
+                };
                 *seg = Seg::Local(LocalSeg {
                     seq32: Some(seq32),
                     writer,
-                    written: segment_size,
-                    sealed: Some(segment_size),
+                    written,
+                    sealed: Some(written),
                     footprint: segment_size,
                     busy: false,
                     readers: 0,
@@ -1094,34 +1103,64 @@ impl Shared {
                 let theirs =
                     self.runtime
                         .block_on(get_root(&self.store, &self.location, number))?;
-                let mut state = self.lock();
-                if theirs.writer_id == self.writer_id {
-                    // A retry of a PUT that had in fact succeeded.
-                    state.sidecar.bucket_root = number;
+                if theirs.writer_id != self.writer_id {
+                    self.refuse_other_writer(number);
                     return Ok(());
                 }
-                let message = format!(
-                    "{}: another writer published root object {number} of this volume; \
-                     this image stops publishing (its writes stay in {}); only one machine \
-                     may write a tiered volume",
-                    self.location.url,
-                    self.sidecar_path.display()
-                );
-                log::error!("tier: {message}");
-                state.failed = Some(message);
-                return Ok(());
+                if theirs != root {
+                    // An earlier snapshot of ours whose reply was lost: it
+                    // stands as root `number`, and this one follows it.
+                    let names = theirs
+                        .segments
+                        .iter()
+                        .map(|e| (e.incarnation(), e.len_bytes));
+                    self.published(number, None, 0, names.collect());
+                    return Ok(());
+                }
+                // A retry of a PUT that had in fact succeeded (its reply was
+                // lost): this very snapshot, published like any other.
             }
             Err(error) => return Err(store_error(&self.location, "publishing a root", error)),
         }
+        self.published(number, Some(generation), covers_sync, entries);
+        Ok(())
+    }
+
+    /// Another writer published root object `number`: this image stops publishing.
+    fn refuse_other_writer(&self, number: u64) {
+        let message = format!(
+            "{}: another writer published root object {number} of this volume; \
+             this image stops publishing (its writes stay in {}); only one machine \
+             may write a tiered volume",
+            self.location.url,
+            self.sidecar_path.display()
+        );
+        log::error!("tier: {message}");
+        self.lock().failed = Some(message);
+    }
+
+    /// Root object `number` (listing `entries`) is in the bucket. Made
+    /// from the snapshot being published, of engine root `generation`,
+    /// answering sync request `covers_sync`; or, with no generation, an
+    /// earlier snapshot, which leaves the current one to be published next.
+    fn published(
+        &self,
+        number: u64,
+        generation: Option<u64>,
+        covers_sync: u64,
+        entries: HashMap<Incarnation, u64>,
+    ) {
         self.counters
             .roots_published
             .fetch_add(1, Ordering::Relaxed);
         let mut state = self.lock();
         state.sidecar.bucket_root = number;
-        state.published_generation = Some(generation);
-        state.last_publish = Instant::now();
-        state.target = None;
-        state.sync_published = state.sync_published.max(covers_sync);
+        if let Some(generation) = generation {
+            state.published_generation = Some(generation);
+            state.last_publish = Instant::now();
+            state.target = None;
+            state.sync_published = state.sync_published.max(covers_sync);
+        }
         let now = Instant::now();
         for older in state.roots.values_mut() {
             older.superseded.get_or_insert(now);
@@ -1138,7 +1177,6 @@ impl Shared {
             // The next open finds the root by its writer id.
             log::warn!("tier: {error}");
         }
-        Ok(())
     }
 
     /// Reads from the bucket: `buf.len()` bytes at `offset` of an
