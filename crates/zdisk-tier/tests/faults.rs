@@ -1012,3 +1012,53 @@ fn a_clean_close_with_the_endpoint_up_succeeds_seed_319() {
         }
     }
 }
+
+/// The oracle itself: it refuses a block older than the covered value, a
+/// value no write gave, another block's write, and a torn mix of two
+/// writes; it accepts the covered value and any later one.
+#[test]
+fn the_oracle_catches_old_foreign_and_torn_blocks() {
+    let mut model = Model {
+        history: BTreeMap::new(),
+        flushes: Vec::new(),
+        next_id: 1,
+    };
+    model.set(2, 7, Held::Write(1));
+    model.set(4, 7, Held::Write(2));
+    model.set(6, 7, Held::Zeros);
+    model.set(8, 7, Held::Write(3));
+    // Covered: operations before 5 (the flush at 5).
+    assert!(model.check_restored(7, 5, Held::Write(2)).is_ok());
+    assert!(model.check_restored(7, 5, Held::Zeros).is_ok());
+    assert!(model.check_restored(7, 5, Held::Write(3)).is_ok());
+    let older = model.check_restored(7, 5, Held::Write(1)).unwrap_err();
+    assert!(older.contains("older"), "{older}");
+    let nowhere = model.check_restored(7, 5, Held::Write(9)).unwrap_err();
+    assert!(nowhere.contains("no write"), "{nowhere}");
+    // Nothing covered: zeros or any write.
+    assert!(model.check_restored(7, 0, Held::Zeros).is_ok());
+    assert!(model.check_restored(7, 0, Held::Write(1)).is_ok());
+    // Bytes: another block's write, a torn mix, noise.
+    assert_eq!(identify(7, &content(7, 2)), Ok(Held::Write(2)));
+    assert!(identify(7, &content(8, 2)).is_err());
+    let mut torn = content(7, 2);
+    torn[2048..].copy_from_slice(&content(7, 3)[2048..]);
+    assert!(identify(7, &torn).is_err());
+    let mut noise = vec![0u8; BLOCK as usize];
+    noise[100] = 1;
+    assert!(identify(7, &noise).is_err());
+    // The flush that covers: the last one returned before an instant.
+    let start = Instant::now();
+    model.flushes.push((5, start));
+    model.flushes.push((9, start + Duration::from_secs(1)));
+    assert_eq!(model.covered_before(None), 0);
+    assert_eq!(model.covered_before(Some(start)), 0);
+    assert_eq!(
+        model.covered_before(Some(start + Duration::from_millis(5))),
+        5
+    );
+    assert_eq!(
+        model.covered_before(Some(start + Duration::from_secs(2))),
+        9
+    );
+}
