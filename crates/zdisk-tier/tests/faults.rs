@@ -11,7 +11,10 @@
 //!   new cache is restored from the bucket with take-over. Every block must
 //!   hold the last write covered by the bucket's newest root, or one made
 //!   after it; never an older one, one from nowhere, or a torn mix (each
-//!   block's bytes name the block and the write, and are checked whole);
+//!   block's bytes name the block and the write, and are checked whole).
+//!   In half the runs the restored cache then writes on, numbering its
+//!   segments from that root as the dead writer may already have, and is
+//!   killed and restored in turn;
 //! - a clean close with the endpoint back: every block reads its last
 //!   write, the lag is 0, and a restore serves exactly the final contents.
 //!
@@ -216,6 +219,8 @@ struct Seen {
     republished_roots: u64,
     /// Clean closes that gave up with the endpoint up (see `clean`).
     close_timeouts: u64,
+    /// Restored caches that wrote on (and were killed in turn).
+    writers: u64,
     /// Operations the newest root covered in a crash run (0: none).
     covered_ops: u64,
 }
@@ -234,6 +239,7 @@ impl Seen {
         self.restore_retries += other.restore_retries;
         self.republished_roots += other.republished_roots;
         self.close_timeouts += other.close_timeouts;
+        self.writers += other.writers;
         self.covered_ops += (other.covered_ops > 0) as u64;
     }
 }
@@ -318,7 +324,7 @@ impl Run {
     }
 
     fn fail(&self, message: String) -> String {
-        let tail = self.trace.len().saturating_sub(60).max(1);
+        let tail = self.trace.len().saturating_sub(200).max(1);
         format!(
             "{message}\n{}\nlast operations:\n  {}",
             self.trace[0],
@@ -778,7 +784,59 @@ impl Run {
 
 fn run_crash(seed: u64) -> Result<Seen, String> {
     let mut run = Run::new(seed, End::Crash);
-    let volume = run.create()?;
+    // Half the runs go on writing on the restored cache, a writer that
+    // numbers its segments from the root it came from (as the dead one
+    // may already have), and kill it too.
+    let writers = run.rng.gen_range(1..=2);
+    let mut image = run.dir.image("a.img");
+    let mut volume = run.create()?;
+    for writer in 1..=writers {
+        crash_writer(&mut run, volume, &image)?;
+        let covered = run.covered()?;
+        if writer == 1 {
+            run.seen.covered_ops = covered;
+        }
+        image = run.dir.image(&format!("r{writer}.img"));
+        let name = image.file_name().unwrap().to_str().unwrap().to_string();
+        volume = run.restore(&name, true)?;
+        run.store.set_rates(FaultRates::default());
+        // The restored contents count as written at `op`, and as flushed
+        // at the next operation.
+        run.op += 2;
+        let op = run.op - 1;
+        let mut buf = vec![0u8; BLOCK as usize];
+        for lba in 0..run.range_blocks {
+            volume
+                .read(lba * BLOCK, &mut buf)
+                .map_err(|e| run.fail(format!("reading block {lba} after the restore: {e}")))?;
+            let held = identify(lba, &buf).map_err(|e| run.fail(e))?;
+            run.model
+                .check_restored(lba, covered, held)
+                .map_err(|e| run.fail(e))?;
+            // What the restored cache starts from; every root it
+            // publishes covers it.
+            run.model.set(op, lba, held);
+        }
+        run.model.flushes.push((run.op, Instant::now()));
+        run.trace
+            .push(format!("{op}: restored as writer {}", writer + 1));
+        run.store.set_rates(run.rates);
+    }
+    run.seen.writers = writers - 1;
+    run.store.set_rates(FaultRates::default());
+    volume
+        .close()
+        .map_err(|e| run.fail(format!("closing the restored volume: {e}")))?;
+    run.note_store();
+    run.show();
+    Ok(run.seen)
+}
+
+/// Runs operations on `volume` until a PUT is held in flight (or a while
+/// after the last), then kills the writer there: the engine stops, the
+/// machine's requests go nowhere, the held one lands or not, and the
+/// image and its `.tier` file are lost.
+fn crash_writer(run: &mut Run, volume: Arc<Volume>, image: &Path) -> Result<(), String> {
     let ops = run.rng.gen_range(80..300);
     let crash_from = run.rng.gen_range(ops / 4..ops);
     run.operate(&volume, ops, Some(crash_from))?;
@@ -794,8 +852,6 @@ fn run_crash(seed: u64) -> Result<Seen, String> {
         let _ = volume.checkpoint();
         run.store.wait_parked(Duration::from_secs(2));
     }
-    // kill -9: the engine stops, the machine's requests go nowhere, the
-    // one in flight lands or not.
     let parked = run.store.parked();
     run.finish_stats(&volume);
     volume.halt();
@@ -809,32 +865,11 @@ fn run_crash(seed: u64) -> Result<Seen, String> {
         run.seen.parked += 1;
         run.seen.parked_roots += key.contains("root/") as u64;
     }
-    let image = run.dir.image("a.img");
-    std::fs::remove_file(&image).unwrap();
-    std::fs::remove_file(sidecar(&image)).unwrap();
+    std::fs::remove_file(image).unwrap();
+    std::fs::remove_file(sidecar(image)).unwrap();
     run.store.set_down(false);
     run.down_for = 0;
-
-    let covered = run.covered()?;
-    run.seen.covered_ops = covered;
-    let restored = run.restore("b.img", true)?;
-    run.store.set_rates(FaultRates::default());
-    let mut buf = vec![0u8; BLOCK as usize];
-    for lba in 0..run.range_blocks {
-        restored
-            .read(lba * BLOCK, &mut buf)
-            .map_err(|e| run.fail(format!("reading block {lba} after the restore: {e}")))?;
-        let held = identify(lba, &buf).map_err(|e| run.fail(e))?;
-        run.model
-            .check_restored(lba, covered, held)
-            .map_err(|e| run.fail(e))?;
-    }
-    restored
-        .close()
-        .map_err(|e| run.fail(format!("closing the restored volume: {e}")))?;
-    run.note_store();
-    run.show();
-    Ok(run.seen)
+    Ok(())
 }
 
 fn run_clean(seed: u64) -> Result<Seen, String> {
@@ -970,6 +1005,10 @@ fn a_writer_killed_mid_upload_restores_to_its_newest_root_or_later() {
     assert!(
         seen.parked_roots > 0,
         "no crash held a root's PUT: {seen:?}"
+    );
+    assert!(
+        seen.writers > count / 4,
+        "few restored caches wrote on: {seen:?}"
     );
     assert!(
         seen.republished_roots > 0,
