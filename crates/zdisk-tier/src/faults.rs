@@ -29,6 +29,10 @@ use object_store::{
     PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
 };
 
+/// Longest a PUT is held before it times out by itself (a writer may be
+/// waiting for that upload to make room in its cache).
+const HOLD_MAX: Duration = Duration::from_millis(500);
+
 /// Random faults, in requests per thousand.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FaultRates {
@@ -84,14 +88,16 @@ pub struct FaultCounts {
     /// Parked PUTs let through, and dropped.
     pub parked_landed: u64,
     pub parked_dropped: u64,
+    /// Held PUTs that timed out before the test let them go.
+    pub parked_expired: u64,
 }
 
 #[derive(Debug)]
 enum Park {
     /// Hold the PUT after skipping `skip` more that match.
     Armed { kind: PutKind, skip: u32 },
-    /// A PUT of `key` is held.
-    Holding { key: String },
+    /// A PUT of `key` is held, since an instant.
+    Holding { key: String, since: Instant },
     /// The held PUT goes on (to the server, or nowhere).
     Released { land: bool },
 }
@@ -99,11 +105,29 @@ enum Park {
 #[derive(Debug)]
 struct FaultState {
     rng: u64,
-    down: bool,
+    down: Down,
     rates: FaultRates,
     park: Option<Park>,
     landed: Vec<Landed>,
     counts: FaultCounts,
+}
+
+/// Whether the endpoint is down.
+#[derive(Debug, Clone, Copy)]
+enum Down {
+    No,
+    Until(Instant),
+    Forever,
+}
+
+impl Down {
+    fn now(self) -> bool {
+        match self {
+            Down::No => false,
+            Down::Until(until) => Instant::now() < until,
+            Down::Forever => true,
+        }
+    }
 }
 
 /// What happens to one request.
@@ -153,7 +177,7 @@ impl FaultStore {
             inner: InMemory::new(),
             state: Mutex::new(FaultState {
                 rng: seed,
-                down: false,
+                down: Down::No,
                 rates: FaultRates::default(),
                 park: None,
                 landed: Vec::new(),
@@ -168,7 +192,17 @@ impl FaultStore {
 
     /// While down, every request fails at once (a refused connection).
     pub fn set_down(&self, down: bool) {
-        self.lock().down = down;
+        self.lock().down = if down { Down::Forever } else { Down::No };
+    }
+
+    /// Takes the endpoint down for `duration` from now (an outage that
+    /// ends by itself, whatever the test's thread is waiting for).
+    pub fn set_down_for(&self, duration: Duration) {
+        self.lock().down = Down::Until(Instant::now() + duration);
+    }
+
+    pub fn is_down(&self) -> bool {
+        self.lock().down.now()
     }
 
     pub fn set_rates(&self, rates: FaultRates) {
@@ -176,20 +210,19 @@ impl FaultStore {
     }
 
     /// Holds a coming PUT of `kind` (after skipping `skip` that match) in
-    /// flight until `release_parked`.
+    /// flight until `release_parked`, or for `HOLD_MAX` at most. While a
+    /// PUT is held already, does nothing.
     pub fn park_put(&self, kind: PutKind, skip: u32) {
         let mut state = self.lock();
-        assert!(
-            !matches!(state.park, Some(Park::Holding { .. })),
-            "a PUT is already held"
-        );
-        state.park = Some(Park::Armed { kind, skip });
+        if !matches!(state.park, Some(Park::Holding { .. })) {
+            state.park = Some(Park::Armed { kind, skip });
+        }
     }
 
     /// The key of the PUT held in flight, if one is.
     pub fn parked(&self) -> Option<String> {
         match &self.lock().park {
-            Some(Park::Holding { key }) => Some(key.clone()),
+            Some(Park::Holding { key, .. }) => Some(key.clone()),
             _ => None,
         }
     }
@@ -210,13 +243,18 @@ impl FaultStore {
 
     /// Lets the held PUT go on: to the server (`land`) or nowhere (it
     /// fails, as a request from a killed client that never arrived), then
-    /// parks nothing more. Without a held PUT, just disarms.
-    pub fn release_parked(&self, land: bool) {
+    /// parks nothing more. Without a held PUT, just disarms. Returns true
+    /// if a PUT was held.
+    pub fn release_parked(&self, land: bool) -> bool {
         let mut state = self.lock();
-        state.park = match state.park.take() {
-            Some(Park::Holding { .. }) => Some(Park::Released { land }),
-            _ => None,
-        };
+        let held = matches!(state.park, Some(Park::Holding { .. }));
+        state.park = held.then_some(Park::Released { land });
+        held
+    }
+
+    /// True while a PUT is to be held and none is yet.
+    pub fn is_armed(&self) -> bool {
+        matches!(self.lock().park, Some(Park::Armed { .. }))
     }
 
     /// Every PUT that reached the server, in order.
@@ -237,7 +275,7 @@ impl FaultStore {
     fn fate(&self, is_put: bool) -> Fate {
         let mut state = self.lock();
         state.counts.requests += 1;
-        if state.down {
+        if state.down.now() {
             state.counts.refused += 1;
             return Fate::Refuse("the endpoint is down (injected)");
         }
@@ -290,6 +328,7 @@ impl FaultStore {
                     }
                     state.park = Some(Park::Holding {
                         key: key.to_string(),
+                        since: Instant::now(),
                     });
                 }
                 _ => return true,
@@ -306,6 +345,15 @@ impl FaultStore {
                         state.counts.parked_dropped += 1;
                     }
                     return land;
+                }
+                if let Some(Park::Holding { since, .. }) = state.park {
+                    if since.elapsed() > HOLD_MAX {
+                        // Nobody came for it: it times out, and nothing
+                        // more is held (the writer may be waiting on it).
+                        state.park = None;
+                        state.counts.parked_expired += 1;
+                        return false;
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -427,6 +475,12 @@ mod tests {
         assert_eq!(&bytes[..], b"bc");
         assert_eq!(store.counts().refused, 4);
         assert_eq!(store.landed().len(), 1);
+        store.set_down_for(Duration::from_millis(50));
+        assert!(store.is_down());
+        assert!(rt.block_on(store.get(&key)).is_err());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!store.is_down());
+        assert!(rt.block_on(store.get(&key)).is_ok());
     }
 
     #[test]
@@ -471,7 +525,7 @@ mod tests {
             };
             let key = store.wait_parked(Duration::from_secs(10)).unwrap();
             assert_eq!(key, format!("v{land}/root/1"));
-            store.release_parked(land);
+            assert!(store.release_parked(land));
             worker.join().unwrap();
             let there = rt
                 .block_on(store.server().head(&Path::from(key.as_str())))

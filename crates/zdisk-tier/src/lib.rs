@@ -17,8 +17,8 @@ mod sidecar;
 
 pub use error::TierError;
 pub use image::{create, is_tiered, open, restore, TierLayout};
-#[doc(hidden)]
-pub use location::install_memory_store;
 pub use location::Location;
+#[doc(hidden)]
+pub use location::{install_memory_store, memory_store};
 pub use medium::{TierConfig, TieredMedia};
 pub use sidecar::{sidecar_path, Sidecar};

@@ -104,9 +104,11 @@ fn memory_stores() -> &'static Mutex<HashMap<String, Arc<dyn ObjectStore>>> {
     STORES.get_or_init(Default::default)
 }
 
-/// The in-memory store named `name`: the one a test installed under that
-/// name, else a fresh `InMemory` made on first use.
-fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
+/// The in-memory store named `name`, as `memory://NAME/...` reaches it:
+/// the one a test installed under that name, else a fresh `InMemory` made
+/// on first use. Tests look into it through this.
+#[doc(hidden)]
+pub fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
     memory_stores()
         .lock()
         .expect("memory stores lock")
