@@ -46,7 +46,7 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
-use zdisk_core::media::{Media, MediaGeometry, MediaStat};
+use zdisk_core::media::{HostDirection, Media, MediaGeometry, MediaStat};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 use crate::error::{Result, TierError};
@@ -1339,27 +1339,22 @@ impl Shared {
         Ok(())
     }
 
-    /// The cache's bound holds while uploads lag: a new segment waits
-    /// until the cache has room for it, as long as uploads under way can
-    /// make some (sealed segments not yet in the bucket become evictable
-    /// once they are). So the bucket lags by at most about the cache size,
-    /// and writes slow to the upload rate, or stop while the bucket is out
-    /// of reach, instead of filling the local disk.
-    fn wait_for_room<'a>(
-        &'a self,
-        mut state: MutexGuard<'a, TierState>,
-        index: usize,
-    ) -> MutexGuard<'a, TierState> {
+    /// The cache's bound holds while uploads lag: a host write waits,
+    /// before the engine takes any lock, until the cache has room for
+    /// another segment, as long as uploads under way can make some (sealed
+    /// segments not yet in the bucket become evictable once they are). So
+    /// the bucket lags by at most about the cache size (plus the writes
+    /// admitted at once, and what the cleaner and checkpoints write), and
+    /// writes slow to the upload rate, or stop while the bucket is out of
+    /// reach, instead of filling the local disk; reads go on meanwhile.
+    fn wait_for_room(&self) {
         let segment_size = self.geometry.segment_size_bytes;
+        let mut state = self.lock();
         let mut waiting_since: Option<Instant> = None;
         let mut last_warning = Instant::now();
         loop {
-            let own = match &state.segs[index] {
-                Seg::Local(local) => local.footprint,
-                _ => 0,
-            };
             let over =
-                resident(&state) - own + segment_size > state.sidecar.cache_bytes.max(segment_size);
+                resident(&state) + segment_size > state.sidecar.cache_bytes.max(segment_size);
             let uploads_help = !state.stash.is_empty()
                 || state.segs.iter().enumerate().any(|(index, seg)| match seg {
                     Seg::Local(LocalSeg {
@@ -1380,7 +1375,7 @@ impl Shared {
                         .held_micros
                         .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
                 }
-                return state;
+                return;
             }
             let since = *waiting_since.get_or_insert_with(Instant::now);
             if last_warning.elapsed() >= Duration::from_secs(30) {
@@ -1440,9 +1435,6 @@ impl Shared {
         let mut state = self.lock();
         while matches!(&state.segs[index], Seg::Local(local) if local.busy) {
             state = self.changed.wait(state).expect("tier state lock");
-        }
-        if !erase && !self.config.read_only {
-            state = self.wait_for_room(state, index);
         }
         let mut footprint = 0;
         match state.segs[index].clone() {
@@ -1620,6 +1612,12 @@ impl Media for TieredMedia {
             self.shared.inner.describe(),
             self.shared.location.url
         )
+    }
+
+    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
+        if direction == HostDirection::Write && bytes > 0 && !self.shared.config.read_only {
+            self.shared.wait_for_room();
+        }
     }
 
     fn segment_freed(&self, segment: SegmentId) {
