@@ -7,6 +7,8 @@
 //! the root's public format; the engine knows nothing of it.
 
 mod error;
+#[doc(hidden)]
+pub mod faults;
 mod image;
 mod location;
 mod medium;
@@ -15,6 +17,8 @@ mod sidecar;
 
 pub use error::TierError;
 pub use image::{create, is_tiered, open, restore, TierLayout};
-pub use location::{memory_store, Location};
+pub use location::Location;
+#[doc(hidden)]
+pub use location::{install_memory_store, memory_store};
 pub use medium::{TierConfig, TieredMedia};
 pub use sidecar::{sidecar_path, Sidecar};

@@ -98,19 +98,34 @@ impl Location {
     }
 }
 
-/// The in-memory store named `name` (one per name per process), as
-/// `memory://NAME/...` reaches it: tests look into it through this.
+/// The stores `memory://NAME/...` names, one per name per process.
+fn memory_stores() -> &'static Mutex<HashMap<String, Arc<dyn ObjectStore>>> {
+    static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
+    STORES.get_or_init(Default::default)
+}
+
+/// The in-memory store named `name`, as `memory://NAME/...` reaches it:
+/// the one a test installed under that name, else a fresh `InMemory` made
+/// on first use. Tests look into it through this.
 #[doc(hidden)]
 pub fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
-    static STORES: OnceLock<Mutex<HashMap<String, Arc<InMemory>>>> = OnceLock::new();
-    let mut stores = STORES
-        .get_or_init(Default::default)
+    memory_stores()
         .lock()
-        .expect("memory stores lock");
-    stores
+        .expect("memory stores lock")
         .entry(name.to_string())
         .or_insert_with(|| Arc::new(InMemory::new()))
         .clone()
+}
+
+/// Makes `memory://NAME/...` reach `store` from now on in this process
+/// (tests: a fault-injecting store, see `faults.rs`). Volumes already open
+/// keep the store they opened.
+#[doc(hidden)]
+pub fn install_memory_store(name: &str, store: Arc<dyn ObjectStore>) {
+    memory_stores()
+        .lock()
+        .expect("memory stores lock")
+        .insert(name.to_string(), store);
 }
 
 #[cfg(test)]
