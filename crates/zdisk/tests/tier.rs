@@ -780,6 +780,23 @@ fn gateway_outage() -> TestResult {
         outage.elapsed().as_secs_f64(),
         stat(&stats, "tier_lag_bytes")
     );
+    // The uploader retried, waiting longer each time.
+    let waits_ms: Vec<u64> = server
+        .log()
+        .lines()
+        .filter_map(|line| line.split("retrying in ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect();
+    eprintln!("upload retries while the gateway was down, waits in ms: {waits_ms:?}");
+    ensure!(
+        waits_ms.len() >= 2,
+        "the uploader did not retry: {}",
+        server.log()
+    );
+    ensure!(
+        waits_ms.iter().max() > waits_ms.first(),
+        "the uploader did not back off: {waits_ms:?}"
+    );
 
     // Back up: the bucket catches up, a new root follows, reads recover.
     ceph.start_gateway()?;
