@@ -212,6 +212,9 @@ pub(crate) struct SegmentTable {
     /// The first `reserved` free segments are named in a durable root as the
     /// only ones this run may allocate (see `CheckpointRoot::reserved_segments`).
     reserved: usize,
+    /// Segments released since the last [`SegmentTable::take_freed`], for
+    /// the medium to hear of (a tier stops keeping them).
+    freed: Vec<SegmentId>,
 }
 
 impl SegmentTable {
@@ -223,6 +226,7 @@ impl SegmentTable {
             members: vec![Members::default(); segment_count as usize],
             reclaimable: Default::default(),
             parked: Vec::new(),
+            freed: Vec::new(),
             free: (0..segment_count).map(SegmentId).collect(),
             reserved: 0,
         }
@@ -239,6 +243,7 @@ impl SegmentTable {
         SegmentTable {
             reclaimable: Default::default(),
             parked: Vec::new(),
+            freed: Vec::new(),
             members: vec![Members::default(); infos.len()],
             infos,
             free,
@@ -385,6 +390,17 @@ impl SegmentTable {
         info.state = SegmentState::Free;
         self.members[segment.index()] = Members::default();
         self.free.push_back(segment);
+        self.freed.push(segment);
+    }
+
+    /// Segments released since the last call.
+    pub(crate) fn take_freed(&mut self) -> Vec<SegmentId> {
+        std::mem::take(&mut self.freed)
+    }
+
+    /// Every free segment.
+    pub(crate) fn free_segments(&self) -> impl Iterator<Item = SegmentId> + '_ {
+        self.free.iter().copied()
     }
 
     /// Undoes [`SegmentTable::allocate`] of a segment nothing refers to

@@ -16,6 +16,8 @@ pub enum TierError {
     OtherWriter(String),
     /// The local state file or cache.
     Local(String),
+    /// An object the bucket does not hold.
+    Missing(String),
 }
 
 pub type Result<T> = std::result::Result<T, TierError>;
@@ -26,6 +28,7 @@ impl fmt::Display for TierError {
             TierError::BadLocation(m)
             | TierError::Store(m)
             | TierError::BadObject(m)
+            | TierError::Missing(m)
             | TierError::OtherWriter(m)
             | TierError::Local(m) => f.write_str(m),
         }

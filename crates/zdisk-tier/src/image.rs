@@ -192,6 +192,7 @@ pub fn restore(
             .and_then(|()| inner.sync())
             .map_err(|e| e.to_string())?;
         let mut sidecar = Sidecar::new(&location.url, random_id()?, number, cache_bytes);
+        sidecar.reader = options.read_only;
         sidecar.evicted = root_object
             .segments
             .iter()
@@ -209,8 +210,17 @@ pub fn restore(
     result
 }
 
-/// Opens a tiered image.
+/// Opens a tiered image; a reader's (made `--from` with `--read-only`)
+/// only read-only.
 pub fn open(image: &Path, config: TierConfig, options: OpenOptions) -> Result<Arc<Volume>, String> {
+    let sidecar = Sidecar::load(&sidecar_path(image)).map_err(|e| e.to_string())?;
+    if sidecar.reader && !options.read_only {
+        return Err(format!(
+            "{} was made to read {} (create --from --read-only): serve it with --read-only",
+            image.display(),
+            sidecar.url
+        ));
+    }
     let config = TierConfig {
         read_only: options.read_only || config.read_only,
         ..config

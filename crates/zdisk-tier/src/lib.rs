@@ -15,6 +15,6 @@ mod sidecar;
 
 pub use error::TierError;
 pub use image::{create, is_tiered, open, restore, TierLayout};
-pub use location::Location;
+pub use location::{memory_store, Location};
 pub use medium::{TierConfig, TieredMedia};
 pub use sidecar::{sidecar_path, Sidecar};

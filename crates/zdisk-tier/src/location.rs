@@ -98,8 +98,10 @@ impl Location {
     }
 }
 
-/// The in-memory store named `name` (one per name per process).
-fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
+/// The in-memory store named `name` (one per name per process), as
+/// `memory://NAME/...` reaches it: tests look into it through this.
+#[doc(hidden)]
+pub fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
     static STORES: OnceLock<Mutex<HashMap<String, Arc<InMemory>>>> = OnceLock::new();
     let mut stores = STORES
         .get_or_init(Default::default)

@@ -35,7 +35,7 @@
 //! the engine prepares it (`busy`), and never evicts one being read
 //! (`readers`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -56,8 +56,60 @@ use crate::sidecar::Sidecar;
 
 /// Bytes of an evicted segment fetched at a time.
 const GRANULE_BYTES: u64 = 1 << 20;
+/// Reads of an evicted segment after which it is written back into the cache.
+const WRITE_BACK_READS: u32 = 2;
 /// Most bytes of reused segments' old incarnations held in RAM for upload.
 const STASH_MAX_BYTES: u64 = 256 << 20;
+
+/// The tier's stats, in the order `media_stats` gives their values.
+const TIER_STATS: [(&str, &str); 13] = [
+    (
+        "tier_lag_bytes",
+        "Bytes written locally and not yet in the bucket.",
+    ),
+    (
+        "tier_uploaded_bytes",
+        "Bytes of segments uploaded to the bucket.",
+    ),
+    (
+        "tier_fetched_bytes",
+        "Bytes of evicted segments fetched from the bucket.",
+    ),
+    (
+        "tier_cache_hits",
+        "Segment reads served by the local cache or fetched RAM.",
+    ),
+    ("tier_cache_misses", "Segment reads that needed the bucket."),
+    (
+        "tier_evicted_bytes",
+        "Bytes of segments dropped from the local cache.",
+    ),
+    (
+        "tier_resident_bytes",
+        "Bytes of segments the local cache holds.",
+    ),
+    ("tier_roots_published", "Root objects this run published."),
+    (
+        "tier_deleted_bytes",
+        "Bytes of segment objects deleted from the bucket (no kept root needed them).",
+    ),
+    (
+        "tier_roots_deleted",
+        "Old root objects deleted after --tier-keep.",
+    ),
+    (
+        "tier_written_back_bytes",
+        "Bytes of evicted segments fetched whole and written back into the cache.",
+    ),
+    (
+        "tier_held_micros",
+        "Microseconds new segments waited for uploads to make room in the cache.",
+    ),
+    (
+        "tier_bucket_root",
+        "Number of the newest root object published or restored from.",
+    ),
+];
 
 /// How a tiered volume runs.
 #[derive(Debug, Clone)]
@@ -109,6 +161,9 @@ enum Seg {
 struct LocalSeg {
     /// Low 32 bits of the incarnation's sequence number, from its first record.
     seq32: Option<u32>,
+    /// The writer whose object holds the incarnation: this image, or for a
+    /// segment written back from the bucket, the writer of that object.
+    writer: u64,
     /// Bytes written from offset 0.
     written: u64,
     /// Where the engine sealed it (whole segment for one found at open).
@@ -126,6 +181,8 @@ struct LocalSeg {
 struct Target {
     generation: u64,
     clean: bool,
+    /// The `--tier-sync` request it answers once published.
+    covers_sync: u64,
     engine_root: Vec<u8>,
     entries: Vec<SegmentEntry>,
 }
@@ -142,15 +199,56 @@ struct TierState {
     /// The newest root durable locally: (generation, clean, bytes).
     latest_root: Option<(u64, bool, Vec<u8>)>,
     published_generation: Option<u64>,
+    /// What the newest root this run published lists: incarnation → bytes.
+    published_entries: HashMap<Incarnation, u64>,
     last_publish: Instant,
     target: Option<Target>,
+    /// `--tier-sync`: requests made, and the newest one a published root covers.
+    sync_requests: u64,
+    sync_published: u64,
+    /// When an upload or publication last succeeded.
+    last_progress: Instant,
+    /// Root objects in the bucket, by number.
+    roots: BTreeMap<u64, KeptRoot>,
+    last_collect: Instant,
+    collected_at_close: bool,
+    /// The state file lags `sidecar` by entries nothing depends on.
+    sidecar_dirty: bool,
+    /// Reads per evicted segment since it was evicted.
+    remote_reads: HashMap<u32, u32>,
+    /// Evicted segments to write back into the local cache.
+    write_back: VecDeque<u32>,
     sidecar: Sidecar,
     failed: Option<String>,
     closing: bool,
     tick: u64,
 }
 
+/// What a collection of the bucket's garbage would delete.
+#[derive(Default)]
+struct CollectPlan {
+    /// Root objects past their keeping time.
+    roots: Vec<u64>,
+    /// Kept roots whose names are not known yet.
+    unknown: Vec<u64>,
+    /// Segment objects nothing needs, with their sizes.
+    segments: Vec<(Incarnation, u64)>,
+}
+
+/// A root object the bucket holds.
+struct KeptRoot {
+    /// When a newer root was published (or found at open).
+    superseded: Option<Instant>,
+    /// The incarnations it names, once known.
+    names: Option<HashSet<Incarnation>>,
+}
+
 struct Counters {
+    /// Time new segments waited for room in the cache.
+    held_micros: AtomicU64,
+    deleted_bytes: AtomicU64,
+    deleted_roots: AtomicU64,
+    written_back_bytes: AtomicU64,
     uploaded_bytes: AtomicU64,
     fetched_bytes: AtomicU64,
     cache_hits: AtomicU64,
@@ -236,6 +334,7 @@ impl TieredMedia {
             }
             None => {}
         }
+        let writer = objects::short_writer(&writer_id);
         let geometry = inner.geometry();
         let segment_size = geometry.segment_size_bytes;
         let mut segs = vec![Seg::Empty; geometry.segment_count as usize];
@@ -255,8 +354,14 @@ impl TieredMedia {
             if let Some(seq32) = first_record_seq(&header) {
                 // Written by an earlier run: sealed (recovery seals every
                 // segment); how much of it is written is not known here.
+                let writer = sidecar
+                    .written_back
+                    .iter()
+                    .find(|entry| entry.0 == index as u32 && entry.1 == seq32)
+                    .map_or(writer, |entry| entry.2);
                 *seg = Seg::Local(LocalSeg {
                     seq32: Some(seq32),
+                    writer,
                     written: segment_size,
                     sealed: Some(segment_size),
                     footprint: segment_size,
@@ -266,16 +371,40 @@ impl TieredMedia {
                 });
             }
         }
+        let now = Instant::now();
+        let newest_root = listing.roots.last().copied();
+        let roots = listing
+            .roots
+            .iter()
+            .map(|&number| {
+                let root = KeptRoot {
+                    // Found, not seen superseded: kept a whole period from now.
+                    superseded: (Some(number) != newest_root).then_some(now),
+                    names: None,
+                };
+                (number, root)
+            })
+            .collect();
         let state = TierState {
             segs,
             in_bucket: listing.segments,
             stash: VecDeque::new(),
             stash_bytes: 0,
             pending_root: None,
-            latest_root: None,
+            latest_root: newest_local_root(inner.as_ref()),
             published_generation: None,
-            last_publish: Instant::now(),
+            published_entries: HashMap::new(),
+            last_publish: now,
             target: None,
+            sync_requests: 0,
+            sync_published: 0,
+            last_progress: now,
+            roots,
+            last_collect: now,
+            collected_at_close: false,
+            sidecar_dirty: false,
+            remote_reads: HashMap::new(),
+            write_back: VecDeque::new(),
             sidecar,
             failed: None,
             closing: false,
@@ -289,11 +418,15 @@ impl TieredMedia {
             config,
             sidecar_path,
             writer_id,
-            writer: objects::short_writer(&writer_id),
+            writer,
             geometry,
             state: Mutex::new(state),
             changed: Condvar::new(),
             counters: Counters {
+                held_micros: AtomicU64::new(0),
+                deleted_bytes: AtomicU64::new(0),
+                deleted_roots: AtomicU64::new(0),
+                written_back_bytes: AtomicU64::new(0),
                 uploaded_bytes: AtomicU64::new(0),
                 fetched_bytes: AtomicU64::new(0),
                 cache_hits: AtomicU64::new(0),
@@ -338,6 +471,16 @@ impl TieredMedia {
     pub fn resident_bytes(&self) -> u64 {
         resident(&self.shared.lock())
     }
+}
+
+/// The newest root durable in the local medium's metadata slots, as
+/// (generation, clean, bytes): what the tier publishes first after an open.
+fn newest_local_root(inner: &dyn Media) -> Option<(u64, bool, Vec<u8>)> {
+    (0..2)
+        .filter_map(|slot| inner.read_meta_slot(slot).ok())
+        .filter_map(|bytes| zdisk_core::meta::Root::decode(&bytes).ok())
+        .max_by_key(|root| root.generation)
+        .map(|root| (root.generation, root.checkpoint.clean, root.encode()))
 }
 
 /// The sequence number a segment's first record names, if it starts with one.
@@ -405,7 +548,12 @@ pub(crate) async fn get_root(
     let bytes = store
         .get(&key)
         .await
-        .map_err(|e| store_error(location, "reading a root object", e))?
+        .map_err(|e| match e {
+            object_store::Error::NotFound { .. } => {
+                TierError::Missing(format!("{}: {key} is gone", location.url))
+            }
+            e => store_error(location, "reading a root object", e),
+        })?
         .bytes()
         .await
         .map_err(|e| store_error(location, "reading a root object", e))?;
@@ -432,7 +580,9 @@ pub(crate) fn store_error(
 enum Job {
     Upload { segment: u32, seq32: u32, len: u64 },
     UploadStash,
-    Publish(RootObject, u64),
+    Publish(RootObject, u64, u64),
+    Collect,
+    WriteBack(u32),
     Done,
 }
 
@@ -441,24 +591,75 @@ impl Shared {
         self.state.lock().expect("tier state lock")
     }
 
+    /// Bytes of the incarnation `key` the bucket holds.
+    fn there(state: &TierState, key: &Incarnation) -> u64 {
+        state.in_bucket.get(key).copied().unwrap_or(0)
+    }
+
     fn lag_bytes(&self, state: &TierState) -> u64 {
         let mut lag = state.stash_bytes;
         for (index, seg) in state.segs.iter().enumerate() {
             if let Seg::Local(LocalSeg {
                 seq32: Some(seq32),
+                writer,
                 written,
                 ..
             }) = seg
             {
-                let there = state
-                    .in_bucket
-                    .get(&(index as u32, *seq32, self.writer))
-                    .copied()
-                    .unwrap_or(0);
+                let there = Self::there(state, &(index as u32, *seq32, *writer));
                 lag += written.saturating_sub(there);
             }
         }
         lag
+    }
+
+    /// The segment entries a root made now would list.
+    fn current_entries(state: &TierState) -> Vec<SegmentEntry> {
+        let mut entries = Vec::new();
+        for (index, seg) in state.segs.iter().enumerate() {
+            match seg {
+                Seg::Local(LocalSeg {
+                    seq32: Some(seq32),
+                    writer,
+                    written,
+                    ..
+                }) if *written > 0 => entries.push(SegmentEntry {
+                    segment: index as u32,
+                    seq32: *seq32,
+                    writer: *writer,
+                    len_bytes: *written,
+                }),
+                Seg::Evicted { seq32, writer, len } => entries.push(SegmentEntry {
+                    segment: index as u32,
+                    seq32: *seq32,
+                    writer: *writer,
+                    len_bytes: *len,
+                }),
+                _ => {}
+            }
+        }
+        entries
+    }
+
+    /// True if a root made now would list bytes the newest published one
+    /// does not.
+    fn uncovered(state: &TierState) -> bool {
+        state.segs.iter().enumerate().any(|(index, seg)| {
+            let (key, len) = match seg {
+                Seg::Local(LocalSeg {
+                    seq32: Some(seq32),
+                    writer,
+                    written,
+                    ..
+                }) if *written > 0 => ((index as u32, *seq32, *writer), *written),
+                Seg::Evicted { seq32, writer, len } => ((index as u32, *seq32, *writer), *len),
+                _ => return false,
+            };
+            state
+                .published_entries
+                .get(&key)
+                .is_none_or(|&published| published < len)
+        })
     }
 
     fn upload_loop(self: Arc<Self>) {
@@ -501,10 +702,17 @@ impl Shared {
                     len,
                 } => self.upload_segment(segment, seq32, len),
                 Job::UploadStash => self.upload_stash(),
-                Job::Publish(root, generation) => self.publish(root, generation),
+                Job::Publish(root, generation, covers_sync) => {
+                    self.publish(root, generation, covers_sync)
+                }
+                Job::Collect => self.collect(),
+                Job::WriteBack(segment) => self.write_back(segment),
             };
             match outcome {
-                Ok(()) => backoff = Duration::from_millis(200),
+                Ok(()) => {
+                    backoff = Duration::from_millis(200);
+                    self.lock().last_progress = Instant::now();
+                }
                 Err(error) => {
                     log::warn!("tier: {error}; retrying in {} ms", backoff.as_millis());
                     std::thread::sleep(backoff);
@@ -517,6 +725,12 @@ impl Shared {
 
     /// The next upload or publication, if any.
     fn next_job(&self, state: &mut TierState) -> Option<Job> {
+        if state.sidecar_dirty {
+            match state.sidecar.store(&self.sidecar_path) {
+                Ok(()) => state.sidecar_dirty = false,
+                Err(error) => log::warn!("tier: {error}"),
+            }
+        }
         if state.failed.is_some() {
             return state.closing.then_some(Job::Done);
         }
@@ -533,11 +747,11 @@ impl Shared {
         for (index, seg) in state.segs.iter().enumerate() {
             let Seg::Local(local) = seg else { continue };
             let Some(seq32) = local.seq32 else { continue };
-            if local.busy {
+            if local.busy || local.writer != self.writer {
                 continue;
             }
             let key = (index as u32, seq32, self.writer);
-            let there = state.in_bucket.get(&key).copied().unwrap_or(0);
+            let there = Self::there(state, &key);
             let sealed_need = local
                 .sealed
                 .filter(|&fill| local.written >= fill)
@@ -552,20 +766,16 @@ impl Shared {
             }
         }
         if let Some(target) = &state.target {
-            let missing = target.entries.iter().find(|entry| {
-                state
-                    .in_bucket
-                    .get(&entry.incarnation())
-                    .copied()
-                    .unwrap_or(0)
-                    < entry.len_bytes
-            });
+            let missing = target
+                .entries
+                .iter()
+                .find(|entry| Self::there(state, &entry.incarnation()) < entry.len_bytes);
             if let Some(entry) = missing {
                 // The incarnation was reused before its bytes were uploaded
                 // and is gone: publish a newer root instead.
                 let current = match &state.segs[entry.segment as usize] {
                     Seg::Local(local) => {
-                        local.seq32 == Some(entry.seq32) && entry.writer == self.writer
+                        local.seq32 == Some(entry.seq32) && entry.writer == local.writer
                     }
                     _ => false,
                 };
@@ -586,54 +796,167 @@ impl Shared {
                 segments: target.entries.clone(),
                 engine_root: target.engine_root.clone(),
             };
-            return Some(Job::Publish(root, target.generation));
+            return Some(Job::Publish(root, target.generation, target.covers_sync));
         }
-        let lag_bytes = self.lag_bytes(state);
+        let sync_wanted = state.sync_requests > state.sync_published;
         if let Some((generation, clean, engine_root)) = &state.latest_root {
             // A newer root, or the same (not clean) root with more of the
             // log it replays: what a crash at this moment would leave.
             let newer = state.published_generation != Some(*generation);
-            let more_log = !*clean && lag_bytes > 0;
+            let more_log = !*clean && (self.lag_bytes(state) > 0 || Self::uncovered(state));
+            if !newer && !more_log && sync_wanted {
+                // The published root already covers every sync asked for.
+                state.sync_published = state.sync_requests;
+                self.changed.notify_all();
+            }
             let due = (newer || more_log)
                 && (state.closing
+                    || sync_wanted
                     || state.published_generation.is_none()
                     || state.last_publish.elapsed() >= self.config.publish_interval);
             if due {
-                let mut entries = Vec::new();
-                for (index, seg) in state.segs.iter().enumerate() {
-                    match seg {
-                        Seg::Local(LocalSeg {
-                            seq32: Some(seq32),
-                            written,
-                            ..
-                        }) if *written > 0 => entries.push(SegmentEntry {
-                            segment: index as u32,
-                            seq32: *seq32,
-                            writer: self.writer,
-                            len_bytes: *written,
-                        }),
-                        Seg::Evicted { seq32, writer, len } => entries.push(SegmentEntry {
-                            segment: index as u32,
-                            seq32: *seq32,
-                            writer: *writer,
-                            len_bytes: *len,
-                        }),
-                        _ => {}
-                    }
-                }
                 state.target = Some(Target {
                     generation: *generation,
                     clean: *clean,
+                    covers_sync: state.sync_requests,
                     engine_root: engine_root.clone(),
-                    entries,
+                    entries: Self::current_entries(state),
                 });
                 // The uploads it needs come first.
                 return self.next_job(state);
             }
         }
+        if let Some(segment) = state.write_back.pop_front() {
+            return Some(Job::WriteBack(segment));
+        }
+        let collect_every = self.config.publish_interval.max(Duration::from_secs(1));
+        if state.published_generation.is_some() && state.last_collect.elapsed() >= collect_every {
+            state.last_collect = Instant::now();
+            if self.collect_plan(state).is_some() {
+                return Some(Job::Collect);
+            }
+        }
         let settled = state.published_generation.is_some()
             && state.latest_root.as_ref().map(|root| root.0) == state.published_generation;
+        if state.closing && settled && !state.collected_at_close {
+            // One last collection, for roots the clean stop superseded.
+            state.collected_at_close = true;
+            if self.collect_plan(state).is_some() {
+                return Some(Job::Collect);
+            }
+        }
         (state.closing && settled).then_some(Job::Done)
+    }
+
+    /// What a collection would do now: root objects past their keeping
+    /// time (never the newest), kept roots whose names must be read first,
+    /// and segment objects nothing needs (only once every kept root's
+    /// names are known). None if there is nothing to do.
+    fn collect_plan(&self, state: &TierState) -> Option<CollectPlan> {
+        let newest = state.roots.keys().next_back().copied();
+        let mut plan = CollectPlan::default();
+        for (&number, root) in &state.roots {
+            let expired = root
+                .superseded
+                .is_some_and(|since| since.elapsed() >= self.config.keep_roots_for);
+            if expired && Some(number) != newest {
+                plan.roots.push(number);
+            } else if root.names.is_none() {
+                plan.unknown.push(number);
+            }
+        }
+        if plan.unknown.is_empty() {
+            let mut needed: HashSet<Incarnation> = HashSet::new();
+            for (number, root) in &state.roots {
+                if !plan.roots.contains(number) {
+                    needed.extend(root.names.iter().flatten().copied());
+                }
+            }
+            needed.extend(
+                Self::current_entries(state)
+                    .iter()
+                    .map(SegmentEntry::incarnation),
+            );
+            needed.extend(
+                state
+                    .stash
+                    .iter()
+                    .map(|&(segment, seq32, _)| (segment, seq32, self.writer)),
+            );
+            needed.extend(
+                state
+                    .target
+                    .iter()
+                    .flat_map(|target| target.entries.iter().map(SegmentEntry::incarnation)),
+            );
+            plan.segments = state
+                .in_bucket
+                .iter()
+                .filter(|(key, _)| !needed.contains(key))
+                .map(|(&key, &len)| (key, len))
+                .collect();
+            plan.segments.sort_unstable();
+        }
+        let empty = plan.roots.is_empty() && plan.unknown.is_empty() && plan.segments.is_empty();
+        (!empty).then_some(plan)
+    }
+
+    /// Deletes what the bucket no longer needs: first root objects past
+    /// their keeping time, then (only if all of those are gone) segment
+    /// objects that no kept root and no current incarnation names. An
+    /// interrupted collection leaves only objects the next one deletes.
+    fn collect(&self) -> Result<()> {
+        let unknown = match self.collect_plan(&self.lock()) {
+            Some(plan) => plan.unknown,
+            None => return Ok(()),
+        };
+        for number in unknown {
+            let names = match self
+                .runtime
+                .block_on(get_root(&self.store, &self.location, number))
+            {
+                Ok(root) => root
+                    .segments
+                    .iter()
+                    .map(SegmentEntry::incarnation)
+                    .collect(),
+                // Deleted by an earlier collection that stopped before the list said so.
+                Err(TierError::Missing(_)) => HashSet::new(),
+                Err(error) => return Err(error),
+            };
+            if let Some(root) = self.lock().roots.get_mut(&number) {
+                root.names = Some(names);
+            }
+        }
+        let Some(plan) = self.collect_plan(&self.lock()) else {
+            return Ok(());
+        };
+        for &number in &plan.roots {
+            let key = ObjectPath::from(objects::root_key(&self.location.prefix, number));
+            self.delete(&key, "deleting an old root object")?;
+            self.lock().roots.remove(&number);
+            self.counters.deleted_roots.fetch_add(1, Ordering::Relaxed);
+        }
+        // Names only the deleted roots held are free now.
+        let Some(plan) = self.collect_plan(&self.lock()) else {
+            return Ok(());
+        };
+        for (incarnation, len) in plan.segments {
+            let key = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
+            self.delete(&key, "deleting a segment object no root needs")?;
+            self.lock().in_bucket.remove(&incarnation);
+            self.counters
+                .deleted_bytes
+                .fetch_add(len, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn delete(&self, key: &ObjectPath, what: &str) -> Result<()> {
+        match self.runtime.block_on(self.store.delete(key)) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(error) => Err(store_error(&self.location, what, error)),
+        }
     }
 
     /// Drops the least recently used segments that are wholly in the bucket
@@ -651,12 +974,13 @@ impl Shared {
                         let fill = local.sealed?;
                         let there = state
                             .in_bucket
-                            .get(&(index as u32, seq32, self.writer))
+                            .get(&(index as u32, seq32, local.writer))
                             .copied()?;
                         (local.written >= fill && there >= fill).then_some((
                             local.last_use,
                             index,
                             seq32,
+                            local.writer,
                             there,
                             local.footprint,
                         ))
@@ -664,13 +988,13 @@ impl Shared {
                     _ => None,
                 })
                 .min();
-            let Some((_, index, seq32, there, footprint)) = candidate else {
+            let Some((_, index, seq32, writer, there, footprint)) = candidate else {
                 return;
             };
             state
                 .sidecar
                 .evicted
-                .push((index as u32, seq32, self.writer, there));
+                .push((index as u32, seq32, writer, there));
             if let Err(error) = state.sidecar.store(&self.sidecar_path) {
                 state.sidecar.evicted.pop();
                 log::warn!("tier: cannot evict: {error}");
@@ -678,9 +1002,10 @@ impl Shared {
             }
             state.segs[index] = Seg::Evicted {
                 seq32,
-                writer: self.writer,
+                writer,
                 len: there,
             };
+            state.remote_reads.remove(&(index as u32));
             if let Err(error) = self.inner.erase_segment(SegmentId(index as u32)) {
                 // The bytes stay; reads go to the bucket all the same.
                 log::warn!("tier: dropping segment {index} from the cache: {error}");
@@ -740,8 +1065,13 @@ impl Shared {
         Ok(())
     }
 
-    fn publish(&self, root: RootObject, generation: u64) -> Result<()> {
+    fn publish(&self, root: RootObject, generation: u64, covers_sync: u64) -> Result<()> {
         let number = root.number;
+        let entries: HashMap<Incarnation, u64> = root
+            .segments
+            .iter()
+            .map(|entry| (entry.incarnation(), entry.len_bytes))
+            .collect();
         let key = ObjectPath::from(objects::root_key(&self.location.prefix, number));
         let options = PutOptions {
             mode: PutMode::Create,
@@ -785,6 +1115,19 @@ impl Shared {
         state.published_generation = Some(generation);
         state.last_publish = Instant::now();
         state.target = None;
+        state.sync_published = state.sync_published.max(covers_sync);
+        let now = Instant::now();
+        for older in state.roots.values_mut() {
+            older.superseded.get_or_insert(now);
+        }
+        state.roots.insert(
+            number,
+            KeptRoot {
+                superseded: None,
+                names: Some(entries.keys().copied().collect()),
+            },
+        );
+        state.published_entries = entries;
         if let Err(error) = state.sidecar.store(&self.sidecar_path) {
             // The next open finds the root by its writer id.
             log::warn!("tier: {error}");
@@ -822,6 +1165,7 @@ impl Shared {
             &self.counters.cache_hits
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        self.note_remote_read(incarnation);
         Ok(())
     }
 
@@ -848,16 +1192,7 @@ impl Shared {
         let bytes = if start >= stop {
             Bytes::new()
         } else {
-            let object = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
-            self.runtime
-                .block_on(self.store.get_range(&object, start..stop))
-                .map_err(|e| {
-                    zdisk_core::Error::from(store_error(
-                        &self.location,
-                        "reading an evicted segment",
-                        e,
-                    ))
-                })?
+            self.fetch_range(incarnation, start..stop)?
         };
         self.counters
             .fetched_bytes
@@ -882,6 +1217,215 @@ impl Shared {
         Ok(bytes)
     }
 
+    /// Bytes `range` of an incarnation's object, retried with backoff for
+    /// at most the retry timeout (an S3 client retries inside too, so one
+    /// attempt may take that long by itself).
+    fn fetch_range(
+        &self,
+        incarnation: Incarnation,
+        range: std::ops::Range<u64>,
+    ) -> zdisk_core::Result<Bytes> {
+        let object = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
+        let deadline = Instant::now() + self.config.retry_timeout;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self
+                .runtime
+                .block_on(self.store.get_range(&object, range.clone()))
+            {
+                Ok(bytes) => return Ok(bytes),
+                Err(error) if Instant::now() + backoff >= deadline => {
+                    return Err(
+                        store_error(&self.location, "reading an evicted segment", error).into(),
+                    )
+                }
+                Err(error) => {
+                    log::debug!("tier: {error}; retrying in {} ms", backoff.as_millis());
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// Counts a read of an evicted segment; the second one queues the
+    /// segment to be written back into the local cache.
+    fn note_remote_read(&self, (segment, seq32, writer): Incarnation) {
+        let mut state = self.lock();
+        if !matches!(state.segs[segment as usize], Seg::Evicted { seq32: s, writer: w, .. } if s == seq32 && w == writer)
+        {
+            return;
+        }
+        let reads = state.remote_reads.entry(segment).or_insert(0);
+        *reads += 1;
+        if *reads == WRITE_BACK_READS {
+            state.write_back.push_back(segment);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Fetches an evicted segment whole and writes it back into the local
+    /// cache: the bytes are made durable first, then the eviction record is
+    /// removed durably, so a crash between the two leaves it evicted.
+    fn write_back(&self, segment: u32) -> Result<()> {
+        let (incarnation, len) = match self.lock().segs[segment as usize] {
+            Seg::Evicted { seq32, writer, len } => ((segment, seq32, writer), len),
+            _ => return Ok(()),
+        };
+        let page = self.geometry.page_size_bytes as u64;
+        let padded = len.div_ceil(page) * page;
+        if padded == 0 || padded > self.geometry.segment_size_bytes {
+            return Ok(());
+        }
+        let bytes = self
+            .fetch_range(incarnation, 0..len)
+            .map_err(|e| TierError::Store(e.to_string()))?;
+        self.counters
+            .fetched_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let mut data = vec![0u8; padded as usize];
+        data[..bytes.len()].copy_from_slice(&bytes);
+        let mut state = self.lock();
+        let unchanged = matches!(state.segs[segment as usize],
+            Seg::Evicted { seq32, writer, .. } if (segment, seq32, writer) == incarnation);
+        if !unchanged {
+            return Ok(());
+        }
+        let local_error = |e: zdisk_core::Error| {
+            TierError::Local(format!(
+                "writing segment {segment} back into the cache: {e}"
+            ))
+        };
+        // The segment's file range was punched at eviction: write it whole.
+        self.inner
+            .prepare_segment(SegmentId(segment))
+            .and_then(|()| {
+                self.inner
+                    .write_pages(SegmentId(segment), PageIndex(0), &data)
+            })
+            .and_then(|()| self.inner.sync())
+            .map_err(local_error)?;
+        let (_, seq32, writer) = incarnation;
+        state.sidecar.evicted.retain(|entry| entry.0 != segment);
+        state
+            .sidecar
+            .written_back
+            .retain(|entry| entry.0 != segment);
+        if writer != self.writer {
+            state.sidecar.written_back.push((segment, seq32, writer));
+        }
+        state.sidecar.store(&self.sidecar_path)?;
+        state.tick += 1;
+        state.segs[segment as usize] = Seg::Local(LocalSeg {
+            seq32: Some(seq32),
+            writer,
+            written: len,
+            sealed: Some(len),
+            footprint: padded,
+            busy: false,
+            readers: 0,
+            last_use: state.tick,
+        });
+        state.remote_reads.remove(&segment);
+        self.counters
+            .written_back_bytes
+            .fetch_add(padded, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The cache's bound holds while uploads lag: a new segment waits
+    /// until the cache has room for it, as long as uploads under way can
+    /// make some (sealed segments not yet in the bucket become evictable
+    /// once they are). So the bucket lags by at most about the cache size,
+    /// and writes slow to the upload rate, or stop while the bucket is out
+    /// of reach, instead of filling the local disk.
+    fn wait_for_room<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, TierState>,
+        index: usize,
+    ) -> MutexGuard<'a, TierState> {
+        let segment_size = self.geometry.segment_size_bytes;
+        let mut waiting_since: Option<Instant> = None;
+        let mut last_warning = Instant::now();
+        loop {
+            let own = match &state.segs[index] {
+                Seg::Local(local) => local.footprint,
+                _ => 0,
+            };
+            let over =
+                resident(&state) - own + segment_size > state.sidecar.cache_bytes.max(segment_size);
+            let uploads_help = !state.stash.is_empty()
+                || state.segs.iter().enumerate().any(|(index, seg)| match seg {
+                    Seg::Local(LocalSeg {
+                        seq32: Some(seq32),
+                        writer,
+                        sealed: Some(fill),
+                        written,
+                        ..
+                    }) => {
+                        written >= fill
+                            && Self::there(&state, &(index as u32, *seq32, *writer)) < *fill
+                    }
+                    _ => false,
+                });
+            if !over || !uploads_help || state.failed.is_some() || state.closing {
+                if let Some(since) = waiting_since {
+                    self.counters
+                        .held_micros
+                        .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+                }
+                return state;
+            }
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            if last_warning.elapsed() >= Duration::from_secs(30) {
+                last_warning = Instant::now();
+                log::warn!(
+                    "tier: writes have waited {} s for uploads to make room in the cache ({} bytes not in {})",
+                    since.elapsed().as_secs(),
+                    self.lag_bytes(&state),
+                    self.location.url
+                );
+            }
+            self.changed.notify_all();
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(100))
+                .expect("tier state lock")
+                .0;
+        }
+    }
+
+    /// `--tier-sync`: returns once a root object covering everything
+    /// written so far is in the bucket. Fails if the bucket takes nothing
+    /// for the retry timeout (what was synced is still durable locally).
+    fn wait_published(&self) -> zdisk_core::Result<()> {
+        let mut state = self.lock();
+        state.sync_requests += 1;
+        let ticket = state.sync_requests;
+        let asked = Instant::now();
+        self.changed.notify_all();
+        while state.sync_published < ticket {
+            if let Some(message) = &state.failed {
+                return Err(TierError::OtherWriter(message.clone()).into());
+            }
+            let stalled = state.last_progress.elapsed().min(asked.elapsed());
+            if stalled > self.config.retry_timeout {
+                return Err(TierError::Store(format!(
+                    "{}: --tier-sync: the bucket took nothing for {} s; this flush is durable locally only",
+                    self.location.url,
+                    stalled.as_secs()
+                ))
+                .into());
+            }
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(100))
+                .expect("tier state lock")
+                .0;
+        }
+        Ok(())
+    }
+
     /// Readies `segment` for a new incarnation (or erases it): its old
     /// bytes not yet uploaded go to the stash, its eviction record is
     /// removed durably, and it is local again.
@@ -891,16 +1435,15 @@ impl Shared {
         while matches!(&state.segs[index], Seg::Local(local) if local.busy) {
             state = self.changed.wait(state).expect("tier state lock");
         }
+        if !erase && !self.config.read_only {
+            state = self.wait_for_room(state, index);
+        }
         let mut footprint = 0;
         match state.segs[index].clone() {
             Seg::Local(local) => {
                 footprint = local.footprint;
                 if let (Some(seq32), false) = (local.seq32, self.config.read_only || erase) {
-                    let there = state
-                        .in_bucket
-                        .get(&(segment.0, seq32, self.writer))
-                        .copied()
-                        .unwrap_or(0);
+                    let there = Self::there(&state, &(segment.0, seq32, local.writer));
                     if there < local.written {
                         if state.stash_bytes + local.written > STASH_MAX_BYTES {
                             log::warn!(
@@ -933,6 +1476,7 @@ impl Shared {
             state.tick += 1;
             state.segs[index] = Seg::Local(LocalSeg {
                 seq32: None,
+                writer: self.writer,
                 written: 0,
                 sealed: None,
                 footprint,
@@ -1048,6 +1592,9 @@ impl Media for TieredMedia {
                 Err(error) => log::warn!("tier: a root the engine wrote does not decode: {error}"),
             }
         }
+        if shared.config.sync && !shared.config.read_only {
+            shared.wait_published()?;
+        }
         Ok(())
     }
 
@@ -1067,6 +1614,37 @@ impl Media for TieredMedia {
             self.shared.inner.describe(),
             self.shared.location.url
         )
+    }
+
+    fn segment_freed(&self, segment: SegmentId) {
+        let shared = &self.shared;
+        let mut state = shared.lock();
+        let index = segment.index();
+        state.remote_reads.remove(&segment.0);
+        match &mut state.segs[index] {
+            Seg::Local(local) if local.busy || local.readers > 0 => {
+                // Its bytes are being read: forget the incarnation, keep the
+                // bytes until the segment is prepared again.
+                local.seq32 = None;
+                local.written = 0;
+                local.sealed = None;
+            }
+            Seg::Local(_) => {
+                state.segs[index] = Seg::Empty;
+                if let Err(error) = shared.inner.erase_segment(segment) {
+                    log::warn!("tier: dropping freed segment {segment} from the cache: {error}");
+                }
+            }
+            Seg::Evicted { .. } => {
+                // Stored by the uploader soon: until then a reopened image
+                // finds it evicted, and the engine frees it again at open.
+                state.segs[index] = Seg::Empty;
+                state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
+                state.sidecar_dirty = true;
+            }
+            Seg::Empty => {}
+        }
+        shared.changed.notify_all();
     }
 
     fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
@@ -1105,53 +1683,26 @@ impl Media for TieredMedia {
         };
         let counter = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         let c = &shared.counters;
-        vec![
-            MediaStat {
-                name: "tier_lag_bytes",
-                help: "Bytes written locally and not yet in the bucket.",
-                value: lag,
-            },
-            MediaStat {
-                name: "tier_uploaded_bytes",
-                help: "Bytes of segments uploaded to the bucket.",
-                value: counter(&c.uploaded_bytes),
-            },
-            MediaStat {
-                name: "tier_fetched_bytes",
-                help: "Bytes of evicted segments fetched from the bucket.",
-                value: counter(&c.fetched_bytes),
-            },
-            MediaStat {
-                name: "tier_cache_hits",
-                help: "Segment reads served by the local cache or fetched RAM.",
-                value: counter(&c.cache_hits),
-            },
-            MediaStat {
-                name: "tier_cache_misses",
-                help: "Segment reads that needed the bucket.",
-                value: counter(&c.cache_misses),
-            },
-            MediaStat {
-                name: "tier_evicted_bytes",
-                help: "Bytes of segments dropped from the local cache.",
-                value: counter(&c.evicted_bytes),
-            },
-            MediaStat {
-                name: "tier_resident_bytes",
-                help: "Bytes of segments the local cache holds.",
-                value: resident_bytes,
-            },
-            MediaStat {
-                name: "tier_roots_published",
-                help: "Root objects this run published.",
-                value: counter(&c.roots_published),
-            },
-            MediaStat {
-                name: "tier_bucket_root",
-                help: "Number of the newest root object published or restored from.",
-                value: bucket_root,
-            },
-        ]
+        let values = [
+            lag,
+            counter(&c.uploaded_bytes),
+            counter(&c.fetched_bytes),
+            counter(&c.cache_hits),
+            counter(&c.cache_misses),
+            counter(&c.evicted_bytes),
+            resident_bytes,
+            counter(&c.roots_published),
+            counter(&c.deleted_bytes),
+            counter(&c.deleted_roots),
+            counter(&c.written_back_bytes),
+            counter(&c.held_micros),
+            bucket_root,
+        ];
+        TIER_STATS
+            .iter()
+            .zip(values)
+            .map(|(&(name, help), value)| MediaStat { name, help, value })
+            .collect()
     }
 }
 

@@ -29,6 +29,15 @@ pub struct Sidecar {
     pub cache_bytes: u64,
     /// Evicted segments: (segment, seq32, writer, bytes in the bucket).
     pub evicted: Vec<(u32, u32, u64, u64)>,
+    /// Segments written back into the cache from another writer's object:
+    /// (segment, seq32, writer). An entry whose incarnation the segment no
+    /// longer holds means nothing.
+    #[serde(default)]
+    pub written_back: Vec<(u32, u32, u64)>,
+    /// Made `--from` a bucket to read it (`create --read-only`): never
+    /// opened to write, so it never publishes or takes the volume.
+    #[serde(default)]
+    pub reader: bool,
 }
 
 /// The sidecar's path for an image.
@@ -47,6 +56,8 @@ impl Sidecar {
             bucket_root,
             cache_bytes,
             evicted: Vec::new(),
+            written_back: Vec::new(),
+            reader: false,
         }
     }
 

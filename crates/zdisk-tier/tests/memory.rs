@@ -72,6 +72,25 @@ fn create(dir: &Scratch, url: &str, cache_bytes: u64) -> Arc<Volume> {
     zdisk_tier::create(&dir.0.join("a.img"), &layout, create, config(), options()).unwrap()
 }
 
+/// A new cache `name` in `dir` for the volume at `url`.
+fn restore(
+    dir: &Scratch,
+    name: &str,
+    url: &str,
+    cache_bytes: u64,
+    take_over: bool,
+    options: OpenOptions,
+) -> Result<Arc<Volume>, String> {
+    zdisk_tier::restore(
+        &dir.0.join(name),
+        url,
+        cache_bytes,
+        take_over,
+        config(),
+        options,
+    )
+}
+
 fn stat(volume: &Volume, name: &str) -> u64 {
     *volume
         .stats()
@@ -124,30 +143,14 @@ fn a_volume_larger_than_its_cache_comes_back_whole_on_a_new_cache() {
     // The local image is gone; a new cache serves the same bytes.
     std::fs::remove_file(dir.0.join("a.img")).unwrap();
     std::fs::remove_file(dir.0.join("a.img.tier")).unwrap();
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&restored, 8192, 1);
     assert!(stat(&restored, "tier_fetched_bytes") > 0);
     // It writes, and a later cache sees that too.
     write_all(&restored, 1024, 2);
     restored.close().unwrap();
     drop(restored);
-    let again = zdisk_tier::restore(
-        &dir.0.join("c.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let again = restore(&dir, "c.img", url, 4 * MIB, false, options()).unwrap();
     check_all(&again, 1024, 2);
     let mut buf = vec![0u8; 4096];
     again.read(5000 * 4096, &mut buf).unwrap();
@@ -164,15 +167,7 @@ fn a_second_writer_is_refused() {
     first.close().unwrap();
     drop(first);
     // Another machine attaches to the volume and writes.
-    let second = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        8 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let second = restore(&dir, "b.img", url, 8 * MIB, false, options()).unwrap();
     write_all(&second, 16, 2);
     second.close().unwrap();
     drop(second);
@@ -218,30 +213,15 @@ fn a_crashed_writers_volume_needs_take_over_and_serves_its_newest_root() {
     drop(volume);
     std::fs::remove_file(dir.0.join("a.img")).unwrap();
 
-    let error = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        false,
-        config(),
-        options(),
-    )
-    .err()
-    .expect("a dirty root needs --take-over");
+    let error = restore(&dir, "b.img", url, 4 * MIB, false, options())
+        .err()
+        .expect("a dirty root needs --take-over");
     assert!(error.contains("--take-over"), "{error}");
     assert!(
         !dir.0.join("b.img").exists(),
         "a refused restore leaves nothing"
     );
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        4 * MIB,
-        true,
-        config(),
-        options(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 4 * MIB, true, options()).unwrap();
     check_all(&restored, 2048, 2);
     restored.close().unwrap();
 }
@@ -271,15 +251,7 @@ fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() 
     drop(volume);
     // A new cache from that root numbers its segments from there too; it
     // must read and write its own objects, never the dead writer's.
-    let restored = zdisk_tier::restore(
-        &dir.0.join("b.img"),
-        url,
-        2 * MIB,
-        true,
-        config(),
-        options.clone(),
-    )
-    .unwrap();
+    let restored = restore(&dir, "b.img", url, 2 * MIB, true, options.clone()).unwrap();
     let mut buf = vec![0u8; 4096];
     for index in 0..1024 {
         restored.read(index * 4096, &mut buf).unwrap();
@@ -292,8 +264,225 @@ fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() 
     check_all(&restored, 8192, 3);
     restored.close().unwrap();
     drop(restored);
-    let again =
-        zdisk_tier::restore(&dir.0.join("c.img"), url, 2 * MIB, false, config(), options).unwrap();
+    let again = restore(&dir, "c.img", url, 2 * MIB, false, options).unwrap();
     check_all(&again, 8192, 3);
+    again.close().unwrap();
+}
+
+/// The segment objects and root numbers the store `name` holds under `vol/`.
+fn bucket(name: &str) -> (Vec<(String, u64)>, Vec<u64>) {
+    use futures::TryStreamExt;
+    let store = zdisk_tier::memory_store(name);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let prefix = object_store::path::Path::from("vol");
+    let listed: Vec<_> = runtime
+        .block_on(store.list(Some(&prefix)).try_collect())
+        .unwrap();
+    let mut segments = Vec::new();
+    let mut roots = Vec::new();
+    for object in listed {
+        let name = object.location.as_ref().strip_prefix("vol/").unwrap();
+        if zdisk_tier::objects::parse_segment_name(name).is_some() {
+            segments.push((name.to_string(), object.size));
+        } else if let Some(number) = zdisk_tier::objects::parse_root_name(name) {
+            roots.push(number);
+        }
+    }
+    roots.sort_unstable();
+    (segments, roots)
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} did not happen in 90 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn with_tier_sync_a_flush_returns_only_once_the_bucket_covers_it() {
+    for sync in [false, true] {
+        let dir = Scratch::new(&format!("sync-{sync}"));
+        let url = format!("memory://sync-{sync}/vol");
+        let volume = create(&dir, &url, 8 * MIB);
+        volume.close().unwrap();
+        drop(volume);
+        // Publication every hour: only --tier-sync makes the flush reach the bucket.
+        let slow = TierConfig {
+            publish_interval: Duration::from_secs(3600),
+            sync,
+            ..config()
+        };
+        let volume = zdisk_tier::open(&dir.0.join("a.img"), slow, options()).unwrap();
+        write_all(&volume, 512, 1); // ends with a flush
+        volume.halt();
+        drop(volume);
+        let restored = restore(&dir, "b.img", &url, 8 * MIB, true, options()).unwrap();
+        let mut buf = vec![0u8; 4096];
+        let mut found = 0;
+        for index in 0..512 {
+            restored.read(index * 4096, &mut buf).unwrap();
+            if buf == block(index, 1) {
+                found += 1;
+            } else {
+                assert!(
+                    buf.iter().all(|&b| b == 0),
+                    "block {index} holds a torn write"
+                );
+            }
+        }
+        if sync {
+            assert_eq!(
+                found, 512,
+                "a flush with --tier-sync left blocks out of the bucket"
+            );
+        } else {
+            assert_eq!(
+                found, 0,
+                "without --tier-sync the bucket was expected to lag an hour"
+            );
+        }
+        restored.close().unwrap();
+    }
+}
+
+#[test]
+fn the_bucket_gives_space_back_and_never_names_a_missing_object() {
+    let dir = Scratch::new("collect");
+    let url = "memory://collect/vol";
+    let volume = create(&dir, url, 4 * MIB);
+    volume.close().unwrap();
+    drop(volume);
+    // What an interrupted collection, or a crashed upload, leaves behind:
+    // an object no root names.
+    let store = zdisk_tier::memory_store("collect");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let orphan = zdisk_tier::objects::segment_key("vol/", (7, 0xdead, 0xbeef));
+    runtime
+        .block_on(store.put(
+            &object_store::path::Path::from(orphan.as_str()),
+            vec![1u8; 4096].into(),
+        ))
+        .unwrap();
+    let eager = TierConfig {
+        keep_roots_for: Duration::ZERO,
+        ..config()
+    };
+    // With the background thread: idle compaction rewrites mostly dead
+    // segments, fetching the evicted ones from the bucket.
+    let background = OpenOptions {
+        background: true,
+        ..options()
+    };
+    let volume = zdisk_tier::open(&dir.0.join("a.img"), eager, background).unwrap();
+    // 3 × 32 MiB of writes into a 96 MiB log: most segments end mostly dead.
+    for round in 1..=3 {
+        write_all(&volume, 8192, round);
+    }
+    volume.checkpoint().unwrap();
+    wait_until("a collection", || {
+        stat(&volume, "tier_deleted_bytes") > 0 && stat(&volume, "tier_roots_deleted") > 0
+    });
+    let stored = volume.stats().stored_bytes;
+    wait_until("the bucket shrinking to about the live data", || {
+        let (segments, roots) = bucket("collect");
+        let bytes: u64 = segments.iter().map(|s| s.1).sum();
+        roots.len() == 1 && bytes < 2 * stored + 8 * MIB
+    });
+    let (segments, _) = bucket("collect");
+    assert!(
+        !segments
+            .iter()
+            .any(|(name, _)| orphan.ends_with(name.as_str())),
+        "the orphan object was not deleted"
+    );
+    check_all(&volume, 8192, 3);
+    volume.close().unwrap();
+    drop(volume);
+    // Every object the newest root names is there: a new cache serves it all.
+    let (_, roots) = bucket("collect");
+    assert_eq!(roots.len(), 1, "old roots were kept: {roots:?}");
+    let restored = restore(&dir, "b.img", url, 4 * MIB, false, options()).unwrap();
+    check_all(&restored, 8192, 3);
+    restored.close().unwrap();
+}
+
+#[test]
+fn segments_read_again_are_written_back_into_the_cache() {
+    let dir = Scratch::new("write-back");
+    let url = "memory://write-back/vol";
+    let volume = create(&dir, url, 4 * MIB);
+    write_all(&volume, 4096, 1); // 16 MiB through a 4 MiB cache
+    volume.close().unwrap();
+    drop(volume);
+    std::fs::remove_file(dir.0.join("a.img")).unwrap();
+    // A new cache: every segment is another writer's object.
+    let restored = restore(&dir, "b.img", url, 12 * MIB, false, options()).unwrap();
+    // Two passes over the first 2 MiB: the second miss on a segment writes it back.
+    check_all(&restored, 512, 1);
+    check_all(&restored, 512, 1);
+    wait_until("a write-back", || {
+        stat(&restored, "tier_written_back_bytes") > 0
+    });
+    let fetched = stat(&restored, "tier_fetched_bytes");
+    check_all(&restored, 512, 1);
+    restored.close().unwrap();
+    drop(restored);
+    // After a restart the written-back segments are read locally, under
+    // their writer's object names, and nothing is uploaded again.
+    let again = zdisk_tier::open(&dir.0.join("b.img"), config(), options()).unwrap();
+    check_all(&again, 512, 1);
+    assert_eq!(
+        stat(&again, "tier_fetched_bytes"),
+        0,
+        "written-back segments were fetched again"
+    );
+    check_all(&again, 4096, 1);
+    again.close().unwrap();
+    assert!(fetched > 0);
+}
+
+#[test]
+fn readers_attach_to_a_running_writers_volume_without_taking_it() {
+    let dir = Scratch::new("reader");
+    let url = "memory://reader/vol";
+    let writer = create(&dir, url, 4 * MIB);
+    write_all(&writer, 2048, 1);
+    writer.checkpoint().unwrap();
+    wait_until("a published root", || stat(&writer, "tier_lag_bytes") == 0);
+    let read_only = OpenOptions {
+        read_only: true,
+        ..options()
+    };
+    // The newest root is not a clean stop's, and no --take-over is needed.
+    let reader = restore(&dir, "r.img", url, 4 * MIB, false, read_only.clone()).unwrap();
+    check_all(&reader, 2048, 1);
+    assert!(
+        reader.write(0, &block(0, 9), false).is_err(),
+        "a reader wrote"
+    );
+    reader.close().unwrap();
+    drop(reader);
+    let error = zdisk_tier::open(&dir.0.join("r.img"), config(), options())
+        .err()
+        .expect("a reader's image must not open to write");
+    assert!(error.contains("--read-only"), "{error}");
+    let reader = zdisk_tier::open(&dir.0.join("r.img"), config(), read_only).unwrap();
+    check_all(&reader, 2048, 1);
+    drop(reader);
+    // The writer keeps the volume.
+    write_all(&writer, 2048, 2);
+    writer.close().unwrap();
+    drop(writer);
+    let again = restore(&dir, "c.img", url, 4 * MIB, false, options()).unwrap();
+    check_all(&again, 2048, 2);
     again.close().unwrap();
 }

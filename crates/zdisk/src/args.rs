@@ -132,6 +132,10 @@ pub struct CreateArgs {
     /// stop's (its writer crashed; make sure it is gone).
     #[arg(long, requires = "from")]
     pub take_over: bool,
+    /// With --from: attach as a reader, which never writes the volume
+    /// (serve the image with --read-only); its writer may be running.
+    #[arg(long, requires = "from", conflicts_with = "take_over")]
+    pub read_only: bool,
 }
 
 #[derive(Args, Debug)]

@@ -202,6 +202,10 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
                 .layout
                 .physical
                 .ok_or("--physical is required with --from: the most the local cache keeps")?;
+            let options = OpenOptions {
+                read_only: args.read_only,
+                ..options
+            };
             zdisk_tier::restore(
                 &args.image,
                 url,

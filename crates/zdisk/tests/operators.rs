@@ -291,6 +291,15 @@ fn serve_order() -> TestResult {
         ],
         "emulated drives",
     )?;
+    for flag in [
+        &["--tier-sync"][..],
+        &["--tier-timeout", "5"],
+        &["--tier-keep", "0"],
+    ] {
+        let mut args = vec!["serve", image.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(flag);
+        one_line_error(&args, "apply to tiered volumes")?;
+    }
     Ok(Completion::Completed)
 }
 

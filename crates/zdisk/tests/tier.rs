@@ -8,11 +8,13 @@
 //! read back identical, then served again from a new image made `--from`
 //! the bucket after the first image is deleted; a second writer refused;
 //! `kill -9` mid-upload then a restore; the S3 gateway stopped in the
-//! middle of writes and started again (writes and flushes go on locally,
-//! the lag grows and no root is published while it is down, a read of
-//! evicted data fails with EIO after about `--tier-timeout`, then the
+//! middle of writes and started again (writes and flushes go on locally
+//! while the cache has room, then wait; the lag grows and no root is
+//! published while it is down; a read of evicted data fails with EIO
+//! after about `--tier-timeout`; then the held write completes, the
 //! bucket catches up and nothing is lost, on this image or one restored
-//! from the bucket); `scripts/tier-vs-local.py` runs on a small corpus and
+//! from the bucket; an ignored twin asks that reads and /stats answer
+//! while a write waits); `scripts/tier-vs-local.py` runs on a small corpus and
 //! its figures hold together.
 
 mod support;
@@ -45,6 +47,15 @@ fn main() {
             "the_gateway_stopped_and_restarted_mid_write_loses_nothing",
             gateway_outage,
         ),
+        // Ignored until fixed: TieredMedia::prepare_segment waits for room
+        // (wait_for_room) under the engine's state lock (State::acquire from
+        // apply_write), so every read, /stats, the control socket and
+        // maintenance block until the bucket is back.
+        Trial::ignorable_test(
+            "reads_and_stats_answer_while_a_write_waits_for_the_gateway",
+            gateway_outage_probe,
+        )
+        .with_ignored_flag(true),
         Trial::ignorable_test(
             "the_tier_vs_local_benchmark_runs_on_a_small_corpus",
             tier_vs_local_script,
@@ -536,11 +547,33 @@ fn write_flushed(
         .map_err(|e| format!("cannot run python3: {e}").into())
 }
 
-fn wait_ok(child: std::process::Child, what: &str) -> Result<(), Failed> {
-    let output = child.wait_with_output().map_err(|e| e.to_string())?;
-    ensure!(output.status.success(), "{what} failed ({})", output.status);
-    Ok(())
+/// Waits at most `seconds` for a client to exit 0 (killed if it does not).
+fn wait_ok(mut child: std::process::Child, seconds: u64, what: &str) -> Result<(), Failed> {
+    let deadline = Instant::now() + std::time::Duration::from_secs(seconds);
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            ensure!(status.success(), "{what} failed ({status})");
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{what} did not finish in {seconds} s").into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
+
+/// Trims LEN bytes at OFFSET of the export, then flushes.
+const TRIM_FLUSHED: &str = r#"
+import sys, nbd
+uri, offset, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = nbd.NBD()
+h.connect_uri(uri)
+h.trim(length, offset)
+h.flush()
+h.shutdown()
+"#;
 
 /// The outcome of one timed NBD read: the bytes, or the errno.
 enum Read {
@@ -626,6 +659,17 @@ fn wait_stats(
 }
 
 fn gateway_outage() -> TestResult {
+    outage_scenario(false)
+}
+
+fn gateway_outage_probe() -> TestResult {
+    outage_scenario(true)
+}
+
+/// The gateway stopped mid-write and started again; with `probe_while_held`,
+/// reads of cached data and /stats must answer while a write waits for
+/// room in the cache.
+fn outage_scenario(probe_while_held: bool) -> TestResult {
     if let Some(skip) = skip_unless(Ceph::unavailable()) {
         return skip;
     }
@@ -676,16 +720,17 @@ fn gateway_outage() -> TestResult {
     )?;
     let uri = server.uri();
     // What every block must read back as: the last write to it.
-    let mut model = vec![0u8; (96 * MIB) as usize];
-    let mut write = |data: Vec<u8>, offset: u64, name: &str| -> Result<_, Failed> {
+    let model = std::cell::RefCell::new(vec![0u8; (112 * MIB) as usize]);
+    let write = |data: Vec<u8>, offset: u64, name: &str| -> Result<_, Failed> {
         let child = write_flushed(&uri, &scratch, name, &data, offset, 4 * MIB)?;
-        model[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+        model.borrow_mut()[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
         Ok(child)
     };
 
     // 48 MiB through the 32 MiB cache, all in the bucket, the oldest evicted.
     wait_ok(
         write(pseudo_random((48 * MIB) as usize, 1), 0, "w1.raw")?,
+        120,
         "the first write",
     )?;
     let before = wait_stats(
@@ -702,39 +747,52 @@ fn gateway_outage() -> TestResult {
         stat(&before, "tier_roots_published") > 0,
         "no root object was published: {before}"
     );
+    // Room in the cache: the newest 24 MiB (the resident ones) trimmed,
+    // their segments freed and dropped from the cache.
+    python(
+        TRIM_FLUSHED,
+        &[&uri, &(24 * MIB).to_string(), &(24 * MIB).to_string()],
+    )?;
+    model.borrow_mut()[(24 * MIB) as usize..(48 * MIB) as usize].fill(0);
+    wait_stats(
+        &server,
+        120,
+        "the trimmed segments did not leave the cache",
+        |s| stat(s, "tier_resident_bytes") <= 12 * MIB && stat(s, "tier_lag_bytes") == 0,
+    )?;
 
-    // 16 MiB more, the gateway stopped while they are written and uploaded.
+    // 8 MiB more, the gateway stopped while they are written and uploaded.
     let host_written = stat(&server.stats()?, "host_write_bytes");
-    let copy = write(pseudo_random((16 * MIB) as usize, 2), 48 * MIB, "w2.raw")?;
+    let copy = write(pseudo_random((8 * MIB) as usize, 2), 64 * MIB, "w2.raw")?;
     wait_stats(&server, 60, "the second write did not get going", |s| {
-        stat(s, "host_write_bytes") >= host_written + 4 * MIB
+        stat(s, "host_write_bytes") >= host_written + 2 * MIB
     })?;
     ceph.stop_gateway()?;
     let outage = Instant::now();
     let down = server.stats()?;
     let published = stat(&down, "tier_roots_published");
-    wait_ok(copy, "the write during which the gateway stopped")?;
+    wait_ok(copy, 60, "the write during which the gateway stopped")?;
 
-    // Writes and flushes go on locally; the lag grows by what they store.
+    // While the cache has room, writes and flushes go on locally; the lag
+    // grows by what they store.
     let mut lag = stat(&server.stats()?, "tier_lag_bytes");
     ensure!(
         lag > 0,
         "nothing is waiting for the bucket: {}",
         server.stats()?
     );
-    for (round, offset) in [(3u64, 64 * MIB), (4, 8 * MIB)] {
-        let data = pseudo_random((8 * MIB) as usize, round);
-        wait_ok(
-            write(data, offset, &format!("w{round}.raw"))?,
-            "a write with the gateway down",
-        )?;
-        let now = stat(&server.stats()?, "tier_lag_bytes");
-        ensure!(
-            now >= lag + 7 * MIB,
-            "8 MiB written and flushed with the gateway down, yet the lag went from {lag} to {now}"
-        );
-        lag = now;
-    }
+    let data = pseudo_random((8 * MIB) as usize, 3);
+    wait_ok(
+        write(data, 24 * MIB, "w3.raw")?,
+        60,
+        "a write with the gateway down and room in the cache",
+    )?;
+    let now = stat(&server.stats()?, "tier_lag_bytes");
+    ensure!(
+        now >= lag + 7 * MIB,
+        "8 MiB written and flushed with the gateway down, yet the lag went from {lag} to {now}"
+    );
+    lag = now;
 
     // A read of evicted data (block 0, written first and never read) fails
     // with EIO once the tier's retries give up, never with other bytes.
@@ -757,7 +815,7 @@ fn gateway_outage() -> TestResult {
         Read::Data(data, seconds) => {
             return Err(format!(
                 "with the gateway down, a read of evicted block 0 returned data after {seconds:.1} s ({}): {}",
-                if data[..] == model[..4096] { "the right bytes: was it evicted?" } else { "WRONG bytes" },
+                if data[..] == model.borrow()[..4096] { "the right bytes: was it evicted?" } else { "WRONG bytes" },
                 server.stats()?
             )
             .into());
@@ -798,15 +856,58 @@ fn gateway_outage() -> TestResult {
         "the uploader did not back off: {waits_ms:?}"
     );
 
-    // Back up: the bucket catches up, a new root follows, reads recover.
+    // More than the cache has room for: the write waits for the bucket.
+    let mut held = write(pseudo_random((24 * MIB) as usize, 4), 80 * MIB, "w4.raw")?;
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    if probe_while_held {
+        // Only the held write should wait: a read of data in the cache
+        // (written before the gateway stopped) and /stats still answer.
+        let output = Command::new("timeout")
+            .args(["20", "/usr/bin/python3", "-c", TIMED_READ, &uri])
+            .args([(64 * MIB).to_string(), "4096".into()])
+            .arg(scratch.join("probe.raw"))
+            .output()
+            .map_err(|e| e.to_string())?;
+        ensure!(
+            output.status.success() && stdout(&output).starts_with("ok"),
+            "with a write waiting for room, a read of cached data did not answer in 20 s ({}: {})",
+            output.status,
+            stdout(&output)
+        );
+        let data = std::fs::read(scratch.join("probe.raw")).map_err(|e| e.to_string())?;
+        ensure!(
+            data[..] == model.borrow()[(64 * MIB) as usize..(64 * MIB + 4096) as usize],
+            "the cached block read back wrong while a write waited"
+        );
+        run(
+            "curl",
+            &["-sf", "-m", "20", &format!("http://{metrics}/stats")],
+        )?;
+    }
+    ensure!(
+        held.try_wait().map_err(|e| e.to_string())?.is_none(),
+        "24 MiB more than the 32 MiB cache had room for were written with the gateway down: {stats}"
+    );
+
+    // Back up: the held write completes, the bucket catches up, a new root
+    // follows, reads recover.
     ceph.start_gateway()?;
     let back_up = Instant::now();
+    wait_ok(held, 120, "the write held while the gateway was down")?;
+    eprintln!(
+        "the held write completed {:.1} s after the gateway came back",
+        back_up.elapsed().as_secs_f64()
+    );
     let stats = wait_stats(
         &server,
         120,
         "the bucket did not catch up after the gateway came back",
         |s| stat(s, "tier_lag_bytes") == 0 && stat(s, "tier_roots_published") > published,
     )?;
+    ensure!(
+        stat(&stats, "tier_held_micros") > 0,
+        "no write was counted as held: {stats}"
+    );
     eprintln!(
         "the bucket caught up and published root {} {:.1} s after the gateway came back",
         stat(&stats, "tier_roots_published"),
@@ -814,13 +915,16 @@ fn gateway_outage() -> TestResult {
     );
     match timed_read(&uri, &scratch, 0, 4096)? {
         Read::Data(data, _) => {
-            ensure!(data[..] == model[..4096], "block 0 reads back wrong");
+            ensure!(
+                data[..] == model.borrow()[..4096],
+                "block 0 reads back wrong"
+            );
         }
         Read::Error(errno, _) => {
             return Err(format!("block 0 still fails (errno {errno}) with the gateway back").into())
         }
     }
-    reads_back(&uri, &scratch, &model, "after the outage")?;
+    reads_back(&uri, &scratch, &model.borrow(), "after the outage")?;
     server.stop()?;
 
     // The bucket alone holds it all.
@@ -833,7 +937,12 @@ fn gateway_outage() -> TestResult {
         &["create", restored_arg, "--physical", "32M", "--from", url],
     )?;
     let mut server = serve_s3(&ceph, &restored, &scratch.join("sock2"), &metrics)?;
-    reads_back(&server.uri(), &scratch, &model, "restored from the bucket")?;
+    reads_back(
+        &server.uri(),
+        &scratch,
+        &model.borrow(),
+        "restored from the bucket",
+    )?;
     ensure!(
         stat(&server.stats()?, "tier_fetched_bytes") > 32 * MIB,
         "the restored data did not come from the bucket: {}",

@@ -255,6 +255,13 @@ pub trait Media: Send + Sync {
     // --- Hooks for media that keep segments elsewhere too (an object-store
     // tier). The defaults do nothing.
 
+    /// The engine freed `segment`: no root it may recover from needs the
+    /// incarnation the segment held. A tier stops keeping it; most media
+    /// ignore this.
+    fn segment_freed(&self, segment: SegmentId) {
+        let _ = segment;
+    }
+
     /// The engine sealed this incarnation of `segment` at `fill_bytes`: it
     /// writes no more to it until a later `prepare_segment` or
     /// `erase_segment`. Called under the engine's lock, possibly before the

@@ -237,6 +237,7 @@ impl Volume {
                     Err(other) => return Err(other),
                 }
             }
+            volume.lock().report_all_free();
         }
         report.duration = volume.options.clock.monotonic().saturating_sub(started);
         *volume.open_report.lock().expect("report lock") = report;

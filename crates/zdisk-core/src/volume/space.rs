@@ -271,6 +271,16 @@ impl Space {
         self.table.get(segment)
     }
 
+    /// Segments freed since the last call (for the medium to hear of).
+    pub(crate) fn take_freed(&mut self) -> Vec<SegmentId> {
+        self.table.take_freed()
+    }
+
+    /// Every free segment.
+    pub(crate) fn free_segments(&self) -> impl Iterator<Item = SegmentId> + '_ {
+        self.table.free_segments()
+    }
+
     pub(crate) fn free_count(&self) -> u64 {
         self.table.free_count()
     }

@@ -975,6 +975,23 @@ impl State {
     pub(crate) fn note_synced(&mut self, gen: u64) {
         self.space.note_synced(gen);
         self.staging.note_synced(gen);
+        self.report_freed();
+    }
+
+    /// Tells the medium of segments freed since the last report.
+    fn report_freed(&mut self) {
+        for segment in self.space.take_freed() {
+            self.media.segment_freed(segment);
+        }
+    }
+
+    /// Tells the medium of every free segment (once recovery has settled
+    /// what is free).
+    pub(crate) fn report_all_free(&mut self) {
+        self.space.take_freed();
+        for segment in self.space.free_segments() {
+            self.media.segment_freed(segment);
+        }
     }
 
     /// A cleaned victim (see `Space::retire`).
@@ -990,6 +1007,7 @@ impl State {
         );
         self.space.retire(victim, relocated_bytes, after_checkpoint);
         self.counters.segments_cleaned += 1;
+        self.report_freed();
     }
 
     /// Drops everything buffered, as a power cut would (for `Volume::halt`).
@@ -1084,6 +1102,7 @@ impl State {
             for segment in dump.segments() {
                 self.space.release(segment);
             }
+            self.report_freed();
         }
     }
 
