@@ -673,12 +673,14 @@ impl Shared {
                         closing_since = Some(Instant::now());
                     }
                     if let Some(since) = closing_since {
-                        if since.elapsed() > 4 * self.config.retry_timeout && state.failed.is_none()
-                        {
+                        // Gives up once nothing has succeeded for four
+                        // retry timeouts of the close.
+                        let stalled = since.elapsed().min(state.last_progress.elapsed());
+                        if stalled > 4 * self.config.retry_timeout && state.failed.is_none() {
                             state.failed = Some(format!(
                                 "{}: the bucket was out of reach for {} s at close; {} bytes were not uploaded",
                                 self.location.url,
-                                since.elapsed().as_secs(),
+                                stalled.as_secs(),
                                 self.lag_bytes(&state)
                             ));
                         }
@@ -716,7 +718,11 @@ impl Shared {
                 Err(error) => {
                     log::warn!("tier: {error}; retrying in {} ms", backoff.as_millis());
                     std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    // Never longer than a retry timeout, so a close notices
+                    // the bucket is back well before it would give up.
+                    backoff = (backoff * 2)
+                        .min(Duration::from_secs(10))
+                        .min(self.config.retry_timeout);
                 }
             }
             self.changed.notify_all();

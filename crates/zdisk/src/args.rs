@@ -171,6 +171,13 @@ pub struct ServeArgs {
     /// Serve read-only: write requests fail with EPERM.
     #[arg(long)]
     pub read_only: bool,
+    /// Large reads of an image file decode straight from a read-only
+    /// mapping of it: on (the default) or off (every read copies with
+    /// pread, so a disk error under the file fails one request instead of
+    /// stopping the server with SIGBUS). Block devices are always read
+    /// with pread.
+    #[arg(long, value_parser = on_off_arg, default_value = "on", action = clap::ArgAction::Set)]
+    pub mapped_reads: bool,
     /// RAM the block map's leaves may take (e.g. 8M, 1G); leaves beyond it
     /// are paged out to the image and read back when needed. Default: 2
     /// bytes per 4 KiB block of the volume, at least 64M and at most 4G.

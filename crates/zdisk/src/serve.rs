@@ -33,6 +33,7 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
     let config = server_config(&args)?;
     let bound =
         BoundListener::bind(&listen).map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    zdisk_core::media::set_mapped_reads(args.mapped_reads);
     let volume = open_or_create(&args, existing)?;
     let served = serve(&args, bound, config, volume.clone());
     // Whatever happened, flush and checkpoint what was written.

@@ -247,6 +247,16 @@ fn nbdcopy_round_trip(m: Medium) -> TestResult {
     let ratio = stats["compression_ratio"].as_f64().unwrap_or(0.0);
     ensure!(ratio > 1.2, "real files should compress; ratio {ratio}");
     server.stop()?;
+    // Every read a copy (no mapping): the same bytes.
+    let mut server = serve(m, &image, &dir.join("sock"), &["--mapped-reads", "off"])?;
+    std::fs::remove_file(&back)?;
+    run("nbdcopy", &[&server.uri(), back.to_str().unwrap()])?;
+    let n = len.to_string();
+    run(
+        "cmp",
+        &["-n", &n, tar.to_str().unwrap(), back.to_str().unwrap()],
+    )?;
+    server.stop()?;
     Ok(Completion::Completed)
 }
 

@@ -31,7 +31,7 @@ mod file;
 mod mem;
 
 pub use file::{
-    file_geometry, lock_file, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,
+    file_geometry, lock_file, set_mapped_reads, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,
     FILE_ROOT_MAX_BYTES, FILE_STAGING_AREA_BYTES,
 };
 pub use mem::{CrashConfig, MemMedia};
@@ -133,6 +133,19 @@ pub trait Media: Send + Sync {
 
     /// Reads `buf.len()` bytes at `offset_bytes` within `segment`.
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()>;
+
+    /// The `len` bytes at `offset_bytes` within `segment`, lent from a
+    /// read-only mapping of the medium instead of copied; `Ok(None)` if the
+    /// medium has no mapping (then `read` them). They are the bytes `read`
+    /// would return, with one difference: they are not a copy. Should the
+    /// segment be readied for a new incarnation and written while they are
+    /// in use, they change under the borrower, which must therefore check
+    /// afterwards that the segment's incarnation did not change (as the
+    /// host read path does) before trusting what it made of them.
+    fn mapped(&self, segment: SegmentId, offset_bytes: u64, len: usize) -> Result<Option<&[u8]>> {
+        let _ = (segment, offset_bytes, len);
+        Ok(None)
+    }
 
     /// Reads several ranges, as one batch: a medium with internal
     /// parallelism (an SSD's dies) serves them concurrently. Returns one

@@ -8,7 +8,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
 use crate::device::BlockDevice;
-use crate::media::{Media, MemMedia};
+use crate::media::{FileMedia, Media, MemMedia, FILE_DATA_OFFSET};
 use crate::units::BLOCK_SIZE;
 use crate::{CreateOptions, Error, OpenOptions, Volume};
 
@@ -225,21 +225,30 @@ fn block_content(kind: u8, seed: u64, index: u64) -> Vec<u8> {
     }
 }
 
-fn run_against_model(ops: &[Op]) {
+/// Runs `ops` on a volume in RAM, or on a file at `file` (whose host reads
+/// decode straight from its mapping), checking every read against a model.
+fn run_against_model(ops: &[Op], file: Option<&std::path::Path>) {
     const BLOCKS: u64 = 192;
-    let media = Arc::new(MemMedia::with_size(4096, 64 * 1024, 24).unwrap());
+    const SEGMENT: u64 = 64 * 1024;
+    let mut mem = Arc::new(MemMedia::with_size(4096, SEGMENT, 24).unwrap());
+    let media: Arc<dyn Media> = match file {
+        None => mem.clone(),
+        Some(path) => {
+            let size = FILE_DATA_OFFSET + 24 * SEGMENT;
+            Arc::new(FileMedia::create(path, Some(size), SEGMENT, true).unwrap())
+        }
+    };
     let options = || OpenOptions {
         background: false,
         checkpoint_interval_bytes: 128 * 1024,
         ..OpenOptions::default()
     };
     let mut volume = Volume::create(
-        media.clone() as Arc<dyn Media>,
+        media,
         CreateOptions::new(BLOCKS * BLOCK_SIZE as u64),
         options(),
     )
     .unwrap();
-    let mut media = media;
     let mut model = vec![0u8; (BLOCKS * BLOCK_SIZE as u64) as usize];
     for op in ops {
         match op.clone() {
@@ -297,6 +306,12 @@ fn run_against_model(ops: &[Op]) {
                     buf == model[offset as usize..(offset + len) as usize],
                     "{op:?} returned wrong bytes"
                 );
+                if file.is_some() {
+                    // Large enough to decode from the file's mapping.
+                    let mut all = vec![0u8; model.len()];
+                    volume.read(0, &mut all).unwrap();
+                    assert!(all == model, "after {op:?}, a whole read differs");
+                }
             }
             Op::Flush => volume.flush().unwrap(),
             Op::Clean => {
@@ -305,8 +320,18 @@ fn run_against_model(ops: &[Op]) {
             Op::Checkpoint => volume.checkpoint().unwrap(),
             Op::Reopen => {
                 volume.close().unwrap();
-                media = Arc::new(media.reopen());
-                volume = Volume::open(media.clone() as Arc<dyn Media>, options()).unwrap();
+                // The old volume lets go of the file (and its lock) first.
+                drop(volume);
+                let media: Arc<dyn Media> = match file {
+                    None => {
+                        mem = Arc::new(mem.reopen());
+                        mem.clone()
+                    }
+                    Some(path) => Arc::new(
+                        FileMedia::open(path, false, crate::meta::geometry_in_slots).unwrap(),
+                    ),
+                };
+                volume = Volume::open(media, options()).unwrap();
                 assert_eq!(
                     volume.open_report().replayed_records,
                     0,
@@ -336,7 +361,15 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
     #[test]
     fn random_operations_match_the_model(ops in proptest::collection::vec(op_strategy(192), 1..120)) {
-        run_against_model(&ops);
+        run_against_model(&ops, None);
+    }
+
+    /// The same on a file, where host reads take the mapped path.
+    #[test]
+    fn random_operations_on_a_file_match_the_model(ops in proptest::collection::vec(op_strategy(192), 1..120)) {
+        let path = std::env::temp_dir().join(format!("zdisk-model-{}", std::process::id()));
+        run_against_model(&ops, Some(&path));
+        std::fs::remove_file(&path).unwrap();
     }
 }
 
