@@ -123,6 +123,35 @@ impl Ceph {
         Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
     }
 
+    /// Stops the S3 gateway alone (the cluster keeps its data); returns
+    /// once its port refuses connections.
+    pub fn stop_gateway(&self) -> Result<(), Failed> {
+        self.script_command("rgw-stop")
+    }
+
+    /// Starts the gateway again on the same port; returns once it answers.
+    pub fn start_gateway(&self) -> Result<(), Failed> {
+        self.script_command("rgw-start")
+    }
+
+    fn script_command(&self, command: &str) -> Result<(), Failed> {
+        let output = Command::new("bash")
+            .arg(script())
+            .arg(command)
+            .arg(&self.dir)
+            .output()
+            .map_err(|e| format!("cannot run ceph.sh: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "ceph.sh {command} failed: {}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// Stops the daemons (also done on drop).
     pub fn stop(&self) {
         let _ = Command::new("bash")
