@@ -71,10 +71,12 @@ impl Location {
         match self.scheme {
             Scheme::Memory => Ok(memory_store(&self.bucket)),
             Scheme::S3 => {
+                // A wait between tries never more than a quarter of the
+                // timeout, so a request fails soon after it.
                 let retry = RetryConfig {
                     backoff: BackoffConfig {
                         init_backoff: Duration::from_millis(100),
-                        max_backoff: Duration::from_secs(5),
+                        max_backoff: Duration::from_secs(5).min(retry_timeout / 4),
                         base: 2.0,
                     },
                     max_retries: usize::MAX,

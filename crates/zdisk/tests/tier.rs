@@ -13,8 +13,8 @@
 //! published while it is down; a read of evicted data fails with EIO
 //! after about `--tier-timeout`; then the held write completes, the
 //! bucket catches up and nothing is lost, on this image or one restored
-//! from the bucket; an ignored twin asks that reads and /stats answer
-//! while a write waits); `scripts/tier-vs-local.py` runs on a small corpus and
+//! from the bucket; a twin checks that reads and /stats answer while a
+//! write waits); `scripts/tier-vs-local.py` runs on a small corpus and
 //! its figures hold together.
 
 mod support;
@@ -47,15 +47,10 @@ fn main() {
             "the_gateway_stopped_and_restarted_mid_write_loses_nothing",
             gateway_outage,
         ),
-        // Ignored until fixed: TieredMedia::prepare_segment waits for room
-        // (wait_for_room) under the engine's state lock (State::acquire from
-        // apply_write), so every read, /stats, the control socket and
-        // maintenance block until the bucket is back.
         Trial::ignorable_test(
             "reads_and_stats_answer_while_a_write_waits_for_the_gateway",
             gateway_outage_probe,
-        )
-        .with_ignored_flag(true),
+        ),
         Trial::ignorable_test(
             "the_tier_vs_local_benchmark_runs_on_a_small_corpus",
             tier_vs_local_script,
