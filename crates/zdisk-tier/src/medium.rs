@@ -260,6 +260,9 @@ struct Counters {
 struct FetchCache {
     /// (incarnation, granule) → bytes and last use.
     granules: HashMap<(Incarnation, u64), (Bytes, u64)>,
+    /// Granules being fetched: a read that wants one waits for that fetch
+    /// (`Shared::fetch_done`) instead of fetching it again.
+    in_flight: HashSet<(Incarnation, u64)>,
     bytes: u64,
     tick: u64,
 }
@@ -280,6 +283,8 @@ struct Shared {
     changed: Condvar,
     counters: Counters,
     fetched: Mutex<FetchCache>,
+    /// Signalled when a fetch of a granule ends.
+    fetch_done: Condvar,
 }
 
 /// A medium whose sealed segments live in an object store.
@@ -443,7 +448,9 @@ impl TieredMedia {
                 evicted_bytes: AtomicU64::new(0),
                 roots_published: AtomicU64::new(0),
             },
+            fetch_done: Condvar::new(),
             fetched: Mutex::new(FetchCache {
+                in_flight: HashSet::new(),
                 granules: HashMap::new(),
                 bytes: 0,
                 tick: 0,
@@ -1221,27 +1228,46 @@ impl Shared {
         missed: &mut bool,
     ) -> zdisk_core::Result<Bytes> {
         let key = (incarnation, granule);
-        {
-            let mut cache = self.fetched.lock().expect("fetch cache lock");
+        let mut cache = self.fetched.lock().expect("fetch cache lock");
+        let mut waited = false;
+        loop {
             cache.tick += 1;
             let tick = cache.tick;
             if let Some((bytes, used)) = cache.granules.get_mut(&key) {
                 *used = tick;
                 return Ok(bytes.clone());
             }
+            if waited && !cache.in_flight.contains(&key) {
+                // The fetch this read waited for failed.
+                return Err(TierError::Store(format!(
+                    "{}: reading an evicted segment: the fetch of its granule {granule} failed",
+                    self.location.url
+                ))
+                .into());
+            }
+            if cache.in_flight.insert(key) {
+                break;
+            }
+            *missed = true;
+            waited = true;
+            cache = self.fetch_done.wait(cache).expect("fetch cache lock");
         }
+        drop(cache);
         *missed = true;
         let start = granule * GRANULE_BYTES;
         let stop = len.min(start + GRANULE_BYTES);
-        let bytes = if start >= stop {
-            Bytes::new()
+        let fetched = if start >= stop {
+            Ok(Bytes::new())
         } else {
-            self.fetch_range(incarnation, start..stop)?
+            self.fetch_range(incarnation, start..stop)
         };
+        let mut cache = self.fetched.lock().expect("fetch cache lock");
+        cache.in_flight.remove(&key);
+        self.fetch_done.notify_all();
+        let bytes = fetched?;
         self.counters
             .fetched_bytes
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        let mut cache = self.fetched.lock().expect("fetch cache lock");
         cache.tick += 1;
         let tick = cache.tick;
         cache.bytes += bytes.len() as u64;
@@ -1321,14 +1347,17 @@ impl Shared {
         if padded == 0 || padded > self.geometry.segment_size_bytes {
             return Ok(());
         }
-        let bytes = self
-            .fetch_range(incarnation, 0..len)
-            .map_err(|e| TierError::Store(e.to_string()))?;
-        self.counters
-            .fetched_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        // Through the granule cache: the reads that queued it have most
+        // of it there already.
         let mut data = vec![0u8; padded as usize];
-        data[..bytes.len()].copy_from_slice(&bytes);
+        let mut missed = false;
+        for granule in 0..len.div_ceil(GRANULE_BYTES) {
+            let bytes = self
+                .granule(incarnation, len, granule, &mut missed)
+                .map_err(|e| TierError::Store(e.to_string()))?;
+            let start = (granule * GRANULE_BYTES) as usize;
+            data[start..start + bytes.len()].copy_from_slice(&bytes);
+        }
         let mut state = self.lock();
         let unchanged = matches!(state.segs[segment as usize],
             Seg::Evicted { seq32, writer, .. } if (segment, seq32, writer) == incarnation);
