@@ -146,6 +146,29 @@ fn zdisk_s3(ceph: &Ceph, args: &[&str]) -> Result<String, Failed> {
 }
 
 /// `zdisk serve` with the cluster's S3 settings in its environment.
+/// `zdisk create IMAGE --logical LOGICAL --physical CACHE --tier URL`.
+fn create_tiered(
+    ceph: &Ceph,
+    image: &str,
+    url: &str,
+    logical: &str,
+    cache: &str,
+) -> Result<String, Failed> {
+    zdisk_s3(
+        ceph,
+        &[
+            "create",
+            image,
+            "--logical",
+            logical,
+            "--physical",
+            cache,
+            "--tier",
+            url,
+        ],
+    )
+}
+
 fn serve_s3(ceph: &Ceph, image: &Path, socket: &Path, metrics: &str) -> Result<Server, Failed> {
     // Server::start inherits this process's environment.
     for (key, value) in &ceph.env {
@@ -186,19 +209,7 @@ fn os_files_round_trip() -> TestResult {
 
     let image = scratch.join("first.zdisk");
     let image_arg = image.to_str().expect("UTF-8 path");
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            image_arg,
-            "--logical",
-            "1G",
-            "--physical",
-            "256M",
-            "--tier",
-            url,
-        ],
-    )?;
+    create_tiered(&ceph, image_arg, url, "1G", "256M")?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut server = serve_s3(&ceph, &image, &scratch.join("sock"), &metrics)?;
     let started = Instant::now();
@@ -373,19 +384,7 @@ fn kill_9_mid_upload() -> TestResult {
 
     let image = scratch.join("a.zdisk");
     let image_arg = image.to_str().expect("UTF-8 path");
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            image_arg,
-            "--logical",
-            "128M",
-            "--physical",
-            "32M",
-            "--tier",
-            url,
-        ],
-    )?;
+    create_tiered(&ceph, image_arg, url, "128M", "32M")?;
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut server = serve_s3(&ceph, &image, &scratch.join("sock"), &metrics)?;
     run(
@@ -688,19 +687,7 @@ fn outage_scenario(probe_while_held: bool) -> TestResult {
     let url = "s3://zdisk/volumes/outage";
     let image = scratch.join("a.zdisk");
     let image_arg = image.to_str().expect("UTF-8 path");
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            image_arg,
-            "--logical",
-            "128M",
-            "--physical",
-            "32M",
-            "--tier",
-            url,
-        ],
-    )?;
+    create_tiered(&ceph, image_arg, url, "128M", "32M")?;
     for (key, value) in &ceph.env {
         std::env::set_var(key, value);
     }
@@ -1070,19 +1057,7 @@ fn tier_sync_and_readers() -> TestResult {
     std::fs::write(&data_file, &data).map_err(|e| e.to_string())?;
     let image = scratch.join("a.zdisk");
     let image_arg = image.to_str().expect("UTF-8 path");
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            image_arg,
-            "--logical",
-            "64M",
-            "--physical",
-            "32M",
-            "--tier",
-            url,
-        ],
-    )?;
+    create_tiered(&ceph, image_arg, url, "64M", "32M")?;
     for (key, value) in &ceph.env {
         std::env::set_var(key, value);
     }
