@@ -93,6 +93,20 @@ fn restore(
     )
 }
 
+/// A writer that publishes a root at open and none for an hour, and
+/// renews its sequence reservation often.
+fn quiet_writer() -> (TierConfig, OpenOptions) {
+    let quiet = TierConfig {
+        publish_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let options = OpenOptions {
+        seq_reserve_ahead: 8,
+        ..options()
+    };
+    (quiet, options)
+}
+
 fn stat(volume: &Volume, name: &str) -> u64 {
     *volume
         .stats()
@@ -239,14 +253,7 @@ fn a_new_cache_from_an_older_root_writes_past_a_crashed_writers_later_uploads() 
     // The writer publishes one root object at open and none after, while
     // it seals and uploads segments numbered past that root's reservation
     // (renewed often), then dies.
-    let options = OpenOptions {
-        seq_reserve_ahead: 8,
-        ..options()
-    };
-    let quiet = TierConfig {
-        publish_interval: Duration::from_secs(3600),
-        ..config()
-    };
+    let (quiet, options) = quiet_writer();
     let volume = zdisk_tier::open(&dir.0.join("a.img"), quiet, options.clone()).unwrap();
     write_all(&volume, 8192, 2);
     volume.halt();
@@ -357,14 +364,7 @@ fn same_numbers(name: &str, extra_blocks: u64) {
     overwrite(&volume, blocks, 1);
     volume.close().unwrap();
     drop(volume);
-    let options = OpenOptions {
-        seq_reserve_ahead: 8,
-        ..options()
-    };
-    let quiet = TierConfig {
-        publish_interval: Duration::from_secs(3600),
-        ..config()
-    };
+    let (quiet, options) = quiet_writer();
     // The first writer publishes a root at open, then cycles the log many
     // times, uploading every sealed segment, and dies.
     let volume = zdisk_tier::open(&dir.0.join("a.img"), quiet, options.clone()).unwrap();

@@ -169,6 +169,22 @@ fn create_tiered(
     )
 }
 
+/// `zdisk create IMAGE --physical CACHE --from URL --take-over`.
+fn take_over(ceph: &Ceph, image: &str, url: &str, cache: &str) -> Result<String, Failed> {
+    zdisk_s3(
+        ceph,
+        &[
+            "create",
+            image,
+            "--physical",
+            cache,
+            "--from",
+            url,
+            "--take-over",
+        ],
+    )
+}
+
 fn serve_s3(ceph: &Ceph, image: &Path, socket: &Path, metrics: &str) -> Result<Server, Failed> {
     // Server::start inherits this process's environment.
     for (key, value) in &ceph.env {
@@ -451,18 +467,7 @@ fn kill_9_mid_upload() -> TestResult {
         "the refusal does not say what to do: {}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            restored_arg,
-            "--physical",
-            "32M",
-            "--from",
-            url,
-            "--take-over",
-        ],
-    )?;
+    take_over(&ceph, restored_arg, url, "32M")?;
     let mut server = serve_s3(&ceph, &restored, &scratch.join("sock2"), &metrics)?;
     let back = scratch.join("back.raw");
     run("nbdcopy", &[&server.uri(), back.to_str().unwrap()])?;
@@ -1105,18 +1110,7 @@ fn tier_sync_and_readers() -> TestResult {
     std::fs::remove_file(&image).map_err(|e| e.to_string())?;
     let restored = scratch.join("b.zdisk");
     let restored_arg = restored.to_str().expect("UTF-8 path");
-    zdisk_s3(
-        &ceph,
-        &[
-            "create",
-            restored_arg,
-            "--physical",
-            "32M",
-            "--from",
-            url,
-            "--take-over",
-        ],
-    )?;
+    take_over(&ceph, restored_arg, url, "32M")?;
     let mut server = Server::start(&restored, &scratch.join("sock2"), &[])?;
     ensure!(
         export_starts_with(&server.uri(), &scratch, "restored.raw", &data)?,
