@@ -334,10 +334,10 @@ impl Drive for NandDrive {
             text.push_str(", power-loss protection");
         }
         if let Some(cap) = config.recycle_cap_bytes_per_sec {
-            text.push_str(&format!(
-                ", recycling capped at {:.0} MB/s",
-                cap as f64 / 1e6
-            ));
+            // As many decimals as the cap has (72.5, not 72 or 72.500).
+            let mb_s = format!("{:.3}", cap as f64 / 1e6);
+            let mb_s = mb_s.trim_end_matches('0').trim_end_matches('.');
+            text.push_str(&format!(", recycling capped at {mb_s} MB/s"));
         }
         text.push(')');
         text

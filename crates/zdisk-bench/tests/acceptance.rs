@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::drive;
+use common::{drive, Recycling};
 use serde_json::Value;
 use zdisk_bench::drive::NandDrive;
 use zdisk_bench::pattern::Pattern;
@@ -48,7 +48,7 @@ fn number(value: &Value, key: &str) -> f64 {
 #[test]
 fn femu_default_random_reads_match_the_analytic_model() {
     let json = bench(
-        &drive("femu-default", 2 << 30, None),
+        &drive("femu-default", 2 << 30, Recycling::ProfileDefault),
         Scenario::QueueDepth,
         256 * MIB,
         vec![],
@@ -72,7 +72,7 @@ fn femu_default_random_reads_match_the_analytic_model() {
 #[test]
 fn flushes_on_16k_pages_cost_a_page_each_without_plp_and_nothing_with_it() {
     let json = bench(
-        &drive("plain-tlc", 1 << 30, None),
+        &drive("plain-tlc", 1 << 30, Recycling::ProfileDefault),
         Scenario::Flush,
         16 * MIB,
         vec![],
@@ -95,7 +95,7 @@ fn flushes_on_16k_pages_cost_a_page_each_without_plp_and_nothing_with_it() {
 #[test]
 fn sf1200_writes_zeros_far_faster_than_random_data() {
     let json = bench(
-        &drive("sf1200", 2 << 30, None),
+        &drive("sf1200", 2 << 30, Recycling::ProfileDefault),
         Scenario::Sweep,
         128 * MIB,
         vec![Pattern::Zeros, Pattern::Random],
@@ -123,7 +123,7 @@ fn sf1200_writes_zeros_far_faster_than_random_data() {
 #[test]
 fn sf1200_dirty_drive_with_zdisk_gc_and_with_a_recycling_cap() {
     let own = bench(
-        &drive("sf1200", 2 << 30, None),
+        &drive("sf1200", 2 << 30, Recycling::Uncapped),
         Scenario::Dirty,
         512 * MIB,
         vec![],
@@ -144,7 +144,7 @@ fn sf1200_dirty_drive_with_zdisk_gc_and_with_a_recycling_cap() {
     );
 
     let capped = bench(
-        &drive("sf1200", 2 << 30, Some(70)),
+        &drive("sf1200", 2 << 30, Recycling::CapMbS(70)),
         Scenario::Dirty,
         512 * MIB,
         vec![],

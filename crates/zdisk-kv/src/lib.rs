@@ -19,7 +19,8 @@
 //! - [`rocks`]: RocksDB's C API, loaded at run time, for the comparison.
 //!
 //! API boundary: the store sees the medium only through [`SlotDevice`];
-//! the CLI (`src/bin/zdisk-kv.rs`) parses arguments and wires the parts.
+//! the CLI (`zdisk kv`, in the zdisk binary's `src/kv.rs`) parses
+//! arguments and wires the parts.
 
 pub mod cache;
 pub mod device;

@@ -1,7 +1,10 @@
-//! Real-time smoke test: calls sleep for about the modelled time, and the
-//! shared resources serialise concurrent callers. Lower bounds are exact
-//! (a call may not finish before its modelled completion); upper bounds
-//! are generous, since the host may be busy.
+//! Real-time smoke test: calls sleep until their modelled completion, and
+//! the shared resources serialise concurrent callers. The lower bounds are
+//! exact (a call may not finish before its modelled completion); there is
+//! no upper bound on the host's speed, only a liveness bound that catches
+//! a call that never returns, since the host may be busy for any time.
+//! Whether a write waited for buffer room is read from the drive's own
+//! counters, not from a clock.
 
 mod common;
 
@@ -13,7 +16,8 @@ use zdisk_core::media::{HostDirection, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_nand::{Clock, NandMedia};
 
-const SLACK: Duration = Duration::from_secs(1);
+/// Catches a hang, not slowness: far above anything a busy host adds.
+const LIVENESS: Duration = Duration::from_secs(60);
 
 fn slow_tiny() -> zdisk_nand::NandParams {
     let mut params = tiny();
@@ -35,8 +39,8 @@ fn assert_about(elapsed: Duration, modelled: Duration) {
         "took {elapsed:?}, modelled {modelled:?}"
     );
     assert!(
-        elapsed < modelled + SLACK,
-        "took {elapsed:?}, modelled {modelled:?}"
+        elapsed < modelled + LIVENESS,
+        "took {elapsed:?}, modelled {modelled:?}: stuck?"
     );
 }
 
@@ -47,13 +51,15 @@ fn writes_and_syncs_take_about_the_modelled_time() {
     // One clock over both calls: the sum of two clocks would miss the gap
     // between them, and fall short of the model by that much.
     let started = Instant::now();
-    // Five pages fit the 8-page buffer: admitted at once.
-    let write = timed(|| {
-        drive
-            .write_pages(SegmentId(0), PageIndex(0), &vec![1u8; 5 * PAGE])
-            .unwrap()
-    });
-    assert!(write < SLACK, "a buffered write took {write:?}");
+    // Five pages fit the 8-page buffer: admitted without waiting for room.
+    drive
+        .write_pages(SegmentId(0), PageIndex(0), &vec![1u8; 5 * PAGE])
+        .unwrap();
+    let stats = drive.stats();
+    assert_eq!(
+        stats.buffer_wait_ns, 0,
+        "a buffered write waited: {stats:?}"
+    );
     // Page 4 programs after page 0 on unit 0: done 4.03 ms after the write.
     drive.sync().unwrap();
     assert_about(started.elapsed(), Duration::from_micros(4030));

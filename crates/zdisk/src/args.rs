@@ -116,7 +116,9 @@ pub struct CreateArgs {
     /// Emulated drive: model power-loss protection (flushes cost no padding).
     #[arg(long, requires = "nand")]
     pub plp: bool,
-    /// Emulated drive: cap the recycling bandwidth (MB/s), imitating SandForce's lazy recycling.
+    /// Emulated drive: cap the recycling bandwidth (MB/s), as SandForce's
+    /// lazy recycling does; 0: no cap. Default: the profile's controller's
+    /// (sf1200 72.5, sf2500 400, others none).
     #[arg(long = "recycle-cap-mb-s", requires = "nand")]
     pub recycle_cap_mb_s: Option<f64>,
     /// Keep the volume's segments in an object store, s3://BUCKET/PREFIX
@@ -320,7 +322,9 @@ pub struct BenchArgs {
     /// Emulated drives: model power-loss protection.
     #[arg(long)]
     pub plp: bool,
-    /// Emulated drives: cap the recycling bandwidth, imitating SandForce's lazy recycling.
+    /// Emulated drives: cap the recycling bandwidth (MB/s), as SandForce's
+    /// lazy recycling does; 0: no cap. Default: the profile's controller's
+    /// (sf1200 72.5, sf2500 400, others none).
     #[arg(long = "recycle-cap-mb-s")]
     pub recycle_cap_mb_s: Option<f64>,
     /// Dirty the drive with random 4 KiB writes instead of sequential ones.

@@ -8,6 +8,7 @@ mod check;
 mod control;
 mod estimate;
 mod image;
+mod kv;
 mod logging;
 mod map;
 mod metrics;
@@ -47,6 +48,9 @@ enum Command {
     Map(MapArgs),
     /// Run storage benchmarks on an emulated drive (virtual time) or an image (real time).
     Bench(BenchArgs),
+    /// A table-less hash key-value store on an NBD export or a device, and
+    /// its YCSB driver (case study 2 in docs/case-studies.md).
+    Kv(kv::KvArgs),
 }
 
 /// Parses the command line. Help and version print as clap renders them;
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
         Command::Estimate(args) => estimate::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Map(args) => map::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Bench(args) => bench::run(&args).map(|_| ExitCode::SUCCESS),
+        Command::Kv(args) => kv::run(args),
     };
     let code = match result {
         Ok(code) => code,

@@ -1148,7 +1148,9 @@ fn pages_evict_and_read_back_unchanged() {
 }
 
 /// Garbage never decodes into a leaf that panics later: a page either
-/// fails to decode or gives a leaf (which the map then checks).
+/// fails to decode or gives a leaf that passes the map's own leaf check
+/// (so a page whose checksum was forged still cannot plant a malformed
+/// leaf). Both outcomes must occur, or the test proves nothing.
 #[test]
 fn random_pages_decode_or_fail_cleanly() {
     let mut rng = SmallRng::seed_from_u64(5);
@@ -1157,6 +1159,7 @@ fn random_pages_decode_or_fail_cleanly() {
         map.set(Lba(lba), data(lba), lba + 1);
     }
     let valid: Vec<Vec<u8>> = map.leaves.values().map(page::encode_page).collect();
+    let (mut decoded, mut refused) = (0, 0);
     for round in 0..20_000 {
         let mut payload = valid[round % valid.len()].clone();
         let raw_len = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
@@ -1167,8 +1170,16 @@ fn random_pages_decode_or_fail_cleanly() {
         }
         payload.truncate(4);
         payload.extend(lz4_flex::block::compress(&raw));
-        if let Ok(leaf) = page::decode_page(&payload, 1 << 20) {
-            let _ = map.check_leaf(0, &leaf);
+        match page::decode_page(&payload, 1 << 20) {
+            Ok(leaf) => {
+                decoded += 1;
+                if let Err(problem) = map.check_leaf(0, &leaf) {
+                    panic!("round {round}: a decoded page gives a leaf that {problem}");
+                }
+            }
+            Err(_) => refused += 1,
         }
     }
+    assert!(decoded > 0, "no damaged page decoded: the check never ran");
+    assert!(refused > 0, "every damaged page decoded");
 }

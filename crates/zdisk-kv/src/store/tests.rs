@@ -294,7 +294,9 @@ fn the_cache_always_equals_the_device() {
         match rng.gen_range(0..10) {
             0..=4 => {
                 let value = random_value(&mut rng);
-                let _ = store.put(&key, &value);
+                if let Err(error) = store.put(&key, &value) {
+                    panic!("step {step}: put failed: {error}");
+                }
             }
             5..=6 => {
                 store.delete(&key).unwrap();

@@ -1,22 +1,23 @@
-//! zdisk-kv: the store's command line. Thin: parse, open, call the library.
+//! `zdisk kv`: the command line of the table-less hash key-value store
+//! (`crates/zdisk-kv`, case study 2 in docs/case-studies.md) and the chart
+//! of its YCSB comparison. Thin: parse, open, call the library.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Subcommand};
+use serde_json::Value;
 
+use zdisk_bench::plot::{plot_grouped_panels, BarPanel};
 use zdisk_kv::{open_device, FormatConfig, Store};
 
-#[derive(Parser)]
-#[command(
-    name = "zdisk-kv",
-    about = "A table-less hash key-value store on a block device or NBD export"
-)]
-struct Cli {
+#[derive(Args, Debug)]
+pub struct KvArgs {
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Subcommand)]
+#[derive(Subcommand, Debug)]
 enum Command {
     /// Lays out a new, empty store (the device's old contents are lost).
     Format {
@@ -66,9 +67,20 @@ enum Command {
         #[arg(long)]
         device: String,
     },
+    /// Charts `ycsb` JSON lines (one object per engine and phase): ops/s and
+    /// p99 latency per workload, stored bytes and the driver's RSS per engine.
+    Plot {
+        /// The JSON lines that `zdisk kv ycsb --json` appended.
+        results: PathBuf,
+        /// The chart to draw: .png or .svg.
+        chart: PathBuf,
+        /// The chart's title.
+        #[arg(default_value = "table-less hash store vs RocksDB on zdisk")]
+        title: String,
+    },
 }
 
-#[derive(clap::Args)]
+#[derive(Args, Debug)]
 struct YcsbArgs {
     /// `kv` (this store; needs --device) or `rocksdb` (needs --db).
     #[arg(long)]
@@ -115,7 +127,7 @@ struct YcsbArgs {
     #[arg(long)]
     label: Option<String>,
     #[arg(long)]
-    json: Option<std::path::PathBuf>,
+    json: Option<PathBuf>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }
@@ -167,7 +179,7 @@ fn own_rss_bytes() -> u64 {
 }
 
 /// zdisk's /stats, by a plain HTTP GET.
-fn zdisk_stats(address: &str) -> Result<serde_json::Value, String> {
+fn zdisk_stats(address: &str) -> Result<Value, String> {
     use std::io::{Read, Write};
     let mut stream =
         std::net::TcpStream::connect(address).map_err(|e| format!("metrics {address}: {e}"))?;
@@ -227,7 +239,7 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
                 other => return Err(format!("--compression {other:?}: lz4 or none")),
             };
             let engine = zdisk_kv::rocks::RocksDb::open(db, compression, args.cache_bytes, true)?;
-            let dir = std::path::PathBuf::from(db);
+            let dir = PathBuf::from(db);
             logical_bytes = Box::new(move || directory_bytes(&dir));
             (Box::new(engine), format!("rocksdb-{}", args.compression))
         }
@@ -310,12 +322,9 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
                 "media_write_bytes",
                 "compression_ratio",
             ] {
-                line[key] = stats.get(key).cloned().unwrap_or(serde_json::Value::Null);
+                line[key] = stats.get(key).cloned().unwrap_or(Value::Null);
             }
-            line["physical_bytes"] = stats
-                .get("stored_bytes")
-                .cloned()
-                .unwrap_or(serde_json::Value::Null);
+            line["physical_bytes"] = stats.get("stored_bytes").cloned().unwrap_or(Value::Null);
             line["server_rss_bytes"] = args.watch_pid.first().map(|pid| pid_rss_bytes(*pid)).into();
         }
         let text = line.to_string();
@@ -329,26 +338,23 @@ fn run_ycsb(args: YcsbArgs) -> Result<(), String> {
 }
 
 /// Each numeric counter's change over a phase.
-fn counter_deltas(before: &serde_json::Value, after: &serde_json::Value) -> serde_json::Value {
+fn counter_deltas(before: &Value, after: &Value) -> Value {
     let Some(after) = after.as_object() else {
-        return serde_json::Value::Null;
+        return Value::Null;
     };
     let deltas = after
         .iter()
         .filter_map(|(key, value)| {
             let now = value.as_u64()?;
             let then = before.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
-            Some((
-                key.clone(),
-                serde_json::Value::from(now.saturating_sub(then)),
-            ))
+            Some((key.clone(), Value::from(now.saturating_sub(then))))
         })
         .collect();
-    serde_json::Value::Object(deltas)
+    Value::Object(deltas)
 }
 
 /// Bytes of the files in a directory (not recursive: RocksDB's is flat).
-fn directory_bytes(dir: &std::path::Path) -> u64 {
+fn directory_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -371,9 +377,11 @@ fn pid_rss_bytes(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-fn run(cli: Cli) -> Result<ExitCode, String> {
+/// Runs one `zdisk kv` command. Exit status 1: the key was not found;
+/// 2: `check` found problems (and, as for every zdisk command, any error).
+pub fn run(args: KvArgs) -> Result<ExitCode, String> {
     let text = |e: zdisk_kv::Error| e.to_string();
-    match cli.command {
+    match args.command {
         Command::Format {
             device,
             pairs,
@@ -417,7 +425,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             match store.get(key.as_bytes()).map_err(text)? {
                 Some(value) => println!("{}", String::from_utf8_lossy(&value)),
                 None => {
-                    eprintln!("zdisk-kv: {key:?} not found");
+                    eprintln!("zdisk kv: {key:?} not found");
                     return Ok(ExitCode::from(1));
                 }
             }
@@ -432,11 +440,16 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             let existed = store.delete(key.as_bytes()).map_err(text)?;
             store.flush().map_err(text)?;
             if !existed {
-                eprintln!("zdisk-kv: {key:?} not found");
+                eprintln!("zdisk kv: {key:?} not found");
                 return Ok(ExitCode::from(1));
             }
         }
         Command::Ycsb(args) => run_ycsb(*args)?,
+        Command::Plot {
+            results,
+            chart,
+            title,
+        } => plot(&results, &chart, &title)?,
         Command::Check { device } => {
             let store = Store::open(open_device(&device, 1).map_err(text)?).map_err(text)?;
             let report = store.check().map_err(text)?;
@@ -452,12 +465,98 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn main() -> ExitCode {
-    match run(Cli::parse()) {
-        Ok(code) => code,
-        Err(message) => {
-            eprintln!("zdisk-kv: {message}");
-            ExitCode::from(1)
+/// Draws the chart of `ycsb` results: one colour per engine.
+fn plot(results: &Path, chart: &Path, title: &str) -> Result<(), String> {
+    let input = results.display();
+    let text = std::fs::read_to_string(results).map_err(|e| format!("{input}: {e}"))?;
+    let rows: Vec<Value> = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .enumerate()
+        .map(|(n, line)| serde_json::from_str(line).map_err(|e| format!("{input}:{}: {e}", n + 1)))
+        .collect::<Result<_, _>>()?;
+    if rows.is_empty() {
+        return Err(format!("{input}: no results"));
+    }
+    let mut engines: Vec<String> = Vec::new();
+    let mut workloads: Vec<String> = Vec::new();
+    for row in &rows {
+        let engine = row["engine"]
+            .as_str()
+            .ok_or("a row without engine")?
+            .to_string();
+        let workload = row["workload"]
+            .as_str()
+            .ok_or("a row without workload")?
+            .to_string();
+        if !engines.contains(&engine) {
+            engines.push(engine);
+        }
+        if !workloads.contains(&workload) {
+            workloads.push(workload);
         }
     }
+    let value = |engine: &str, workload: &str, key: &str| -> f64 {
+        rows.iter()
+            .find(|r| r["engine"] == engine && r["workload"] == workload)
+            .and_then(|r| r[key].as_f64())
+            .unwrap_or(0.0)
+    };
+    let per_workload = |key: &str, scale: f64| -> Vec<(String, Vec<f64>)> {
+        engines
+            .iter()
+            .map(|engine| {
+                let values = workloads
+                    .iter()
+                    .map(|w| value(engine, w, key) * scale)
+                    .collect();
+                (engine.clone(), values)
+            })
+            .collect()
+    };
+    let last = workloads.last().cloned().unwrap_or_default();
+    let first = workloads.first().cloned().unwrap_or_default();
+    let space_groups = vec![
+        format!("stored, after {first}"),
+        format!("stored, after {last}"),
+        "driver RSS, max".to_string(),
+    ];
+    let space = engines
+        .iter()
+        .map(|engine| {
+            let rss = workloads
+                .iter()
+                .map(|w| value(engine, w, "rss_bytes"))
+                .fold(0.0, f64::max);
+            (
+                engine.clone(),
+                vec![
+                    value(engine, &first, "stored_bytes") / 1e6,
+                    value(engine, &last, "stored_bytes") / 1e6,
+                    rss / 1e6,
+                ],
+            )
+        })
+        .collect();
+    let panels = vec![
+        BarPanel {
+            caption: "throughput per workload".into(),
+            unit: "ops/s".into(),
+            groups: workloads.clone(),
+            series: per_workload("ops_per_s", 1.0),
+        },
+        BarPanel {
+            caption: "p99 latency per workload".into(),
+            unit: "µs".into(),
+            groups: workloads.clone(),
+            series: per_workload("p99_us", 1.0),
+        },
+        BarPanel {
+            caption: "zdisk stored bytes (physical) and driver RSS".into(),
+            unit: "MB".into(),
+            groups: space_groups,
+            series: space,
+        },
+    ];
+    plot_grouped_panels(&panels, title, chart)
 }
