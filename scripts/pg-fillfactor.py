@@ -527,6 +527,7 @@ def body():
     try:
         with harness.Teardown() as teardown:
             args.dir = harness.workdir(teardown, args.dir, "pg-fillfactor.", "/var/tmp")
+            os.chmod(args.dir, 0o755)  # the postgres user walks through it to its data
             (interleaved if args.rounds > 1 else sequential)(args, user, configs, emit)
     finally:
         if out:
