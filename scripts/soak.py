@@ -19,7 +19,9 @@ libnbd (Debian's python3-libnbd) for the hostile and idle ones.
 - the server's peak RSS, sampled every 0.2 s.
 
 Prints progress, then one JSON object: the counters above, kill9_restarts,
-restart_seconds, max_rss_bytes, exit_status (of the final clean stop).
+restart_seconds, max_rss_bytes, exit_status (of the final clean stop),
+refused_connections (idle handshakes that failed with the server up) and
+refused_reasons (libnbd's messages for them).
 Exit status 1 if a verify failed or an honest round failed with the server
 up. Needs fio (nbd engine) and python3-libnbd.
 
@@ -101,7 +103,7 @@ def hostile(nbd, target, stop, counts):
             time.sleep(0.2)
 
 
-def idle(nbd, target, stop, counts, finish_handshake):
+def idle(nbd, target, stop, counts, reasons, finish_handshake):
     """Opens a connection and sits on it; reopens it when dropped."""
     while not stop.is_set():
         handle = nbd.NBD()
@@ -115,6 +117,7 @@ def idle(nbd, target, stop, counts, finish_handshake):
                     # (not a server that is down for its restart).
                     if error.errno not in (errno.ENOENT, errno.ECONNREFUSED):
                         counts["refused_connections"] += 1
+                        reasons.add(error.string)
                     time.sleep(0.2)
                     continue
             else:
@@ -213,7 +216,9 @@ def body():
         stop = threading.Event()
         threads = [threading.Thread(target=hostile, args=(nbd, target, stop, counts))
                    for _ in range(hostile_count)]
-        threads += [threading.Thread(target=idle, args=(nbd, target, stop, counts, i % 2 == 0))
+        reasons = set()
+        threads += [threading.Thread(target=idle, args=(nbd, target, stop, counts, reasons,
+                                                        i % 2 == 0))
                     for i in range(idle_count)]
         threads += [threading.Thread(target=honest, args=(target, i, stop, counts))
                     for i in range(clients)]
@@ -241,7 +246,8 @@ def body():
                        idle=idle_count, hostile=hostile_count,
                        kill9_restarts=len(restart_seconds),
                        restart_seconds=[round(s, 2) for s in restart_seconds],
-                       max_rss_bytes=max_rss, exit_status=status)
+                       max_rss_bytes=max_rss, exit_status=status,
+                       refused_reasons=sorted(reasons))
     log(f"honest rounds {counts['honest_rounds']} (failed {counts['honest_rounds_failed']}, "
         f"interrupted {counts['interrupted_rounds']}), verify failures {counts['verify_failures']}, "
         f"peak RSS {max_rss / (1 << 20):.0f} MiB, hostile connections "
