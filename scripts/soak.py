@@ -29,7 +29,6 @@ up. Needs fio (nbd engine) and python3-libnbd.
   default   180 s, 4 honest, 4 hostile, 60 idle clients
 """
 
-import errno
 import os
 import select
 import socket
@@ -113,9 +112,11 @@ def idle(nbd, target, stop, counts, reasons, finish_handshake):
                 try:
                     handle.connect_unix(target.server.sock)
                 except nbd.Error as error:
-                    # Refused: the socket answered but the handshake failed
-                    # (not a server that is down for its restart).
-                    if error.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                    # Refused: the handshake failed with a server up. Not
+                    # the restart: no socket, nobody listening, or a reset
+                    # of a connection queued on the killed server's socket.
+                    # (libnbd's Error gives the errno's name as .errno.)
+                    if error.errno not in ("ENOENT", "ECONNREFUSED", "ECONNRESET"):
                         counts["refused_connections"] += 1
                         reasons.add(error.string)
                     time.sleep(0.2)

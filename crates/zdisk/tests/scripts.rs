@@ -276,6 +276,12 @@ fn soak() -> TestResult {
         summary["idle_connections_opened"].as_u64() >= Some(40),
         "the idle connections were not all opened: {summary}"
     );
+    // 49 clients at most, under the server's 128 connections: every
+    // handshake with the server up must succeed.
+    ensure!(
+        summary["refused_connections"] == 0,
+        "handshakes refused: {summary}"
+    );
     ensure!(
         summary["exit_status"] == 0,
         "the final stop was not clean: {summary}"
