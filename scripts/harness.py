@@ -461,13 +461,27 @@ class Ext4OnExport:
         teardown.push("mount", self.unmount)
 
     def unmount(self):
-        if os.path.ismount(self.mnt):
+        if mounted(self.mnt):
             run(["umount", self.mnt])
 
     def _unfuse(self):
-        if self.fuse.poll() is None:
+        # Even if nbdfuse has died (its server gone), its mount stays until
+        # unmounted.
+        if mounted(self.raw):
             run(["fusermount3", "-u", self.raw])
+        try:
             self.fuse.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.fuse.kill()
+            self.fuse.wait()
+
+
+def mounted(path):
+    """Whether something is mounted on `path` (a directory or a file)."""
+    path = os.path.realpath(path)
+    with open("/proc/self/mounts") as mounts:
+        # Spaces in mount points are written as \040.
+        return any(line.split()[1].replace("\\040", " ") == path for line in mounts)
 
 
 class Ceph:

@@ -54,23 +54,25 @@ def run_engine(args, zdisk, engine, work, records, seconds):
                   "--watch-pid", str(server.pid)]
         harness.progress("kv-vs-rocksdb.py", f"{engine}: {records} pairs, {seconds} s per "
                                              f"workload, {args.threads} threads")
-        if engine == "kv":
-            command = common + ["--engine", "kv", "--device", server.uri]
-        else:
-            # Direct I/O from the loop device to the FUSE file: no second
-            # page cache under ext4 that would serve reads the store must fetch.
-            fs = harness.Ext4OnExport(
-                teardown, server.uri, work, direct_io=True,
-                mkfs_options=("-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0"))
-            command = common + ["--engine", "rocksdb", "--db", os.path.join(fs.mnt, "db"),
-                                "--compression", engine.removeprefix("rocksdb-"),
-                                "--watch-pid", str(fs.fuse.pid),
-                                "--settle-cmd", f"sync; fstrim {fs.mnt}"]
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-        print(done.stdout, end="", flush=True)
-        if done.returncode != 0:
-            raise harness.Failure(f"zdisk kv ycsb ({engine}) failed with {done.returncode}")
+        with harness.Teardown() as filesystem:
+            if engine == "kv":
+                command = common + ["--engine", "kv", "--device", server.uri]
+            else:
+                # Direct I/O from the loop device to the FUSE file: no second
+                # page cache under ext4 that would serve reads the store must fetch.
+                fs = harness.Ext4OnExport(
+                    filesystem, server.uri, work, direct_io=True,
+                    mkfs_options=("-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0"))
+                command = common + ["--engine", "rocksdb", "--db", os.path.join(fs.mnt, "db"),
+                                    "--compression", engine.removeprefix("rocksdb-"),
+                                    "--watch-pid", str(fs.fuse.pid),
+                                    "--settle-cmd", f"sync; fstrim {fs.mnt}"]
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+            print(done.stdout, end="", flush=True)
+            if done.returncode != 0:
+                raise harness.Failure(f"zdisk kv ycsb ({engine}) failed with {done.returncode}")
+        # The filesystem is unmounted and nbdfuse gone: the server stops cleanly.
         server.stop()
 
 
