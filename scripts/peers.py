@@ -34,6 +34,7 @@ btrfs-progs and btrfs-compsize (or pass --skip-btrfs).
 import os
 import shutil
 import time
+import types
 
 import harness
 
@@ -209,10 +210,6 @@ def report(rows):
               "not through NBD: compare them with care.")
 
 
-class Context:
-    pass
-
-
 def body():
     parser = harness.parser(__doc__)
     harness.add_zdisk(parser)
@@ -238,7 +235,7 @@ def body():
     if not args.skip_btrfs:
         harness.require_tools("mkfs.btrfs", "compsize", "losetup")
         harness.require_root("the btrfs comparison mounts a loop device; or pass --skip-btrfs")
-    ctx = Context()
+    ctx = types.SimpleNamespace()
     ctx.idle_limit = args.idle_limit if args.idle_limit is not None else (0 if args.quick else 240)
     ctx.loops = 1 if args.quick else 3
     ctx.read_seconds = 2 if args.quick else 8
@@ -248,7 +245,7 @@ def body():
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         ctx.work = harness.workdir(teardown, args.dir, "peers.", base)
         size = (args.corpus_mib or (32 if args.quick else 512)) * harness.MIB
-        ctx.corpus = harness.corpus(None if args.corpus is None else args.corpus, size, ctx.work)
+        ctx.corpus = harness.corpus(args.corpus, size, ctx.work)
         if os.path.dirname(ctx.corpus) != ctx.work:
             # On tmpfs with the rest: a corpus in a disk file's page cache
             # can be evicted while a peer sits idle, and then the next
