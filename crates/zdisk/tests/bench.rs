@@ -1,7 +1,7 @@
 //! End-to-end tests of `zdisk bench` through the real binary: every
 //! scenario on a small emulated drive in virtual time, with its JSON keys
 //! and charts; scenarios on a real image in real time; bad arguments; and
-//! the chart of `scripts/pg-fillfactor.sh`'s results.
+//! the chart of `scripts/pg-fillfactor.py`'s results.
 //!
 //! Figures are asserted only where they are outputs of the drive model
 //! (virtual time), never where they would time the host. A missing
@@ -238,8 +238,8 @@ fn charts() -> TestResult {
 }
 
 /// `zdisk_bench::plot::pg_fillfactor`, which draws the chart of
-/// `scripts/pg-fillfactor.sh`'s JSON lines (the script itself needs root and
-/// PostgreSQL: `pg_fillfactor.rs`), in both formats.
+/// `scripts/pg-fillfactor.py`'s JSON lines (the script itself needs root and
+/// PostgreSQL: `scripts.rs`), in both formats.
 fn pg_fillfactor_chart() -> TestResult {
     if let Some(skip) = skip_unless(require_font()) {
         return skip;

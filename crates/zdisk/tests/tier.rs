@@ -16,8 +16,8 @@
 //! from the bucket; a twin checks that reads and /stats answer while a
 //! write waits); with `serve --tier-sync`, a `kill -9` right after a
 //! flushed copy loses nothing of it, and a reader attached `--from
-//! --read-only` meanwhile serves it without taking the volume; `scripts/tier-vs-local.py` runs on a small corpus and
-//! its figures hold together.
+//! --read-only` meanwhile serves it without taking the volume.
+//! (`scripts/tier-vs-local.py`, the benchmark, runs in `scripts.rs`.)
 
 mod support;
 
@@ -56,10 +56,6 @@ fn main() {
         Trial::ignorable_test(
             "with_tier_sync_a_kill_9_after_a_flush_loses_nothing_and_readers_attach",
             tier_sync_and_readers,
-        ),
-        Trial::ignorable_test(
-            "the_tier_vs_local_benchmark_runs_on_a_small_corpus",
-            tier_vs_local_script,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -943,90 +939,6 @@ fn outage_scenario(probe_while_held: bool) -> TestResult {
     );
     server.stop()?;
     ceph.stop();
-    Ok(Completion::Completed)
-}
-
-fn tier_vs_local_script() -> TestResult {
-    if let Some(skip) = skip_unless(Ceph::unavailable()) {
-        return skip;
-    }
-    if let Some(skip) = skip_unless(require_tools(&["nbdcopy", "curl", "/usr/bin/python3"])) {
-        return skip;
-    }
-    let scratch = Scratch::new("tier-vs-local");
-    let corpus = scratch.join("corpus.raw");
-    std::fs::write(&corpus, pattern(4096, 1)).map_err(|e| e.to_string())?;
-    let json = scratch.join("figures.json");
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../zdisk-bench/scripts/tier-vs-local.py"
-    );
-    let output = run(
-        "/usr/bin/python3",
-        &[
-            script,
-            "--zdisk",
-            zdisk_bin().to_str().expect("UTF-8 path"),
-            "--dir",
-            scratch.join("work").to_str().expect("UTF-8 path"),
-            "--corpus",
-            corpus.to_str().expect("UTF-8 path"),
-            "--cache",
-            "8M",
-            "--json",
-            json.to_str().expect("UTF-8 path"),
-        ],
-    )?;
-    let text = stdout(&output);
-    ensure!(
-        text.contains("cold read MB/s") && text.contains("per byte written"),
-        "the table is missing:\n{text}"
-    );
-    let figures: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("bad JSON from the script: {e}"))?;
-    let round = &figures["rounds"][0];
-    let number = |key: &str| round[key].as_f64().unwrap_or(f64::NAN);
-    ensure!(
-        number("corpus_bytes") == (16 << 20) as f64,
-        "corpus_bytes: {round}"
-    );
-    // The text compresses: fewer bytes are stored and uploaded than written,
-    // and what is stored goes up about once.
-    let per_written = number("uploaded_per_written_byte");
-    let per_stored = number("uploaded_per_stored_byte");
-    ensure!(
-        per_written > 0.0 && per_written < 1.0,
-        "uploaded per byte written {per_written}: {round}"
-    );
-    ensure!(
-        (0.9..1.5).contains(&per_stored),
-        "uploaded per byte stored {per_stored}: {round}"
-    );
-    ensure!(
-        number("tier_evicted_bytes") > 0.0,
-        "nothing was evicted, so the cold read proves nothing: {round}"
-    );
-    ensure!(
-        number("tier_cold_fetched_bytes") > 0.0 && number("restore_fetched_bytes") > 0.0,
-        "the cold read or the restore fetched nothing: {round}"
-    );
-    for key in [
-        "write_ratio",
-        "cold_read_ratio",
-        "restore_ratio",
-        "restore_seconds",
-    ] {
-        ensure!(
-            number(key).is_finite() && number(key) > 0.0,
-            "{key} is {}: {round}",
-            number(key)
-        );
-    }
-    ensure!(
-        figures["median"]["cold_read_ratio"] == round["cold_read_ratio"],
-        "one round's median is not that round's figure: {figures}"
-    );
     Ok(Completion::Completed)
 }
 

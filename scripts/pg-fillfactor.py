@@ -1,89 +1,107 @@
 #!/usr/bin/python3
-"""PostgreSQL fillfactor on zdisk against a plain export (issue #13 part 3).
+"""PostgreSQL fillfactor on zdisk against a plain export (case study 3).
 
-For each fillfactor, on a fresh volume each time: ext4 on the export
-through nbdfuse and a loop device (README, "Connecting clients"),
-`pgbench -i -s SCALE -F FF`, a CHECKPOINT, then a timed TPC-B-like run
-(`pgbench -T SECONDS -c CLIENTS`), another CHECKPOINT, and the sizes.
-The same runs go to `nbdkit file` on a sparse file, the non-compressing
-baseline. pg-fillfactor.sh checks prerequisites and runs this.
+For each fillfactor (100, 90, 75, 50 by default), on a fresh volume each
+time: ext4 on the export through nbdfuse and a loop device (README,
+"Connecting clients"), `pgbench -i -s SCALE -F FF`, a CHECKPOINT, then a
+timed TPC-B-like run (`pgbench -T SECONDS -c CLIENTS`), another
+CHECKPOINT, and the sizes. The same runs go to `nbdkit file` on a sparse
+file, the non-compressing baseline ("baseline": true; --no-baseline
+skips it). With --fillfactors 100 --no-baseline it is one pgbench run on
+ext4 on zdisk, with what zdisk wrote for it.
 
 Sizes are taken twice, after the load ("load_*") and after the timed run
-(the unprefixed keys): each time after a CHECKPOINT and a syncfs, so that
-what PostgreSQL holds in its buffers has reached the export.
-
-- db_bytes: pg_database_size of the pgbench database.
+(the unprefixed keys), each time after a CHECKPOINT and a syncfs, so that
+what PostgreSQL holds in its buffers has reached the export:
+- db_bytes: pg_database_size of the pgbench database;
 - mapped_bytes: zdisk's mapped_bytes (logical bytes holding data, zeros
   excluded); on the baseline, the file's allocated 4 KiB blocks that are
-  not all zeros (the same definition, counted by reading the file).
+  not all zeros (the same definition, counted by reading the file);
 - physical_bytes: zdisk's stored_bytes (live compressed extents, record
   headers included: what the drive must keep); on the baseline, the
-  file's allocated bytes (st_blocks).
+  file's allocated bytes (st_blocks);
 - physical_used_bytes: zdisk's physical_used_bytes (metadata plus every
   written segment in use, dead data not yet cleaned included); on the
-  baseline, the allocated bytes again.
+  baseline, the allocated bytes again;
 - compression_ratio: mapped_bytes / physical_bytes.
-- tps, latency_ms: pgbench's, for the timed run.
-- hot_update_share: HOT updates / updates of pgbench_accounts in the run,
-  the mechanism by which free space in a page speeds updates.
-- wal_bytes: WAL the timed run generated.
-- with --breakdown (zdisk runs): "breakdown", the file, non-zero and LZ4
-  bytes of the WAL, the pgbench database and the rest of the cluster, and
-  "accounts_pages", the free space in pgbench_accounts' pages and how much
-  of it is not zeros.
+For the timed run: tps and latency_ms (pgbench's), transactions,
+hot_update_share (HOT updates / updates of pgbench_accounts: free space in
+a page is what makes an update HOT), wal_bytes, and on zdisk what it
+wrote: run_host_write_bytes, run_media_write_bytes, run_padding_bytes
+(flush padding), run_staging_bytes, run_flushes, media_bytes_per_txn,
+host_bytes_per_txn, padding_share and staging_share (of media bytes).
+--breakdown (zdisk runs) adds "breakdown", the file, non-zero and LZ4
+bytes of the WAL, the pgbench database and the rest of the cluster, and
+"accounts_pages", the free space in pgbench_accounts' pages and how much
+of it is not zeros.
 
 By default each configuration runs alone on a volume torn down before the
 next. --rounds N keeps them all up and takes the timed run in N rounds in
-turn (round_tps lists them), so that the host's drift weighs on all alike.
+turn (round_tps lists them), so that the host's drift weighs on all alike;
+zdisk then serves with --recompress off (unless --recompress says
+otherwise), so that idle volumes do not recompress while others are
+measured.
 
-One JSON object per run on stdout as it finishes and in --json FILE.
-Everything a run creates is torn down in reverse order, also on Ctrl-C,
-SIGTERM and SIGHUP, and its directory is removed.
+One JSON object per run on stdout as it finishes and in --json FILE, then
+a table. Everything a run creates (servers, FUSE mounts, loop devices,
+mounts, the PostgreSQL cluster, images, its directory under --dir) is torn
+down in reverse order, also on Ctrl-C, SIGTERM and SIGHUP.
+
+  --quick   scale 5 (an 83 MB database at FF=100), 10 s runs, 4 GiB
+            volumes: about two minutes for all eight runs
+  default   scale 100 (a 1.5 GB database at FF=100: the accounts table is
+            ten times PostgreSQL's default shared_buffers, so updates go to
+            pages that must be written back), 180 s runs, 16 GiB volumes:
+            about 30 minutes
+
+Needs root (losetup, mount), /dev/fuse, loop devices, nbdfuse and
+fusermount3 (fuse3, libnbd-bin), nbdkit, e2fsprogs, util-linux and
+PostgreSQL's server and client (Debian: postgresql). --dir (default: a new
+directory in /var/tmp, removed at the end) must be a disk filesystem with
+sparse files: 16 GiB volumes do not fit in most machines' tmpfs.
 """
 
 import argparse
 import json
 import os
-import signal
+import pwd
 import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pg_on_zdisk as pg  # noqa: E402  (run, Stack, pg_bin, as_postgres, stats, ...)
+import harness
 
-BLOCK = 4096
 UNIT = 8192
-ZERO_BLOCK = bytes(BLOCK)
+ZERO_BLOCK = bytes(harness.BLOCK)
+BLOCK = harness.BLOCK
 
 
-class Interrupted(Exception):
-    pass
+def pg_bin(name):
+    """A PostgreSQL program from the newest installed version."""
+    base = "/usr/lib/postgresql"
+    versions = os.listdir(base) if os.path.isdir(base) else []
+    versions.sort(key=lambda v: [int(p) for p in v.split(".") if p.isdigit()])
+    for version in reversed(versions):
+        path = os.path.join(base, version, "bin", name)
+        if os.path.exists(path):
+            return path
+    raise harness.Missing(f"PostgreSQL's {name} (apt-get install postgresql)")
 
 
-def on_signal(number, _frame):
-    raise Interrupted(signal.Signals(number).name)
+def as_postgres(args):
+    return harness.run(["runuser", "-u", "postgres", "--"] + args)
 
 
-PENDING = []
-
-
-def patient(number, _frame):
-    PENDING.append(signal.Signals(number).name)
-    print(f"pg-fillfactor: {signal.Signals(number).name} received; cleaning up first",
-          file=sys.stderr, flush=True)
-
-
-def detached(args, **kwargs):
-    """A command in its own session: a Ctrl-C at the terminal reaches this
-    script, which then tears down in order, and never the server or
-    nbdfuse underneath a mounted filesystem."""
-    return pg.run(args, start_new_session=True, **kwargs)
-
-
-def spawn(args, log):
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def parse_pgbench(text):
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("number of transactions actually processed:"):
+            out["transactions"] = int(line.split(":")[1].split("/")[0])
+        elif line.startswith("latency average ="):
+            out["latency_ms"] = float(line.split("=")[1].split()[0])
+        elif line.startswith("tps =") and "tps" not in out:
+            out["tps"] = float(line.split("=")[1].split()[0])
+    return out
 
 
 def lz4_unit_bytes():
@@ -196,100 +214,89 @@ def nonzero_bytes(path):
 
 
 class Postgres:
-    def __init__(self, data, sockdir, port):
-        self.data, self.port = data, port
-        self.conn = ["-h", sockdir, "-p", str(port)]
+    """A cluster in DATA run by the postgres user, on a Unix socket only."""
 
-    def tool(self, name, args, **kwargs):
-        return pg.as_postgres([pg.pg_bin(name)] + self.conn + args, start_new_session=True, **kwargs)
+    def __init__(self, teardown, data, sockdir, options):
+        port = harness.free_port()
+        self.data, self.conn = data, ["-h", sockdir, "-p", str(port)]
+        as_postgres([pg_bin("initdb"), "-D", data, "--no-sync"])
+        settings = "".join(f" -c {option}" for option in options)
+        as_postgres([pg_bin("pg_ctl"), "-D", data, "-w", "-t", "120",
+                     "-l", os.path.join(sockdir, "postgres.log"), "start",
+                     "-o", f"-k {sockdir} -p {port} -c listen_addresses=''{settings}"])
+        teardown.push("PostgreSQL", self.stop)
+
+    def tool(self, name, args):
+        return as_postgres([pg_bin(name)] + self.conn + args)
 
     def sql(self, query, db="bench"):
         return self.tool("psql", ["-X", "-At", "-v", "ON_ERROR_STOP=1", "-c", query, db]).stdout.strip()
 
     def stop(self):
-        ctl = [pg.pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "120"]
+        ctl = [pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "120"]
         try:
-            pg.as_postgres(ctl + ["-m", "fast", "stop"], start_new_session=True)
+            as_postgres(ctl + ["-m", "fast", "stop"])
         except subprocess.CalledProcessError:
-            pg.as_postgres(ctl + ["-m", "immediate", "stop"], start_new_session=True)
+            as_postgres(ctl + ["-m", "immediate", "stop"])
 
 
 class Run:
     """One configuration: an export (zdisk or the plain file), ext4 on it
     through nbdfuse and a loop device, a PostgreSQL cluster on that, and
-    pgbench's database. Everything is pushed onto `stack` as it is made."""
+    pgbench's database. Everything is pushed onto `teardown` as it is made."""
 
-    def __init__(self, args, user, baseline, fillfactor, stack):
+    def __init__(self, args, user, baseline, fillfactor, teardown):
         self.args = args
         label = f"{'baseline' if baseline else 'zdisk'}-ff{fillfactor}"
         work = tempfile.mkdtemp(prefix=f"{label}-", dir=args.dir)
-        stack.push("scratch directory", lambda: pg.run(["rm", "-rf", "--one-file-system", work]))
+        teardown.push("scratch directory", lambda: harness.run(["rm", "-rf", "--one-file-system",
+                                                                work]))
         os.chmod(work, 0o755)  # the postgres user walks through it to its data
         sock = os.path.join(work, "nbd.sock")
-        raw = os.path.join(work, "nbd.raw")
-        self.mnt = os.path.join(work, "mnt")
-        os.makedirs(self.mnt)
-        log = open(os.path.join(work, "servers.log"), "wb")
-        stack.push("server log", log.close)
         self.result = {"label": label, "baseline": baseline, "fillfactor": fillfactor,
                        "codec": None if baseline else args.codec,
                        "recompress": None if baseline else (args.recompress or "default"),
                        "scale": args.scale, "clients": args.clients, "seconds": args.seconds,
                        "rounds": args.rounds, "logical": args.logical,
                        "pg_options": args.pg_option}
-        self.metrics = None
+        self.server = None
         if baseline:
             self.backing = os.path.join(work, "plain.img")
-            detached(["truncate", "-s", args.logical, self.backing])
-            server = spawn(["nbdkit", "--foreground", "--exit-with-parent", "-U", sock,
-                            "file", self.backing], log)
+            harness.run(["truncate", "-s", args.logical, self.backing])
+            nbdkit = subprocess.Popen(["nbdkit", "--foreground", "--exit-with-parent", "-U", sock,
+                                       "file", self.backing], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True)
+            teardown.push("nbdkit", lambda: harness.stop_process(nbdkit, seconds=300))
+            harness.wait_for(lambda: os.path.exists(sock) or nbdkit.poll() is not None, "nbdkit")
+            if nbdkit.poll() is not None:
+                raise harness.Failure(f"nbdkit exited with {nbdkit.returncode}")
+            uri = f"nbd+unix:///?socket={sock}"
         else:
             self.backing = os.path.join(work, "pg.zdisk")
-            detached([args.zdisk, "create", self.backing, "--logical", args.logical,
-                      "--codec", args.codec])
-            self.metrics = f"127.0.0.1:{pg.free_port()}"
-            extra = ["--recompress", args.recompress] if args.recompress else []
-            server = spawn([args.zdisk, "serve", self.backing, "--socket", sock,
-                            "--metrics", self.metrics] + extra, log)
-        stack.push("NBD server", lambda: (server.terminate(), server.wait(timeout=300)))
-        pg.wait_for(lambda: os.path.exists(sock) or server.poll() is not None, "the NBD server")
-        if server.poll() is not None:
-            raise RuntimeError(f"the NBD server exited ({server.returncode}); see {work}/servers.log")
-        if self.metrics:
-            pg.wait_for(lambda: try_stats(self.metrics) is not None, "zdisk's /stats")
-        open(raw, "w").close()
-        fuse = spawn(["nbdfuse", raw, f"nbd+unix:///?socket={sock}"], log)
-        stack.push("nbdfuse", lambda: (detached(["fusermount3", "-u", raw]), fuse.wait(timeout=60)))
-        # losetup before nbdfuse gives the file its size would see 0 bytes.
-        pg.wait_for(lambda: os.path.getsize(raw) > 0, "nbdfuse to size its file")
-        loop = detached(["losetup", "-f", "--show", raw]).stdout.strip()
-        stack.push("loop device", lambda: detached(["losetup", "-d", loop]))
-        detached(["mkfs.ext4", "-q"] + args.mkfs_options.split() + [loop])
-        mount = ["mount"] + (["-o", args.mount_options] if args.mount_options else [])
-        detached(mount + [loop, self.mnt])
-        stack.push("mount", lambda: detached(["umount", self.mnt]))
-
+            harness.zdisk_create(args.zdisk, self.backing, "--logical", args.logical,
+                                 "--codec", args.codec)
+            flags = ["--recompress", args.recompress] if args.recompress else []
+            self.server = harness.Server(teardown, args.zdisk, self.backing, sock, flags)
+            uri = self.server.uri
+        fs = harness.Ext4OnExport(teardown, uri, work, mkfs_options=args.mkfs_options.split(),
+                                  mount_options=args.mount_options)
+        self.mnt = fs.mnt
         data = os.path.join(self.mnt, "pgdata")
         sockdir = os.path.join(work, "pgsock")
         for d in (data, sockdir):
             os.makedirs(d)
             os.chown(d, user.pw_uid, user.pw_gid)
-        pg.as_postgres([pg.pg_bin("initdb"), "-D", data, "--no-sync"], start_new_session=True)
-        port = pg.free_port()
-        options = "".join(f" -c {option}" for option in args.pg_option)
-        pg.as_postgres([pg.pg_bin("pg_ctl"), "-D", data, "-w", "-t", "120",
-                        "-l", os.path.join(sockdir, "postgres.log"), "start",
-                        "-o", f"-k {sockdir} -p {port} -c listen_addresses=''{options}"],
-                       start_new_session=True)
-        self.db = Postgres(data, sockdir, port)
-        stack.push("PostgreSQL", self.db.stop)
+        self.db = Postgres(teardown, data, sockdir, args.pg_option)
         self.db.tool("createdb", ["bench"])
         self.rounds = []
 
+    def stats(self):
+        return self.server.stats() if self.server else {}
+
     def sizes(self):
         # The baseline holds the same files: its breakdown would repeat zdisk's.
-        return sizes(self.db, self.mnt, self.metrics, self.backing,
-                     self.args.breakdown and self.metrics is not None)
+        return sizes(self.db, self.mnt, self.server, self.backing,
+                     self.args.breakdown and self.server is not None)
 
     def load(self):
         """pgbench -i, then the sizes, then the counters the timed run starts from."""
@@ -298,14 +305,14 @@ class Run:
                                  "-F", str(self.result["fillfactor"]), "bench"])
         self.result["load_seconds"] = round(time.monotonic() - started, 1)
         self.result.update({f"load_{k}": v for k, v in self.sizes().items()})
-        self.before = pg.stats(self.metrics)
+        self.before = self.stats()
         self.wal_start = self.db.sql("select pg_current_wal_lsn()")
         self.updates_start = table_updates(self.db)
 
     def bench(self, seconds):
         out = self.db.tool("pgbench", ["-T", str(seconds), "-c", str(self.args.clients),
                                        "-j", str(self.args.jobs), "bench"])
-        self.rounds.append(pg.parse_pgbench(out.stdout))
+        self.rounds.append(parse_pgbench(out.stdout))
 
     def finish(self):
         """Totals of the timed rounds, then the sizes after them."""
@@ -320,52 +327,44 @@ class Run:
             f"select pg_wal_lsn_diff(pg_current_wal_lsn(), '{self.wal_start}')")))
         upd, hot = (end - start for end, start in zip(table_updates(self.db), self.updates_start))
         r["hot_update_share"] = hot / upd if upd else None
+        after = self.stats()
+        if self.server:
+            def delta(key):
+                return after.get(key, 0) - self.before.get(key, 0)
+            txns = max(r["transactions"], 1)
+            media = delta("media_write_bytes")
+            r.update(run_host_write_bytes=delta("host_write_bytes"), run_media_write_bytes=media,
+                     run_padding_bytes=delta("padding_bytes"),
+                     run_staging_bytes=delta("staging_bytes"),
+                     run_flushes=after["counters"]["flushes"] - self.before["counters"]["flushes"],
+                     media_bytes_per_txn=media / txns,
+                     host_bytes_per_txn=delta("host_write_bytes") / txns,
+                     padding_share=delta("padding_bytes") / media if media else None,
+                     staging_share=delta("staging_bytes") / media if media else None)
         r.update(self.sizes())
-        if self.metrics:
-            after = pg.stats(self.metrics)
-            for key in ("host_write_bytes", "media_write_bytes"):
-                r[f"run_{key}"] = after[key] - self.before[key]
         return r
-
-
-def close(stack):
-    """Tears a stack down; a second Ctrl-C must not cut that short."""
-    handlers(patient)
-    stack.close()
-    handlers(on_signal)
-    if PENDING:
-        raise Interrupted(PENDING[0])
-
-
-def handlers(handler):
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, handler)
 
 
 def sequential(args, user, configs, emit):
     """Each configuration alone, on a volume torn down before the next."""
     for baseline, ff in configs:
-        stack = pg.Stack()
-        try:
+        with harness.Teardown() as teardown:
             progress(f"{'baseline' if baseline else 'zdisk'} FF={ff}: load and {args.seconds} s")
-            run = Run(args, user, baseline, ff, stack)
+            run = Run(args, user, baseline, ff, teardown)
             run.load()
             run.bench(args.seconds)
             emit(run.finish())
-        finally:
-            close(stack)
 
 
 def interleaved(args, user, configs, emit):
     """Every configuration loaded and kept up at once, then the timed run
     cut into rounds taken in turn (the order rotating), so that the host's
     drift and the other work on it weigh on every configuration alike."""
-    stack = pg.Stack()
-    try:
+    with harness.Teardown() as teardown:
         runs = []
         for baseline, ff in configs:
             progress(f"{'baseline' if baseline else 'zdisk'} FF={ff}: load")
-            runs.append(Run(args, user, baseline, ff, stack))
+            runs.append(Run(args, user, baseline, ff, teardown))
             runs[-1].load()
         seconds = max(1, args.seconds // args.rounds)
         for round_index in range(args.rounds):
@@ -375,19 +374,10 @@ def interleaved(args, user, configs, emit):
                 run.bench(seconds)
         for run in runs:
             emit(run.finish())
-    finally:
-        close(stack)
 
 
 def progress(text):
-    print(f"pg-fillfactor: {text}", file=sys.stderr, flush=True)
-
-
-def try_stats(metrics):
-    try:
-        return pg.stats(metrics)
-    except OSError:
-        return None
+    harness.progress("pg-fillfactor.py", text)
 
 
 def table_updates(db):
@@ -397,10 +387,10 @@ def table_updates(db):
     return int(upd), int(hot)
 
 
-def sizes(db, mnt, metrics, backing, parts=False):
+def sizes(db, mnt, server, backing, parts=False):
     """Sizes once PostgreSQL's dirty buffers and ext4's are on the export."""
     db.sql("CHECKPOINT")
-    detached(["sync", "-f", mnt])
+    harness.run(["sync", "-f", mnt])
     out = {"db_bytes": int(db.sql("select pg_database_size('bench')")),
            "wal_dir_bytes": dir_bytes(os.path.join(db.data, "pg_wal"))}
     if parts:
@@ -408,8 +398,8 @@ def sizes(db, mnt, metrics, backing, parts=False):
         out["breakdown"] = breakdown(db.data, oid)
         relation = db.sql("select pg_relation_filepath('pgbench_accounts')")
         out["accounts_pages"] = free_space(os.path.join(db.data, relation))
-    if metrics:
-        s = pg.stats(metrics)
+    if server:
+        s = server.stats()
         out.update(mapped_bytes=s["mapped_bytes"], physical_bytes=s["stored_bytes"],
                    stored_bytes=s["stored_bytes"], physical_used_bytes=s["physical_used_bytes"],
                    zero_bytes=s["zero_bytes"], image_allocated_bytes=allocated_bytes(backing),
@@ -458,16 +448,6 @@ def summary(results):
                   f"physical {hi['load_physical_bytes'] / lo['load_physical_bytes']:.2f}x)")
 
 
-def positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
-
-
 def fillfactor_list(text):
     """PostgreSQL accepts a table fillfactor from 10 to 100 (percent)."""
     values = []
@@ -483,27 +463,40 @@ def fillfactor_list(text):
     return values
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--zdisk", required=True)
-    parser.add_argument("--dir", default="/var/tmp")
-    parser.add_argument("--json")
+def prerequisites(args):
+    harness.require_root("it creates loop devices and mounts ext4")
+    for path in ("/dev/fuse", "/dev/loop-control"):
+        if not os.path.exists(path):
+            raise harness.Missing(path)
+    harness.require_tools("nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "mount", "umount",
+                          "runuser", "truncate", "sync", *([] if args.no_baseline else ["nbdkit"]))
+    for tool in ("initdb", "pg_ctl", "postgres", "createdb", "psql", "pgbench"):
+        pg_bin(tool)
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        raise harness.Missing("the postgres user (apt-get install postgresql)") from None
+
+
+def body():
+    parser = harness.parser(__doc__)
+    harness.add_zdisk(parser)
+    parser.add_argument("--dir", help="where the per-run scratch directories go")
+    parser.add_argument("--json", help="also write each run's JSON line to this file")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--scale", type=positive)
-    parser.add_argument("--seconds", type=positive)
-    parser.add_argument("--clients", type=positive, default=4)
-    parser.add_argument("--jobs", type=positive, default=2)
+    parser.add_argument("--scale", type=harness.positive)
+    parser.add_argument("--seconds", type=harness.positive)
+    parser.add_argument("--clients", type=harness.positive, default=4)
+    parser.add_argument("--jobs", type=harness.positive, default=2)
     parser.add_argument("--logical")
     parser.add_argument("--codec", default="lz4")
     parser.add_argument("--fillfactors", type=fillfactor_list, default="100,90,75,50")
     parser.add_argument("--mkfs-options", default="-E nodiscard")
     parser.add_argument("--mount-options", default="")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--rounds", type=positive, default=1,
+    parser.add_argument("--rounds", type=harness.positive, default=1,
                         help="keep every configuration up at once and cut the timed run "
-                             "into this many rounds taken in turn (zdisk then serves with "
-                             "--recompress off unless --recompress says otherwise, so that "
-                             "idle volumes do not recompress while others are measured)")
+                             "into this many rounds taken in turn")
     parser.add_argument("--recompress", help="zdisk serve --recompress MODE")
     parser.add_argument("--pg-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a PostgreSQL setting for every cluster (repeatable), "
@@ -512,19 +505,15 @@ def main():
                         help="also report file, non-zero and LZ4 bytes of the WAL, the "
                              "pgbench database and the rest of the cluster")
     args = parser.parse_args()
-    # --quick: a minute or two of work; the default: tables ten times
-    # PostgreSQL's shared buffers, and a run long enough to update them.
     args.scale = args.scale or (5 if args.quick else 100)
     args.seconds = args.seconds or (10 if args.quick else 180)
     args.logical = args.logical or ("4G" if args.quick else "16G")
     if args.rounds > 1 and args.recompress is None:
         args.recompress = "off"
-    user = pg.postgres_user()
-    os.makedirs(args.dir, exist_ok=True)
-
-    handlers(on_signal)
-    out = open(args.json, "w") if args.json else None
+    args.zdisk = harness.zdisk_binary(args.zdisk)
+    user = prerequisites(args)
     results = []
+    out = open(args.json, "w") if args.json else None
 
     def emit(result):
         results.append(result)
@@ -536,24 +525,15 @@ def main():
     configs = [(baseline, ff) for ff in args.fillfactors
                for baseline in ([False] if args.no_baseline else [False, True])]
     try:
-        (interleaved if args.rounds > 1 else sequential)(args, user, configs, emit)
-    except Interrupted as why:
-        progress(f"stopped by {why}; everything it started is torn down")
-        return 130
-    except subprocess.CalledProcessError as error:
-        progress(f"{' '.join(error.cmd)} failed ({error.returncode}):\n"
-                 f"{error.stdout or ''}{error.stderr or ''}")
-        return 1
-    except (RuntimeError, OSError) as error:
-        progress(f"{error}")
-        return 1
+        with harness.Teardown() as teardown:
+            args.dir = harness.workdir(teardown, args.dir, "pg-fillfactor.", "/var/tmp")
+            os.chmod(args.dir, 0o755)  # the postgres user walks through it to its data
+            (interleaved if args.rounds > 1 else sequential)(args, user, configs, emit)
     finally:
-        handlers(patient)
         if out:
             out.close()
     summary(results)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main("pg-fillfactor.py", body)
