@@ -1,5 +1,5 @@
 //! Draws the PostgreSQL fillfactor case study's chart from the JSON lines
-//! `scripts/pg-fillfactor.sh --json FILE` wrote:
+//! `scripts/pg-fillfactor.py --json FILE` wrote:
 //!
 //! ```sh
 //! cargo run --release -p zdisk-bench --example pg_fillfactor_chart -- runs.jsonl chart.png

@@ -600,7 +600,7 @@ fn draw_panels<DB: DrawingBackend>(
 }
 
 /// The PostgreSQL fillfactor case study from the JSON lines of
-/// `scripts/pg-fillfactor.sh`, one object per run: left, by fillfactor, the
+/// `scripts/pg-fillfactor.py`, one object per run: left, by fillfactor, the
 /// database's logical size beside the bytes each export keeps after the
 /// timed run; right, pgbench's TPS on each export. A run without
 /// `fillfactor`, `baseline`, `db_bytes`, `mapped_bytes`, `physical_bytes`
