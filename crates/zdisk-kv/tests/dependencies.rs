@@ -12,7 +12,14 @@ fn depends_on_neither_the_engine_nor_the_server_nor_openssl() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
     let output = Command::new(cargo)
-        .args(["tree", "--offline", "--prefix", "none", "--edges", "normal,build"])
+        .args([
+            "tree",
+            "--offline",
+            "--prefix",
+            "none",
+            "--edges",
+            "normal,build",
+        ])
         .args(["--manifest-path", manifest, "--package", "zdisk-kv"])
         .output()
         .expect("run cargo tree");

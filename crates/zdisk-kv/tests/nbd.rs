@@ -61,7 +61,9 @@ impl Drop for Nbdkit {
 }
 
 fn value(thread: usize, key: usize) -> Vec<u8> {
-    format!("value of key {key} from thread {thread} ").repeat(8).into_bytes()
+    format!("value of key {key} from thread {thread} ")
+        .repeat(8)
+        .into_bytes()
 }
 
 #[test]

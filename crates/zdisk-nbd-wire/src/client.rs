@@ -62,8 +62,10 @@ pub enum ClientError {
     BadUri { uri: String, why: String },
     #[error("cannot connect to {address}: {source}")]
     Connect { address: String, source: io::Error },
+    #[error("the server closed the NBD connection")]
+    Closed,
     #[error("NBD connection: {0}")]
-    Io(#[from] io::Error),
+    Io(io::Error),
     #[error("malformed NBD message: {0}")]
     Wire(#[from] WireError),
     #[error("the server does not speak fixed newstyle NBD (handshake flags {handshake_flags:#x})")]
@@ -90,6 +92,19 @@ pub enum ClientError {
         error: u32,
         message: String,
     },
+}
+
+/// A connection closed mid-message is [`ClientError::Closed`]; any other
+/// socket error is [`ClientError::Io`].
+impl From<io::Error> for ClientError {
+    fn from(error: io::Error) -> ClientError {
+        match error.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe => ClientError::Closed,
+            _ => ClientError::Io(error),
+        }
+    }
 }
 
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
@@ -669,7 +684,9 @@ impl<S: Read + Write> Connection<S> {
     /// NBD_OPT_STRUCTURED_REPLY.
     pub fn structured_replies(&mut self) -> Result<()> {
         let replies = self.option(NBD_OPT_STRUCTURED_REPLY, &[])?;
-        let last = replies.last().expect("option_replies returns the final reply");
+        let last = replies
+            .last()
+            .expect("option_replies returns the final reply");
         if replies.len() != 1 || last.reply_type != NBD_REP_ACK {
             return Err(last.refusal());
         }
@@ -983,10 +1000,7 @@ impl<S: Read + Write> Connection<S> {
         let hole = header.chunk_type == NBD_REPLY_TYPE_OFFSET_HOLE;
         let fixed_bytes: u32 = if hole { 12 } else { 8 };
         if (hole && header.length != fixed_bytes) || (!hole && header.length <= fixed_bytes) {
-            return Err(protocol(format!(
-                "a data chunk of {} bytes",
-                header.length
-            )));
+            return Err(protocol(format!("a data chunk of {} bytes", header.length)));
         }
         let mut fixed = vec![0u8; fixed_bytes as usize];
         self.stream.read_exact(&mut fixed)?;
@@ -1191,7 +1205,9 @@ mod tests {
             }
         );
         assert_eq!(
-            Address::parse("nbd+unix://?socket=/tmp/s").unwrap().export(),
+            Address::parse("nbd+unix://?socket=/tmp/s")
+                .unwrap()
+                .export(),
             ""
         );
         let address = Address::parse("nbd+unix:///x?socket=/tmp/s").unwrap();
@@ -1361,6 +1377,17 @@ mod tests {
             connection.flush().unwrap_err(),
             ClientError::Protocol(_)
         ));
+    }
+
+    #[test]
+    fn a_server_gone_mid_reply_is_a_closed_connection() {
+        let mut incoming = Vec::new();
+        put_simple_reply(&mut incoming, 0, first_cookie());
+        incoming.truncate(10);
+        let mut connection = scripted(false, incoming);
+        let error = connection.flush().unwrap_err();
+        assert!(matches!(error, ClientError::Closed), "{error}");
+        assert_eq!(error.to_string(), "the server closed the NBD connection");
     }
 
     #[test]

@@ -939,11 +939,13 @@ pub fn parse_error_chunk(chunk_type: u16, payload: &[u8]) -> Result<ErrorChunk<'
     let offset = match chunk_type {
         NBD_REPLY_TYPE_ERROR => None,
         NBD_REPLY_TYPE_ERROR_OFFSET => Some(input.u64()?),
-        _ => return Ok(ErrorChunk {
-            error,
-            message,
-            offset: None,
-        }),
+        _ => {
+            return Ok(ErrorChunk {
+                error,
+                message,
+                offset: None,
+            })
+        }
     };
     input.finish()?;
     Ok(ErrorChunk {
@@ -984,7 +986,6 @@ pub fn parse_block_status_chunk(payload: &[u8]) -> Result<(u32, Vec<Descriptor>)
     }
     Ok((context_id, descriptors))
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -257,10 +257,7 @@ fn workload_on_zdisk_over_tcp_and_unix_socket() {
         }
     }
     let dir = scratch("unix");
-    let server = ZdiskServer::start(
-        ListenAddr::Unix(dir.join("sock")),
-        ServerConfig::default(),
-    );
+    let server = ZdiskServer::start(ListenAddr::Unix(dir.join("sock")), ServerConfig::default());
     let observed = workload(&server.uri, true);
     assert_eq!(observed.reads, expected_reads());
     drop(server);
@@ -339,7 +336,9 @@ fn device_errors_and_read_only_exports_are_typed_errors() {
             other => panic!("a failing read gave {other:?}"),
         }
         let error = connection.write_at(8192, &buf).unwrap_err();
-        assert!(error.to_string().contains("write of 4096 bytes at offset 8192"));
+        assert!(error
+            .to_string()
+            .contains("write of 4096 bytes at offset 8192"));
         connection.write_at(0, &[1u8; 4096]).unwrap();
     }
     drop(server);
@@ -372,7 +371,9 @@ fn pipelined_requests_are_matched_by_cookie() {
     connection.write_at(0, &pattern(4096, 7)).unwrap();
     // Hold the first read in the device; the second must be answered first.
     server.device.hold(0);
-    let held = connection.send_request(0, NBD_CMD_READ, 0, 4096, &[]).unwrap();
+    let held = connection
+        .send_request(0, NBD_CMD_READ, 0, 4096, &[])
+        .unwrap();
     assert!(server.device.wait_for_held(1, TIMEOUT));
     let quick = connection
         .send_request(0, NBD_CMD_READ, 65536, 4096, &[])
@@ -397,13 +398,14 @@ fn connecting_to_nothing_and_to_a_wrong_export_fail_with_clear_errors() {
     let _ = std::fs::remove_dir_all(Path::new(&dir));
 
     let server = ZdiskServer::tcp();
-    let error = Connection::connect(&format!("{}/no-such-export", server.uri), &Config::default())
-        .unwrap_err();
+    let error = Connection::connect(
+        &format!("{}/no-such-export", server.uri),
+        &Config::default(),
+    )
+    .unwrap_err();
     match error {
         ClientError::OptionRefused {
-            option,
-            reply_type,
-            ..
+            option, reply_type, ..
         } => {
             assert_eq!(option, NBD_OPT_GO);
             assert_eq!(reply_type, NBD_REP_ERR_UNKNOWN);

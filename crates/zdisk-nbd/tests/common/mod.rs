@@ -277,7 +277,9 @@ impl Client {
 
     pub fn read_bytes(&mut self, count: usize) -> Vec<u8> {
         let mut buf = vec![0; count];
-        self.stream().read_exact(&mut buf).expect("read from server");
+        self.stream()
+            .read_exact(&mut buf)
+            .expect("read from server");
         buf
     }
 
@@ -316,10 +318,7 @@ impl Client {
     }
 
     pub fn shutdown_write(&self) {
-        self.connection
-            .get_ref()
-            .shutdown(Shutdown::Write)
-            .unwrap();
+        self.connection.get_ref().shutdown(Shutdown::Write).unwrap();
     }
 
     // -- handshake ----------------------------------------------------------
