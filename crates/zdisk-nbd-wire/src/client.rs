@@ -902,7 +902,7 @@ impl<S: Read + Write> Connection<S> {
     }
 
     /// Reads one chunk; returns the reply if the chunk completed it.
-    fn receive_chunk(&mut self, mut into: Option<&mut [u8]>) -> Result<Option<Reply>> {
+    fn receive_chunk(&mut self, into: Option<&mut [u8]>) -> Result<Option<Reply>> {
         let mut bytes = [0u8; CHUNK_HEADER_BYTES];
         bytes[..4].copy_from_slice(&NBD_STRUCTURED_REPLY_MAGIC.to_be_bytes());
         self.stream.read_exact(&mut bytes[4..])?;
@@ -919,7 +919,7 @@ impl<S: Read + Write> Connection<S> {
         let mut partial = self.partial.remove(&header.cookie).unwrap_or_default();
         let payload = match header.chunk_type {
             NBD_REPLY_TYPE_OFFSET_DATA | NBD_REPLY_TYPE_OFFSET_HOLE => {
-                self.receive_data(&header, &request, &mut partial, into.as_deref_mut())?
+                self.receive_data(&header, &request, &mut partial, into)?
             }
             NBD_REPLY_TYPE_NONE => {
                 if header.length != 0 || header.flags & NBD_REPLY_FLAG_DONE == 0 {

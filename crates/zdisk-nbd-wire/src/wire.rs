@@ -965,7 +965,7 @@ pub fn parse_block_status_chunk(payload: &[u8]) -> Result<(u32, Vec<Descriptor>)
             what: "a block status chunk without descriptors",
         });
     }
-    if input.rest.len() % 8 != 0 {
+    if !input.rest.len().is_multiple_of(8) {
         return Err(WireError::TrailingBytes {
             count: input.rest.len() % 8,
         });
