@@ -4,7 +4,7 @@
 //! several threads (each on its own connection), a flush, then a second
 //! device must read every key back and the invariant checker must find no
 //! problem. zdisk's own server under `kill -9` is `crates/zdisk/tests/kv.rs`.
-//! Prints `SKIPPED: ...` without nbdkit.
+//! Prints `SKIPPED: ...` without nbdkit (and fails under CI=true).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -27,6 +27,13 @@ impl Nbdkit {
             .status()
             .is_ok_and(|status| status.success());
         if !installed {
+            // Under CI every prerequisite is installed (.ci/run), so a missing
+            // one is a failure there, not a skip.
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "nbdkit is not installed"
+            );
             println!("SKIPPED: nbdkit is not installed");
             return None;
         }

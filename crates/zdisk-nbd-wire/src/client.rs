@@ -1040,18 +1040,23 @@ impl<S: Read + Write> Connection<S> {
 
     // -- transmission: the high level ----------------------------------------
 
-    fn ready_export(&self) -> &Export {
-        assert!(
-            self.in_flight.is_empty(),
-            "the high-level calls need no other request in flight"
-        );
-        self.export
+    /// The export, for a high-level call: none may start while a request
+    /// is unanswered (after an error the connection is out of step).
+    fn ready_export(&self) -> Result<&Export> {
+        if !self.in_flight.is_empty() {
+            return Err(protocol(format!(
+                "{} requests unanswered: the connection is out of step",
+                self.in_flight.len()
+            )));
+        }
+        Ok(self
+            .export
             .as_ref()
-            .expect("the handshake ended in the transmission phase")
+            .expect("the handshake ended in the transmission phase"))
     }
 
     fn writable_export(&self) -> Result<&Export> {
-        let export = self.ready_export();
+        let export = self.ready_export()?;
         if export.has(NBD_FLAG_READ_ONLY) {
             return Err(ClientError::ReadOnly);
         }
@@ -1059,7 +1064,7 @@ impl<S: Read + Write> Connection<S> {
     }
 
     fn require(&self, flag: u16, command: u16) -> Result<()> {
-        if self.ready_export().has(flag) {
+        if self.ready_export()?.has(flag) {
             Ok(())
         } else {
             Err(ClientError::Unsupported { command })
@@ -1082,7 +1087,7 @@ impl<S: Read + Write> Connection<S> {
     /// Fills `buf` from `offset`, in requests of at most the export's
     /// maximum payload.
     pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let max = self.ready_export().max_payload_bytes() as usize;
+        let max = self.ready_export()?.max_payload_bytes() as usize;
         let mut done = 0;
         let total = buf.len();
         while done < total {
@@ -1152,7 +1157,7 @@ impl<S: Read + Write> Connection<S> {
     /// [`ContextStatus`] per selected context (the server may describe less
     /// than asked for).
     pub fn block_status(&mut self, offset: u64, length: u32) -> Result<Vec<ContextStatus>> {
-        self.ready_export();
+        self.ready_export()?;
         if self.contexts.is_empty() {
             return Err(ClientError::Unsupported {
                 command: NBD_CMD_BLOCK_STATUS,
@@ -1377,6 +1382,93 @@ mod tests {
             connection.flush().unwrap_err(),
             ClientError::Protocol(_)
         ));
+    }
+
+    /// What a well-behaved server sends for [`run_session`]: the
+    /// handshake (structured replies, base:allocation, GO), then replies
+    /// to a 4 KiB read, a block status and a flush.
+    fn good_session() -> Vec<u8> {
+        let mut out = Vec::new();
+        put_greeting(&mut out, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
+        put_option_reply(&mut out, NBD_OPT_STRUCTURED_REPLY, NBD_REP_ACK, &[]);
+        put_meta_context(&mut out, NBD_OPT_SET_META_CONTEXT, 1, BASE_ALLOCATION);
+        put_option_reply(&mut out, NBD_OPT_SET_META_CONTEXT, NBD_REP_ACK, &[]);
+        let flags = NBD_FLAG_HAS_FLAGS | NBD_FLAG_SEND_FLUSH | NBD_FLAG_SEND_DF;
+        put_info_export(&mut out, NBD_OPT_GO, 1 << 20, flags);
+        put_info_block_size(&mut out, NBD_OPT_GO, 512, 4096, 1 << 20);
+        put_option_reply(&mut out, NBD_OPT_GO, NBD_REP_ACK, &[]);
+        let mut cookies = Connection::new(io::Cursor::new(Vec::new()));
+        let read = cookies.next_cookie();
+        out.extend(data_chunk(read, 0, 0, &[9u8; 2048]));
+        put_chunk_header(
+            &mut out,
+            NBD_REPLY_FLAG_DONE,
+            NBD_REPLY_TYPE_OFFSET_HOLE,
+            read,
+            12,
+        );
+        out.extend_from_slice(&2048u64.to_be_bytes());
+        out.extend_from_slice(&2048u32.to_be_bytes());
+        let descriptors = [Descriptor {
+            length_bytes: 4096,
+            flags: NBD_STATE_HOLE | NBD_STATE_ZERO,
+        }];
+        put_block_status_chunk(&mut out, cookies.next_cookie(), 1, &descriptors, true);
+        put_simple_reply(&mut out, 0, cookies.next_cookie());
+        out
+    }
+
+    /// A whole session against scripted bytes; the first error ends it.
+    fn run_session(incoming: Vec<u8>) -> Result<Vec<u8>> {
+        let script = Script {
+            incoming: io::Cursor::new(incoming),
+            outgoing: Vec::new(),
+        };
+        let config = Config {
+            meta_contexts: vec![BASE_ALLOCATION.to_string()],
+            block_sizes: true,
+            ..Config::default()
+        };
+        let mut connection = Connection::handshake(script, "", &config)?;
+        let mut buf = vec![0xeeu8; 4096];
+        connection.read_at(0, &mut buf)?;
+        connection.block_status(0, 4096)?;
+        connection.flush()?;
+        Ok(buf)
+    }
+
+    #[test]
+    fn a_scripted_session_succeeds_and_any_damage_to_it_is_an_error_not_a_panic() {
+        let good = good_session();
+        let mut expected = vec![9u8; 2048];
+        expected.resize(4096, 0);
+        assert_eq!(run_session(good.clone()).unwrap(), expected);
+        // Seeded damage: a few bytes changed, or the stream cut short. The
+        // outcome may be success (a changed byte that does not matter) or
+        // any error; it must never be a panic or a read outside the buffer.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut failures = 0;
+        for _ in 0..4000 {
+            let mut damaged = good.clone();
+            if next() % 4 == 0 {
+                damaged.truncate((next() % good.len() as u64) as usize);
+            } else {
+                for _ in 0..1 + next() % 4 {
+                    let at = (next() % good.len() as u64) as usize;
+                    damaged[at] = next() as u8;
+                }
+            }
+            if run_session(damaged).is_err() {
+                failures += 1;
+            }
+        }
+        assert!(failures > 1000, "only {failures} damaged sessions failed");
     }
 
     #[test]

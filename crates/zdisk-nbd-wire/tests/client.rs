@@ -10,7 +10,7 @@
 //! injection), a read-only export, pipelined requests answered out of
 //! order, and requests split to fit a small maximum payload (nbdkit's
 //! blocksize-policy filter, which fails anything larger). Tests that need
-//! nbdkit print `SKIPPED: ...` without it.
+//! nbdkit print `SKIPPED: ...` without it (and fail under CI=true).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -94,6 +94,13 @@ impl Nbdkit {
             .status()
             .is_err()
         {
+            // Under CI every prerequisite is installed (.ci/run), so a missing
+            // one is a failure there, not a skip.
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "nbdkit is not installed"
+            );
             println!("SKIPPED: nbdkit is not installed");
             return None;
         }
