@@ -834,20 +834,23 @@ impl<S: Read + Write> Connection<S> {
         Ok(())
     }
 
-    fn read_u32(&mut self) -> Result<u32> {
-        let mut bytes = [0u8; 4];
-        self.stream.read_exact(&mut bytes)?;
-        Ok(u32::from_be_bytes(bytes))
-    }
-
     /// Reads messages until a reply completes. With `into`, the one request
     /// in flight is a read whose data lands there.
     fn receive(&mut self, mut into: Option<&mut [u8]>) -> Result<Reply> {
         loop {
-            let magic = self.read_u32()?;
+            // Every reply message is at least a simple reply long, so its
+            // first 16 bytes come in one read.
+            let mut head = [0u8; CHUNK_HEADER_BYTES];
+            self.stream.read_exact(&mut head[..SIMPLE_REPLY_BYTES])?;
+            let magic = u32::from_be_bytes(head[..4].try_into().expect("4 bytes"));
             let reply = match magic {
-                NBD_SIMPLE_REPLY_MAGIC => Some(self.receive_simple(into.as_deref_mut())?),
-                NBD_STRUCTURED_REPLY_MAGIC => self.receive_chunk(into.as_deref_mut())?,
+                NBD_SIMPLE_REPLY_MAGIC => {
+                    Some(self.receive_simple(&head[..SIMPLE_REPLY_BYTES], into.as_deref_mut())?)
+                }
+                NBD_STRUCTURED_REPLY_MAGIC => {
+                    self.stream.read_exact(&mut head[SIMPLE_REPLY_BYTES..])?;
+                    self.receive_chunk(&head, into.as_deref_mut())?
+                }
                 actual => {
                     return Err(ClientError::Wire(WireError::BadMagic {
                         expected: u64::from(NBD_SIMPLE_REPLY_MAGIC),
@@ -867,11 +870,8 @@ impl<S: Read + Write> Connection<S> {
             .ok_or_else(|| protocol(format!("a reply to cookie {cookie:#x}, not in flight")))
     }
 
-    fn receive_simple(&mut self, into: Option<&mut [u8]>) -> Result<Reply> {
-        let mut bytes = [0u8; SIMPLE_REPLY_BYTES];
-        bytes[..4].copy_from_slice(&NBD_SIMPLE_REPLY_MAGIC.to_be_bytes());
-        self.stream.read_exact(&mut bytes[4..])?;
-        let simple = parse_simple_reply(&bytes)?;
+    fn receive_simple(&mut self, bytes: &[u8], into: Option<&mut [u8]>) -> Result<Reply> {
+        let simple = parse_simple_reply(bytes)?;
         if self.partial.contains_key(&simple.cookie) {
             return Err(protocol("a simple reply after structured chunks"));
         }
@@ -902,11 +902,8 @@ impl<S: Read + Write> Connection<S> {
     }
 
     /// Reads one chunk; returns the reply if the chunk completed it.
-    fn receive_chunk(&mut self, into: Option<&mut [u8]>) -> Result<Option<Reply>> {
-        let mut bytes = [0u8; CHUNK_HEADER_BYTES];
-        bytes[..4].copy_from_slice(&NBD_STRUCTURED_REPLY_MAGIC.to_be_bytes());
-        self.stream.read_exact(&mut bytes[4..])?;
-        let header = parse_chunk_header(&bytes)?;
+    fn receive_chunk(&mut self, bytes: &[u8], into: Option<&mut [u8]>) -> Result<Option<Reply>> {
+        let header = parse_chunk_header(bytes)?;
         if !self.structured {
             return Err(protocol("a structured reply that was not negotiated"));
         }
@@ -1368,7 +1365,7 @@ mod tests {
             ClientError::Protocol(_)
         ));
 
-        let mut connection = scripted(false, vec![0x12, 0x34, 0x56, 0x78]);
+        let mut connection = scripted(false, [0x12, 0x34, 0x56, 0x78].repeat(4));
         assert!(matches!(
             connection.flush().unwrap_err(),
             ClientError::Wire(WireError::BadMagic { .. })
