@@ -11,16 +11,8 @@ pub enum Error {
     },
     #[error("I/O error: {0}")]
     Io(#[source] std::io::Error),
-    #[error("bad NBD URI {uri:?}: {why}")]
-    BadUri { uri: String, why: String },
     #[error("{0}")]
-    Protocol(String),
-    #[error("the NBD server failed command {command} at offset {offset} with errno {errno}")]
-    Server {
-        command: u16,
-        offset: u64,
-        errno: u32,
-    },
+    Nbd(#[from] zdisk_nbd_wire::client::ClientError),
     #[error("{length} bytes at offset {offset} are past the device's end ({size_bytes} bytes)")]
     OutOfRange {
         offset: u64,

@@ -14,7 +14,8 @@
 //!   invariant checker.
 //! - [`cache`]: an optional write-through cache of slots in RAM.
 //! - [`device`]: the [`SlotDevice`] trait and its file and RAM devices.
-//! - [`nbd`]: a small NBD client, so the store runs on a zdisk export.
+//! - [`nbd`]: an NBD export as a [`SlotDevice`], through zdisk's one NBD
+//!   client (`zdisk_nbd_wire::client`), so the store runs on a zdisk export.
 //! - [`ycsb`]: the YCSB-style workloads (A, B, C, D, F; zipfian keys).
 //! - [`rocks`]: RocksDB's C API, loaded at run time, for the comparison.
 //!

@@ -1,14 +1,17 @@
 //! zdisk-nbd: the NBD protocol server for zdisk, serving any
 //! [`zdisk_core::BlockDevice`] over TCP or a Unix socket.
 //!
-//! This crate is the only place in zdisk that knows the NBD wire format
+//! The wire format's bytes are laid out in `zdisk-nbd-wire` (shared with
+//! zdisk's NBD client); this crate holds the server's side of the protocol
 //! (fixed newstyle handshake, simple and structured replies,
 //! `base:allocation` block status). It knows nothing of how the device
 //! stores data: engine errors arrive as [`zdisk_core::Error`] values and are
 //! mapped to NBD errno values at this boundary only.
 //!
 //! Code map:
-//! - [`wire`]: every protocol constant, and pure parsers/encoders.
+//! - [`wire`]: `zdisk_nbd_wire::wire` (every protocol constant, pure
+//!   parsers and encoders) re-exported, plus the `zdisk:compression` bits
+//!   of an engine extent.
 //! - `handshake`: option haggling up to the transmission phase.
 //! - `request`: what a request means and whether the session allows it.
 //! - `reply`: running a request on the device, encoding its reply, errno

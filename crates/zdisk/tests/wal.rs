@@ -2,8 +2,9 @@
 //! `wal`), in both layouts, on a real image and on an emulated csd2000
 //! with power-loss protection.
 //!
-//! A writer thread runs the log over NBD (a minimal client below: fixed
-//! newstyle, simple replies), flushing every commit or every few, with
+//! A writer thread runs the log over NBD (zdisk's one client,
+//! `zdisk_nbd_wire::Connection`, is a `LogDevice`), flushing every commit
+//! or every few, with
 //! checkpoints that trim and a ring small enough to wrap. Once it has
 //! flushed a few hundred commits the server is killed with SIGKILL. The
 //! server is started again (it recovers), the log is read back over NBD,
@@ -13,8 +14,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,12 +23,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
 use support::*;
-use zdisk_bench::wal::{Layout, LogDevice, Recovered, Wal, WalConfig, WalError, BLOCK_BYTES};
-use zdisk_nbd::wire::{
-    IHAVEOPT, NBDMAGIC, NBD_CMD_FLUSH, NBD_CMD_READ, NBD_CMD_TRIM, NBD_CMD_WRITE,
-    NBD_FLAG_C_FIXED_NEWSTYLE, NBD_FLAG_C_NO_ZEROES, NBD_FLAG_NO_ZEROES, NBD_OPT_EXPORT_NAME,
-    NBD_REQUEST_MAGIC, NBD_SIMPLE_REPLY_MAGIC,
-};
+use zdisk_bench::wal::{Layout, Recovered, Wal, WalConfig, WalError, BLOCK_BYTES};
+use zdisk_nbd_wire::client::{Address, Config, Connection};
 
 /// How long a round may take to flush its commits before the test calls
 /// the server stuck (a liveness bound, not a speed floor).
@@ -61,100 +56,13 @@ fn main() {
     libtest_mimic::run(&args, trials).exit();
 }
 
-/// A blocking NBD client on a Unix socket: one request at a time.
-struct Nbd {
-    stream: UnixStream,
-    size_bytes: u64,
-    cookie: u64,
-}
-
-impl Nbd {
-    fn connect(socket: &Path) -> Result<Nbd, String> {
-        let io = |e: std::io::Error| format!("NBD handshake: {e}");
-        let mut stream = UnixStream::connect(socket).map_err(io)?;
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).map_err(io)?;
-        let word = |at: usize| u64::from_be_bytes(greeting[at..at + 8].try_into().unwrap());
-        if word(0) != NBDMAGIC || word(8) != IHAVEOPT {
-            return Err("not a fixed-newstyle NBD server".into());
-        }
-        let no_zeroes = u16::from_be_bytes([greeting[16], greeting[17]]) & NBD_FLAG_NO_ZEROES != 0;
-        let mut flags = NBD_FLAG_C_FIXED_NEWSTYLE;
-        if no_zeroes {
-            flags |= NBD_FLAG_C_NO_ZEROES;
-        }
-        let mut hello = flags.to_be_bytes().to_vec();
-        // NBD_OPT_EXPORT_NAME with the default (empty) name.
-        hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        hello.extend_from_slice(&NBD_OPT_EXPORT_NAME.to_be_bytes());
-        hello.extend_from_slice(&0u32.to_be_bytes());
-        stream.write_all(&hello).map_err(io)?;
-        let mut export = [0u8; 10];
-        stream.read_exact(&mut export).map_err(io)?;
-        if !no_zeroes {
-            stream.read_exact(&mut [0u8; 124]).map_err(io)?;
-        }
-        Ok(Nbd {
-            stream,
-            size_bytes: u64::from_be_bytes(export[..8].try_into().unwrap()),
-            cookie: 0,
-        })
-    }
-
-    fn request(
-        &mut self,
-        command: u16,
-        offset: u64,
-        len: u64,
-        payload: &[u8],
-        reply: &mut [u8],
-    ) -> Result<(), String> {
-        let io = |e: std::io::Error| format!("NBD command {command}: {e}");
-        self.cookie += 1;
-        let mut header = Vec::with_capacity(28 + payload.len());
-        header.extend_from_slice(&NBD_REQUEST_MAGIC.to_be_bytes());
-        header.extend_from_slice(&0u16.to_be_bytes());
-        header.extend_from_slice(&command.to_be_bytes());
-        header.extend_from_slice(&self.cookie.to_be_bytes());
-        header.extend_from_slice(&offset.to_be_bytes());
-        header.extend_from_slice(&(len as u32).to_be_bytes());
-        header.extend_from_slice(payload);
-        self.stream.write_all(&header).map_err(io)?;
-        let mut head = [0u8; 16];
-        self.stream.read_exact(&mut head).map_err(io)?;
-        let magic = u32::from_be_bytes(head[..4].try_into().unwrap());
-        let error = u32::from_be_bytes(head[4..8].try_into().unwrap());
-        let cookie = u64::from_be_bytes(head[8..].try_into().unwrap());
-        if magic != NBD_SIMPLE_REPLY_MAGIC || cookie != self.cookie {
-            return Err(format!("bad reply {magic:#x} for cookie {cookie}"));
-        }
-        if error != 0 {
-            return Err(format!("NBD command {command} failed with errno {error}"));
-        }
-        self.stream.read_exact(reply).map_err(io)
-    }
-}
-
-impl LogDevice for Nbd {
-    fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-
-    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
-        self.request(NBD_CMD_READ, offset, buf.len() as u64, &[], buf)
-    }
-
-    fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
-        self.request(NBD_CMD_WRITE, offset, data.len() as u64, data, &mut [])
-    }
-
-    fn flush(&mut self) -> Result<(), String> {
-        self.request(NBD_CMD_FLUSH, 0, 0, &[], &mut [])
-    }
-
-    fn trim(&mut self, offset: u64, len: u64) -> Result<(), String> {
-        self.request(NBD_CMD_TRIM, offset, len, &[], &mut [])
-    }
+/// A connection to the server's Unix socket: one request at a time.
+fn connect(socket: &Path) -> Result<Connection, String> {
+    let address = Address::Unix {
+        socket: socket.to_str().ok_or("a UTF-8 socket path")?.to_string(),
+        export: String::new(),
+    };
+    Connection::connect_to(&address, &Config::default()).map_err(|e| e.to_string())
 }
 
 /// What the writers were told, to check what a recovery finds.
@@ -196,7 +104,7 @@ impl Model {
 }
 
 /// Appends and flushes until the device fails (the server was killed).
-fn write_until_killed(mut wal: Wal<Nbd>, model: &Mutex<Model>, seed: u64) -> WalError {
+fn write_until_killed(mut wal: Wal<Connection>, model: &Mutex<Model>, seed: u64) -> WalError {
     let mut rng = SmallRng::seed_from_u64(seed);
     loop {
         let group = rng.gen_range(1..=4);
@@ -262,7 +170,7 @@ fn kill9(layout: Layout, medium: &str, create: &[&str]) -> Result<(), Failed> {
     for round in 0..3u64 {
         let context = format!("{layout} on {medium}, round {round}");
         let mut server = Server::start(&image, &socket, serve_args)?;
-        let device = Nbd::connect(&socket)?;
+        let device = connect(&socket)?;
         let wal = if round == 0 {
             Wal::create(device, config).map_err(|e| e.to_string())?
         } else {
@@ -305,7 +213,7 @@ fn kill9(layout: Layout, medium: &str, create: &[&str]) -> Result<(), Failed> {
         );
     }
     let server = Server::start(&image, &socket, serve_args)?;
-    let mut device = Nbd::connect(&socket)?;
+    let mut device = connect(&socket)?;
     let recovered = zdisk_bench::wal::read_log(&mut device, config.base_offset)
         .map_err(|e| format!("final read: {e}"))?;
     model.lock().unwrap().check(&recovered, "final")?;

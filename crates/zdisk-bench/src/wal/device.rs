@@ -1,15 +1,18 @@
 //! What the log runs on, and its errors.
 //!
 //! [`LogDevice`] is a byte-addressed block device: a zdisk volume in
-//! process ([`TargetDevice`], real or virtual time), an NBD export, or a
-//! test double. The log only writes and trims whole, aligned blocks, and
+//! process ([`TargetDevice`], real or virtual time), an NBD export (a
+//! `zdisk_nbd_wire::Connection`, zdisk's one NBD client), or a test
+//! double. The log only writes and trims whole, aligned blocks, and
 //! relies on what every block device promises: after `flush` returns,
 //! everything written before it survives a crash; a write that a crash
 //! interrupts leaves each 512-byte sector of it old or new.
 
 use std::fmt;
+use std::io::{Read, Write};
 
 use zdisk_core::BlockDevice;
+use zdisk_nbd_wire::Connection;
 
 use crate::driver::{self, Target};
 
@@ -149,5 +152,30 @@ impl LogDevice for TargetDevice<'_> {
 
     fn trim(&mut self, offset: u64, len: u64) -> Result<(), String> {
         self.command(|volume| volume.trim(offset, len, false).map_err(|e| e.to_string()))
+    }
+}
+
+/// An NBD export as a log device: one request at a time on one
+/// connection, through zdisk's NBD client. A connection that has not
+/// finished its handshake has size 0, so no log fits it.
+impl<S: Read + Write> LogDevice for Connection<S> {
+    fn size_bytes(&self) -> u64 {
+        self.export().map_or(0, |export| export.size_bytes)
+    }
+
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<(), String> {
+        Connection::read_at(self, offset, buf).map_err(|e| e.to_string())
+    }
+
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
+        Connection::write_at(self, offset, data).map_err(|e| e.to_string())
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        Connection::flush(self).map_err(|e| e.to_string())
+    }
+
+    fn trim(&mut self, offset: u64, len: u64) -> Result<(), String> {
+        Connection::trim(self, offset, len).map_err(|e| e.to_string())
     }
 }

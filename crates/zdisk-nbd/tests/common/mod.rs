@@ -1,18 +1,20 @@
-//! A minimal NBD client and a server fixture for the protocol tests.
+//! A server fixture and an NBD client for the protocol tests.
 //!
-//! The client is written from the specification, independently of the
-//! server's encoders (it shares only the constants in `zdisk_nbd::wire`),
-//! so a layout mistake in the server cannot be mirrored here and cancel
-//! out. It checks the framing of everything it receives (magic values,
-//! option echo, chunk lengths) and panics on anything malformed; tests then
-//! check the meaning.
+//! The client is zdisk's one NBD client (`zdisk_nbd_wire::client`) at its
+//! low level, which speaks the client's half of the wire format: it shares
+//! only the constants with the server's encoders and parsers, so a layout
+//! mistake in the server cannot be mirrored here and cancel out (nbdkit
+//! checks the client against a foreign server in zdisk-nbd-wire's tests).
+//! It checks the framing of everything it receives (magic values, option
+//! echo, cookies, chunk lengths); this wrapper panics on anything
+//! malformed, and tests then check the meaning. What no well-behaved
+//! client would send (bad magic, lying lengths, a trickle) goes through
+//! the raw stream.
 
 #![allow(dead_code)] // each test file uses a different part of the helpers
 
-use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
-use std::net::{Shutdown, TcpStream};
-use std::os::unix::net::UnixStream;
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -20,6 +22,7 @@ use std::time::Duration;
 use zdisk_nbd::testing::RamDevice;
 use zdisk_nbd::wire::*;
 use zdisk_nbd::{ListenAddr, Server, ServerConfig, ShutdownHandle};
+use zdisk_nbd_wire::client::{self, Address, ClientError, Connection, Stream};
 
 /// How long any single read from or write to the server may take before a
 /// test fails instead of hanging.
@@ -96,41 +99,6 @@ impl Drop for TestServer {
     }
 }
 
-pub enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn try_clone(&self) -> Stream {
-        match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone().unwrap()),
-            Stream::Unix(s) => Stream::Unix(s.try_clone().unwrap()),
-        }
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
 /// One option reply.
 #[derive(Debug, Clone)]
 pub struct OptReply {
@@ -144,13 +112,18 @@ impl OptReply {
     }
 }
 
-/// One structured reply chunk.
-#[derive(Debug, Clone)]
-pub struct Chunk {
-    pub flags: u16,
-    pub chunk_type: u16,
-    pub payload: Vec<u8>,
+impl From<client::OptionReply> for OptReply {
+    fn from(reply: client::OptionReply) -> OptReply {
+        OptReply {
+            reply_type: reply.reply_type,
+            data: reply.data,
+        }
+    }
 }
+
+/// One structured reply chunk (a data chunk's payload holds only its
+/// offset; the data is in [`Reply::data`]).
+pub use zdisk_nbd_wire::client::Chunk;
 
 /// A complete reply to one request.
 #[derive(Debug, Clone)]
@@ -166,23 +139,16 @@ pub struct Reply {
     pub chunks: Vec<Chunk>,
 }
 
-impl Reply {
-    /// The descriptors of the (single) block status chunk, as (length, flags).
-    pub fn extents(&self) -> (u32, Vec<(u32, u32)>) {
-        let chunks: Vec<_> = self
-            .chunks
-            .iter()
-            .filter(|c| c.chunk_type == NBD_REPLY_TYPE_BLOCK_STATUS)
-            .collect();
-        assert_eq!(chunks.len(), 1, "one block status chunk per context");
-        let payload = &chunks[0].payload;
-        assert!(payload.len() >= 12 && (payload.len() - 4) % 8 == 0);
-        let context = be32(&payload[0..4]);
-        let descriptors = payload[4..]
-            .chunks(8)
-            .map(|d| (be32(&d[0..4]), be32(&d[4..8])))
-            .collect();
-        (context, descriptors)
+impl From<client::Reply> for Reply {
+    fn from(reply: client::Reply) -> Reply {
+        Reply {
+            cookie: reply.cookie,
+            simple: reply.simple,
+            error: reply.error,
+            message: reply.message,
+            data: reply.data,
+            chunks: reply.chunks,
+        }
     }
 }
 
@@ -190,24 +156,32 @@ impl Reply {
 pub type ContextExtents = (u32, bool, Vec<(u32, u32)>);
 
 impl Reply {
+    /// The descriptors of the (single) block status chunk, as (length, flags).
+    pub fn extents(&self) -> (u32, Vec<(u32, u32)>) {
+        let mut all = self.extents_by_context();
+        assert_eq!(all.len(), 1, "one block status chunk per context");
+        let (context, _, descriptors) = all.remove(0);
+        (context, descriptors)
+    }
+
     /// The descriptors of every block status chunk, in order, with its
     /// context id and whether it was marked done.
     pub fn extents_by_context(&self) -> Vec<ContextExtents> {
-        self.chunks
-            .iter()
-            .filter(|c| c.chunk_type == NBD_REPLY_TYPE_BLOCK_STATUS)
-            .map(|chunk| {
-                let payload = &chunk.payload;
-                assert!(payload.len() >= 12 && (payload.len() - 4) % 8 == 0);
-                let descriptors = payload[4..]
-                    .chunks(8)
-                    .map(|d| (be32(&d[0..4]), be32(&d[4..8])))
+        let as_client = client::Reply {
+            chunks: self.chunks.clone(),
+            ..client::Reply::default()
+        };
+        as_client
+            .block_status()
+            .expect("well-formed block status chunks")
+            .into_iter()
+            .map(|status| {
+                let descriptors = status
+                    .descriptors
+                    .iter()
+                    .map(|d| (d.length_bytes, d.flags))
                     .collect();
-                (
-                    be32(&payload[0..4]),
-                    chunk.flags & NBD_REPLY_FLAG_DONE != 0,
-                    descriptors,
-                )
+                (status.context_id, status.done, descriptors)
             })
             .collect()
     }
@@ -223,7 +197,7 @@ pub fn be64(b: &[u8]) -> u64 {
     u64::from_be_bytes(b.try_into().unwrap())
 }
 
-/// What to negotiate in [`Client::go`]-based setups.
+/// What to negotiate in [`Client::connect_with`].
 #[derive(Debug, Clone, Copy)]
 pub struct Setup {
     pub structured: bool,
@@ -254,57 +228,68 @@ pub struct ExportInfo {
     pub description: Option<String>,
 }
 
+impl From<client::Export> for ExportInfo {
+    fn from(export: client::Export) -> ExportInfo {
+        ExportInfo {
+            size_bytes: export.size_bytes,
+            flags: export.flags,
+            block_sizes: export
+                .block_sizes
+                .map(|b| (b.min_bytes, b.preferred_bytes, b.max_payload_bytes)),
+            name: export.name,
+            description: export.description,
+        }
+    }
+}
+
+/// The client: [`Connection`]'s low level, panicking on anything
+/// malformed; raw bytes go through its stream.
 pub struct Client {
-    reader: BufReader<Stream>,
-    writer: Stream,
+    connection: Connection,
     pub structured: bool,
-    /// Outstanding reads: cookie -> (offset, length).
-    reads: HashMap<u64, (u64, u32)>,
-    /// Structured chunks received for replies not yet complete.
-    partial: HashMap<u64, Vec<Chunk>>,
-    next_cookie: u64,
+}
+
+fn address(addr: &ListenAddr) -> Address {
+    match addr {
+        ListenAddr::Tcp(a) => Address::Tcp {
+            host_port: a.to_string(),
+            export: String::new(),
+        },
+        ListenAddr::Unix(p) => Address::Unix {
+            socket: p.to_str().expect("a UTF-8 socket path").to_string(),
+            export: String::new(),
+        },
+    }
 }
 
 impl Client {
     pub fn connect(addr: &ListenAddr) -> Client {
-        let stream = match addr {
-            ListenAddr::Tcp(a) => {
-                let s = TcpStream::connect(a).expect("connect");
-                s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-                s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
-                s.set_nodelay(true).unwrap();
-                Stream::Tcp(s)
-            }
-            ListenAddr::Unix(p) => {
-                let s = UnixStream::connect(p).expect("connect");
-                s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-                s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
-                Stream::Unix(s)
-            }
-        };
+        let stream = Stream::connect(&address(addr), Some(IO_TIMEOUT)).expect("connect");
         Client {
-            reader: BufReader::new(stream.try_clone()),
-            writer: stream,
+            connection: Connection::new(stream),
             structured: false,
-            reads: HashMap::new(),
-            partial: HashMap::new(),
-            next_cookie: 1,
         }
+    }
+
+    fn stream(&mut self) -> &mut Stream {
+        self.connection.get_mut()
     }
 
     pub fn read_bytes(&mut self, count: usize) -> Vec<u8> {
         let mut buf = vec![0; count];
-        self.reader.read_exact(&mut buf).expect("read from server");
+        self.stream()
+            .read_exact(&mut buf)
+            .expect("read from server");
         buf
     }
 
     pub fn send(&mut self, bytes: &[u8]) {
-        self.writer.write_all(bytes).expect("write to server");
+        self.stream().write_all(bytes).expect("write to server");
     }
 
     /// Sends bytes, reporting a failure (the server closed) instead of panicking.
     pub fn try_send(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.writer.write_all(bytes)
+        self.stream().write_all(bytes)
     }
 
     /// Reads and counts everything until the server closes the connection.
@@ -312,7 +297,7 @@ impl Client {
         let mut total = 0;
         let mut buf = vec![0u8; 1 << 20];
         loop {
-            match self.reader.read(&mut buf) {
+            match self.stream().read(&mut buf) {
                 Ok(0) => return total,
                 Ok(count) => total += count,
                 Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return total,
@@ -324,7 +309,7 @@ impl Client {
     /// Whether the server closed the connection (no more bytes will come).
     pub fn is_closed(&mut self) -> bool {
         let mut byte = [0u8; 1];
-        match self.reader.read(&mut byte) {
+        match self.stream().read(&mut byte) {
             Ok(0) => true,
             Ok(_) => false,
             Err(e) if e.kind() == io::ErrorKind::ConnectionReset => true,
@@ -333,69 +318,50 @@ impl Client {
     }
 
     pub fn shutdown_write(&self) {
-        match &self.writer {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Write).unwrap(),
-            Stream::Unix(s) => s.shutdown(Shutdown::Write).unwrap(),
-        }
+        self.connection.get_ref().shutdown(Shutdown::Write).unwrap();
     }
 
     // -- handshake ----------------------------------------------------------
 
     /// Reads the greeting, checks its magic values, returns the handshake flags.
     pub fn greeting(&mut self) -> u16 {
-        let g = self.read_bytes(18);
-        assert_eq!(be64(&g[0..8]), NBDMAGIC);
-        assert_eq!(be64(&g[8..16]), IHAVEOPT);
-        be16(&g[16..18])
+        self.connection.read_greeting().expect("greeting")
     }
 
     pub fn send_client_flags(&mut self, flags: u32) {
-        self.send(&flags.to_be_bytes());
+        self.connection
+            .send_client_flags(flags)
+            .expect("send client flags");
     }
 
     /// Greeting plus FIXED_NEWSTYLE|NO_ZEROES client flags.
     pub fn start_handshake(&mut self) {
-        let flags = self.greeting();
+        let flags = self.connection.start_handshake().expect("handshake");
         assert_eq!(flags, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
-        self.send_client_flags(NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES);
     }
 
     pub fn send_option(&mut self, option: u32, data: &[u8]) {
-        let mut m = Vec::new();
-        m.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        m.extend_from_slice(&option.to_be_bytes());
-        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        m.extend_from_slice(data);
-        self.send(&m);
+        self.connection
+            .send_option(option, data)
+            .expect("send option");
     }
 
     /// Reads one option reply and checks it answers `option`.
     pub fn option_reply(&mut self, option: u32) -> OptReply {
-        let h = self.read_bytes(20);
-        assert_eq!(be64(&h[0..8]), NBD_OPTION_REPLY_MAGIC, "option reply magic");
-        assert_eq!(be32(&h[8..12]), option, "reply echoes the option");
-        let reply_type = be32(&h[12..16]);
-        let length = be32(&h[16..20]) as usize;
-        assert!(
-            length <= 1 << 20,
-            "unreasonable option reply length {length}"
-        );
-        let data = self.read_bytes(length);
-        OptReply { reply_type, data }
+        self.connection
+            .option_reply(option)
+            .expect("option reply")
+            .into()
     }
 
     /// Reads replies up to and including the final one (ACK or an error).
     pub fn option_replies(&mut self, option: u32) -> Vec<OptReply> {
-        let mut replies = Vec::new();
-        loop {
-            let reply = self.option_reply(option);
-            let last =
-                reply.reply_type == NBD_REP_ACK || reply.reply_type & NBD_REP_FLAG_ERROR != 0;
-            replies.push(reply);
-            if last {
-                return replies;
-            }
-        }
+        self.connection
+            .option_replies(option)
+            .expect("option replies")
+            .into_iter()
+            .map(OptReply::from)
+            .collect()
     }
 
     pub fn option(&mut self, option: u32, data: &[u8]) -> Vec<OptReply> {
@@ -404,69 +370,36 @@ impl Client {
     }
 
     pub fn go_data(name: &str, infos: &[u16]) -> Vec<u8> {
-        let mut d = Vec::new();
-        d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-        d.extend_from_slice(name.as_bytes());
-        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
-        for i in infos {
-            d.extend_from_slice(&i.to_be_bytes());
-        }
-        d
+        let mut data = Vec::new();
+        put_go_data(&mut data, name, infos);
+        data
     }
 
     pub fn meta_data(name: &str, queries: &[&str]) -> Vec<u8> {
-        let mut d = Vec::new();
-        d.extend_from_slice(&(name.len() as u32).to_be_bytes());
-        d.extend_from_slice(name.as_bytes());
-        d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
-        for q in queries {
-            d.extend_from_slice(&(q.len() as u32).to_be_bytes());
-            d.extend_from_slice(q.as_bytes());
-        }
-        d
+        let mut data = Vec::new();
+        put_meta_context_data(&mut data, name, queries);
+        data
     }
 
     /// Parses the replies of a successful INFO/GO.
     pub fn parse_info(replies: &[OptReply]) -> ExportInfo {
-        let (last, infos) = replies.split_last().unwrap();
-        assert_eq!(
-            last.reply_type, NBD_REP_ACK,
-            "GO/INFO ends with ACK: {replies:?}"
-        );
-        let mut info = ExportInfo::default();
-        let mut saw_export = false;
-        for r in infos {
-            assert_eq!(r.reply_type, NBD_REP_INFO);
-            match r.info_type().unwrap() {
-                NBD_INFO_EXPORT => {
-                    assert_eq!(r.data.len(), 12);
-                    info.size_bytes = be64(&r.data[2..10]);
-                    info.flags = be16(&r.data[10..12]);
-                    saw_export = true;
-                }
-                NBD_INFO_BLOCK_SIZE => {
-                    assert_eq!(r.data.len(), 14);
-                    info.block_sizes = Some((
-                        be32(&r.data[2..6]),
-                        be32(&r.data[6..10]),
-                        be32(&r.data[10..14]),
-                    ));
-                }
-                NBD_INFO_NAME => info.name = Some(String::from_utf8(r.data[2..].to_vec()).unwrap()),
-                NBD_INFO_DESCRIPTION => {
-                    info.description = Some(String::from_utf8(r.data[2..].to_vec()).unwrap())
-                }
-                other => panic!("unexpected info type {other}"),
-            }
-        }
-        assert!(saw_export, "NBD_INFO_EXPORT is mandatory");
-        info
+        let replies: Vec<client::OptionReply> = replies
+            .iter()
+            .map(|r| client::OptionReply {
+                option: NBD_OPT_GO,
+                reply_type: r.reply_type,
+                data: r.data.clone(),
+            })
+            .collect();
+        client::Export::from_replies(&replies)
+            .unwrap_or_else(|e| panic!("GO/INFO ends with ACK: {e}: {replies:?}"))
+            .into()
     }
 
     pub fn structured_reply(&mut self) {
-        let r = self.option(NBD_OPT_STRUCTURED_REPLY, &[]);
-        assert_eq!(r.len(), 1);
-        assert_eq!(r[0].reply_type, NBD_REP_ACK);
+        self.connection
+            .structured_replies()
+            .expect("structured replies");
         self.structured = true;
     }
 
@@ -476,21 +409,14 @@ impl Client {
         name: &str,
         queries: &[&str],
     ) -> Result<Vec<(u32, String)>, u32> {
-        let replies = self.option(NBD_OPT_SET_META_CONTEXT, &Self::meta_data(name, queries));
-        let (last, contexts) = replies.split_last().unwrap();
-        if last.reply_type != NBD_REP_ACK {
-            return Err(last.reply_type);
+        match self.connection.set_meta_contexts(name, queries) {
+            Ok(contexts) => Ok(contexts
+                .iter()
+                .map(|context| (context.id, context.name.clone()))
+                .collect()),
+            Err(ClientError::OptionRefused { reply_type, .. }) => Err(reply_type),
+            Err(e) => panic!("SET_META_CONTEXT: {e}"),
         }
-        Ok(contexts
-            .iter()
-            .map(|r| {
-                assert_eq!(r.reply_type, NBD_REP_META_CONTEXT);
-                (
-                    be32(&r.data[0..4]),
-                    String::from_utf8(r.data[4..].to_vec()).unwrap(),
-                )
-            })
-            .collect())
     }
 
     /// Connects and negotiates per `setup`, ending with NBD_OPT_GO.
@@ -509,16 +435,14 @@ impl Client {
         } else {
             &[]
         };
-        let replies = c.option(NBD_OPT_GO, &Self::go_data("zdisk", infos));
-        let info = Self::parse_info(&replies);
-        (c, info)
+        let export = c.connection.go("zdisk", infos).expect("NBD_OPT_GO").clone();
+        (c, export.into())
     }
 
     // -- transmission -------------------------------------------------------
 
     pub fn cookie(&mut self) -> u64 {
-        self.next_cookie += 1;
-        self.next_cookie * 0x1_0000_0001
+        self.connection.next_cookie()
     }
 
     pub fn request_bytes(
@@ -528,13 +452,17 @@ impl Client {
         offset: u64,
         length: u32,
     ) -> Vec<u8> {
-        let mut m = Vec::with_capacity(28);
-        m.extend_from_slice(&NBD_REQUEST_MAGIC.to_be_bytes());
-        m.extend_from_slice(&flags.to_be_bytes());
-        m.extend_from_slice(&command.to_be_bytes());
-        m.extend_from_slice(&cookie.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&length.to_be_bytes());
+        let mut m = Vec::with_capacity(REQUEST_HEADER_BYTES);
+        put_request_header(
+            &mut m,
+            &RequestHeader {
+                flags,
+                command,
+                cookie,
+                offset,
+                length,
+            },
+        );
         m
     }
 
@@ -547,112 +475,14 @@ impl Client {
         length: u32,
         payload: &[u8],
     ) -> u64 {
-        let cookie = self.cookie();
-        if command == NBD_CMD_READ {
-            self.reads.insert(cookie, (offset, length));
-        }
-        let mut m = Self::request_bytes(flags, command, cookie, offset, length);
-        m.extend_from_slice(payload);
-        self.send(&m);
-        cookie
+        self.connection
+            .send_request(flags, command, offset, length, payload)
+            .expect("send request")
     }
 
     /// Reads messages until some reply is complete, and returns it.
     pub fn reply(&mut self) -> Reply {
-        loop {
-            let magic = be32(&self.read_bytes(4));
-            if magic == NBD_SIMPLE_REPLY_MAGIC {
-                let rest = self.read_bytes(12);
-                let error = be32(&rest[0..4]);
-                let cookie = be64(&rest[4..12]);
-                let read = self.reads.remove(&cookie);
-                if self.structured {
-                    assert!(
-                        read.is_none(),
-                        "simple reply to a READ with structured replies on"
-                    );
-                }
-                let data = match read {
-                    Some((_, length)) if error == 0 => self.read_bytes(length as usize),
-                    _ => Vec::new(),
-                };
-                return Reply {
-                    cookie,
-                    simple: true,
-                    error,
-                    message: String::new(),
-                    data,
-                    chunks: Vec::new(),
-                };
-            }
-            assert_eq!(magic, NBD_STRUCTURED_REPLY_MAGIC, "reply magic");
-            assert!(self.structured, "structured reply without negotiation");
-            let h = self.read_bytes(16);
-            let flags = be16(&h[0..2]);
-            let chunk_type = be16(&h[2..4]);
-            let cookie = be64(&h[4..12]);
-            let length = be32(&h[12..16]) as usize;
-            assert!(
-                length <= MAX_PAYLOAD_BYTES as usize + 8,
-                "chunk of {length} bytes"
-            );
-            let payload = self.read_bytes(length);
-            self.partial.entry(cookie).or_default().push(Chunk {
-                flags,
-                chunk_type,
-                payload,
-            });
-            if flags & NBD_REPLY_FLAG_DONE != 0 {
-                let chunks = self.partial.remove(&cookie).unwrap();
-                return self.assemble(cookie, chunks);
-            }
-        }
-    }
-
-    fn assemble(&mut self, cookie: u64, chunks: Vec<Chunk>) -> Reply {
-        let read = self.reads.remove(&cookie);
-        let mut reply = Reply {
-            cookie,
-            simple: false,
-            error: 0,
-            message: String::new(),
-            data: Vec::new(),
-            chunks: chunks.clone(),
-        };
-        if let Some((_, length)) = read {
-            reply.data = vec![0; length as usize];
-        }
-        for chunk in &chunks {
-            let p = &chunk.payload;
-            match chunk.chunk_type {
-                NBD_REPLY_TYPE_NONE => assert!(p.is_empty()),
-                NBD_REPLY_TYPE_OFFSET_DATA => {
-                    let (offset, length) = read.expect("OFFSET_DATA only answers READ");
-                    assert!(p.len() >= 9);
-                    let at = be64(&p[0..8]);
-                    assert!(
-                        at >= offset && at + (p.len() as u64 - 8) <= offset + u64::from(length)
-                    );
-                    let start = (at - offset) as usize;
-                    reply.data[start..start + p.len() - 8].copy_from_slice(&p[8..]);
-                }
-                NBD_REPLY_TYPE_BLOCK_STATUS => {}
-                NBD_REPLY_TYPE_ERROR | NBD_REPLY_TYPE_ERROR_OFFSET => {
-                    assert!(p.len() >= 6);
-                    let error = be32(&p[0..4]);
-                    assert_ne!(error, 0, "error chunks carry a nonzero error");
-                    let message_length = be16(&p[4..6]) as usize;
-                    assert!(6 + message_length <= p.len());
-                    if reply.error == 0 {
-                        reply.error = error;
-                        reply.message =
-                            String::from_utf8(p[6..6 + message_length].to_vec()).unwrap();
-                    }
-                }
-                other => panic!("unexpected chunk type {other}"),
-            }
-        }
-        reply
+        self.connection.receive_reply().expect("reply").into()
     }
 
     /// Sends a request and waits for its reply.
@@ -664,10 +494,10 @@ impl Client {
         length: u32,
         payload: &[u8],
     ) -> Reply {
-        let cookie = self.send_request(flags, command, offset, length, payload);
-        let reply = self.reply();
-        assert_eq!(reply.cookie, cookie, "reply to the request just sent");
-        reply
+        self.connection
+            .request(flags, command, offset, length, payload)
+            .expect("request")
+            .into()
     }
 
     pub fn read(&mut self, offset: u64, length: u32) -> Reply {
