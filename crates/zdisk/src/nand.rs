@@ -33,7 +33,7 @@ pub fn params(
     params.config = NandConfig {
         power_loss_protection: plp || params.config.power_loss_protection,
         recycle_cap_bytes_per_sec: match recycle_cap_mb_s {
-            Some(cap) if cap == 0.0 => None,
+            Some(0.0) => None,
             Some(cap) if !(cap > 0.0 && cap.is_finite()) => {
                 return Err(format!(
                     "--recycle-cap-mb-s {cap}: give a rate in MB/s, or 0 for no cap"

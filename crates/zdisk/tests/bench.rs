@@ -25,6 +25,10 @@ fn main() {
             "emulated_drive_runs_every_scenario_with_its_json_keys",
             emulated_scenarios,
         ),
+        (
+            "a_profile_recycles_at_its_controllers_pace_unless_told_otherwise",
+            recycling_defaults,
+        ),
         ("charts_are_drawn_as_svg_and_png", charts),
         (
             "the_pg_fillfactor_chart_is_drawn_from_the_scripts_json",
@@ -197,6 +201,57 @@ const FONTS: &[&str] = &[
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
+
+/// `--profile sf1200` recycles at the SF-1200's pace with no flag (the
+/// drive as named), `--recycle-cap-mb-s 0` turns the cap off, and another
+/// rate replaces it; the banner says which. A negative rate is
+/// a one-line error.
+fn recycling_defaults() -> TestResult {
+    let banner = |extra: &[&str]| -> Result<String, Failed> {
+        let mut args = vec![
+            "bench",
+            "--profile",
+            "sf1200",
+            "--physical",
+            "256M",
+            "--size",
+            "1M",
+            "--scenario",
+            "flush",
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let output = zdisk(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(output.status.success(), "zdisk {args:?}: {stderr}");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        Ok(stdout.lines().next().unwrap_or_default().to_string())
+    };
+    let default = banner(&[])?;
+    ensure!(
+        default.ends_with("recycling capped at 72.5 MB/s)"),
+        "by default: {default}"
+    );
+    let off = banner(&["--recycle-cap-mb-s", "0"])?;
+    ensure!(!off.contains("recycling"), "with 0: {off}");
+    let other = banner(&["--recycle-cap-mb-s", "90"])?;
+    ensure!(
+        other.ends_with("recycling capped at 90 MB/s)"),
+        "with 90: {other}"
+    );
+    one_line_error(
+        &[
+            "bench",
+            "--profile",
+            "sf1200",
+            "--scenario",
+            "flush",
+            "--recycle-cap-mb-s=-5",
+        ],
+        "give a rate in MB/s, or 0 for no cap",
+    )?;
+    Ok(Completion::Completed)
+}
 
 fn require_font() -> Result<(), String> {
     if FONTS.iter().any(|f| Path::new(f).exists()) {
