@@ -60,7 +60,7 @@ use crate::transport::Transport;
 use crate::wire::{OptionHeader, CLIENT_FLAGS_BYTES, MAX_OPTION_BYTES, OPTION_HEADER_BYTES};
 
 /// Accepts per loop turn, so waiting connections are served between bursts.
-pub(crate) const ACCEPTS_PER_TURN: usize = 256;
+pub(crate) const ACCEPTS_PER_TURN: usize = 1024;
 /// Reads per connection per turn.
 pub(crate) const READS_PER_SERVICE: usize = 16;
 /// How long the listener rests when accept fails and nothing can be freed.

@@ -63,6 +63,9 @@ use crate::transmission::{serve, Connection, Outbox};
 use crate::transport::Transport;
 use crate::wire::{MAX_PAYLOAD_BYTES, MAX_STRING_BYTES, MIN_BLOCK_BYTES};
 
+/// Connections the kernel queues for accept (it caps this at
+/// `net.core.somaxconn`, 4096 by default).
+const LISTEN_BACKLOG: libc::c_int = 4096;
 /// Buffer for reading requests: one syscall brings in many small requests.
 const READ_BUFFER_BYTES: usize = 128 * 1024;
 /// While the server stops, how long a sender waits for a client to take
@@ -407,6 +410,14 @@ impl BoundListener {
         match &listener {
             Listener::Tcp(listener) => listener.set_nonblocking(true)?,
             Listener::Unix { listener, .. } => listener.set_nonblocking(true)?,
+        }
+        // A longer queue than std's: under a flood of connections, an honest
+        // client's connection waits there for the lobby, instead of having
+        // its handshake dropped by the kernel and retried a second later.
+        // Calling listen again on a listening socket only resizes its queue.
+        // SAFETY: a valid listening descriptor.
+        if unsafe { libc::listen(listener.raw_fd(), LISTEN_BACKLOG) } != 0 {
+            return Err(io::Error::last_os_error());
         }
         Ok(BoundListener { listener })
     }
