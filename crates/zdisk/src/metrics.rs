@@ -23,7 +23,13 @@ pub fn spawn(
     std::thread::Builder::new()
         .name("zdisk-metrics".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else {
+                    // Out of descriptors (EMFILE) fails at once: wait
+                    // rather than spin on it.
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                };
                 let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
                 let mut reader = BufReader::new(&stream);

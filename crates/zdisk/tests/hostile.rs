@@ -11,6 +11,12 @@
 //! attacker's own address (behind a NAT, say), each complete a handshake
 //! and a read on every try.
 //!
+//! Drippers from 127.0.0.4 stay under the per-address cap, so only the
+//! handshake deadline (for the whole handshake, not per read) ends them.
+//! A fourth test gives the server 256 descriptors and 2,000 silent
+//! connections: accept fails with EMFILE, and the server must make room
+//! for honest clients without spinning.
+//!
 //! What must hold (events, not times): every honest try completes; fio
 //! finishes without error; the server's RSS grows at most 64 MiB; the
 //! server's counters show the attack was absorbed (evictions or
@@ -40,6 +46,9 @@ use support::*;
 const ATTACKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
 const SECOND_ATTACKER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 const BYSTANDER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
+/// Drippers that stay under the per-address cap, so only the handshake
+/// deadline can end them.
+const DRIPPER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 4);
 /// File descriptors of the server (and of this process).
 const FDS: u64 = 20_000;
 const RSS_GROWTH_MAX_BYTES: u64 = 64 << 20;
@@ -64,6 +73,7 @@ fn main() {
         ("silent_connections_do_not_lock_out_clients", silent),
         ("slow_drip_connections_do_not_lock_out_clients", drip),
         ("client_hello_flood_does_not_lock_out_clients", hello_flood),
+        ("running_out_of_descriptors_neither_spins_nor_locks_out", descriptors),
     ];
     let trials = tests
         .into_iter()
@@ -194,7 +204,12 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
         None
     };
     let mut attackers = Vec::new();
-    for (source, count) in [(ATTACKER, 10_000usize), (SECOND_ATTACKER, 100)] {
+    let mut waves = vec![(ATTACKER, 10_000usize), (SECOND_ATTACKER, 100)];
+    if attack == Attack::Drip {
+        waves.push((DRIPPER, 50));
+    }
+    let wave_total: usize = waves.iter().map(|(_, count)| count).sum();
+    for (source, count) in waves {
         let (stop, opened, hello) = (Arc::clone(&stop), Arc::clone(&opened), hello.clone());
         attackers.push(thread::spawn(move || match &hello {
             Some(hello) => flood_hellos(source, target, count, hello, &stop, &opened),
@@ -210,7 +225,9 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
     }
     // Let the first wave arrive before the honest clients come.
     let ramp = Instant::now();
-    while opened.load(Ordering::Relaxed) < 10_100 && ramp.elapsed() < Duration::from_secs(15) {
+    while opened.load(Ordering::Relaxed) < wave_total as u64
+        && ramp.elapsed() < Duration::from_secs(15)
+    {
         thread::sleep(Duration::from_millis(100));
     }
 
@@ -309,6 +326,12 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
         count("handshakes_completed") >= 2 * tries as u64,
         "counters miss honest handshakes: {counters}"
     );
+    if attack == Attack::Drip {
+        ensure!(
+            count("handshakes_timed_out") > 0,
+            "no dripping handshake met its deadline: {counters}"
+        );
+    }
     if attack == Attack::ClientHello {
         ensure!(
             count("tls_handshakes_started") > 2 * tries as u64,
@@ -316,6 +339,111 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
         );
     }
     Ok(Completion::Completed)
+}
+
+/// The server at 256 descriptors, and 2,000 silent connections from one
+/// address that it would keep (its handshake budget is raised past its
+/// descriptors): accept fails with EMFILE, and the server must drop
+/// waiting connections to let newcomers in, without spinning.
+fn descriptors() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["curl"]).and_then(|()| raise_fd_limit())) {
+        return skip;
+    }
+    let dir = Scratch::new("hostile-fds");
+    let image = dir.join("fds.zdisk");
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--listen",
+        &listen,
+        "--metrics",
+        &metrics,
+        "--logical",
+        "1G",
+        "--max-handshakes",
+        "4000",
+        "--max-handshakes-per-address",
+        "4000",
+    ];
+    let mut server = Server::start_tcp(&image, &args)?;
+    let pid = server.pid();
+    let few = libc::rlimit {
+        rlim_cur: 256,
+        rlim_max: 256,
+    };
+    // SAFETY: a valid rlimit struct; no old value asked for.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &few,
+            std::ptr::null_mut(),
+        )
+    };
+    ensure!(set == 0, "prlimit: {}", io::Error::last_os_error());
+    let target = SocketAddrV4::new(ATTACKER, port);
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let attacker = {
+        let (stop, opened) = (Arc::clone(&stop), Arc::clone(&opened));
+        thread::spawn(move || hold(ATTACKER, target, 2000, false, &stop, &opened))
+    };
+    let ramp = Instant::now();
+    while opened.load(Ordering::Relaxed) < 2000 && ramp.elapsed() < Duration::from_secs(15) {
+        thread::sleep(Duration::from_millis(100));
+    }
+    let cpu_before = cpu_seconds(pid)?;
+    let window = Instant::now();
+    let mut failures = Vec::new();
+    let mut times = Vec::new();
+    for i in 0..10 {
+        thread::sleep(Duration::from_millis(1000));
+        for source in [BYSTANDER, ATTACKER] {
+            match honest(source, target, None) {
+                Ok(took) => times.push(took),
+                Err(e) => failures.push(format!("try {i} from {source}: {e}")),
+            }
+        }
+    }
+    let cpu = cpu_seconds(pid)? - cpu_before;
+    let elapsed = window.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = attacker.join();
+    // The attacker's sockets are closed now, which frees the server's
+    // descriptors for the statistics request.
+    thread::sleep(Duration::from_secs(1));
+    let counters = server.stats()?["nbd"].clone();
+    server.stop()?;
+    times.sort();
+    println!(
+        "descriptors: {} attacker connections; {} honest handshakes, max {:.1} ms; server CPU {cpu:.1} s in {elapsed:.1} s",
+        opened.load(Ordering::Relaxed),
+        times.len(),
+        times.last().map_or(0.0, |t| t.as_secs_f64() * 1e3)
+    );
+    println!("descriptors: server counters {counters}");
+    ensure!(failures.is_empty(), "honest clients failed:\n{}", failures.join("\n"));
+    let count = |key: &str| counters[key].as_u64().unwrap_or(0);
+    ensure!(count("accept_exhausted") > 0, "accept never ran out: {counters}");
+    ensure!(
+        count("evicted_for_fds") > 0,
+        "no waiting connection made room: {counters}"
+    );
+    Ok(Completion::Completed)
+}
+
+/// CPU seconds (user and system) the process has used.
+fn cpu_seconds(pid: u32) -> Result<f64, String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_err(|e| format!("the server is gone: {e}"))?;
+    let after_name = &stat[stat.rfind(')').ok_or("bad stat")? + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
+    let ticks: u64 = fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(ticks as f64 / per_second)
 }
 
 /// Runs fio's nbd engine: `write` fills 256 MiB once, `randread` reads
@@ -450,7 +578,7 @@ fn hold(
                     opened.fetch_add(1, Ordering::Relaxed);
                     Held {
                         stream,
-                        next_drip: now + DRIP_EVERY,
+                        next_drip: now,
                     }
                 });
             }
