@@ -73,7 +73,10 @@ fn main() {
         ("silent_connections_do_not_lock_out_clients", silent),
         ("slow_drip_connections_do_not_lock_out_clients", drip),
         ("client_hello_flood_does_not_lock_out_clients", hello_flood),
-        ("running_out_of_descriptors_neither_spins_nor_locks_out", descriptors),
+        (
+            "running_out_of_descriptors_neither_spins_nor_locks_out",
+            descriptors,
+        ),
     ];
     let trials = tests
         .into_iter()
@@ -423,9 +426,16 @@ fn descriptors() -> TestResult {
         times.last().map_or(0.0, |t| t.as_secs_f64() * 1e3)
     );
     println!("descriptors: server counters {counters}");
-    ensure!(failures.is_empty(), "honest clients failed:\n{}", failures.join("\n"));
+    ensure!(
+        failures.is_empty(),
+        "honest clients failed:\n{}",
+        failures.join("\n")
+    );
     let count = |key: &str| counters[key].as_u64().unwrap_or(0);
-    ensure!(count("accept_exhausted") > 0, "accept never ran out: {counters}");
+    ensure!(
+        count("accept_exhausted") > 0,
+        "accept never ran out: {counters}"
+    );
     ensure!(
         count("evicted_for_fds") > 0,
         "no waiting connection made room: {counters}"
@@ -440,7 +450,8 @@ fn cpu_seconds(pid: u32) -> Result<f64, String> {
     let after_name = &stat[stat.rfind(')').ok_or("bad stat")? + 2..];
     let fields: Vec<&str> = after_name.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
-    let ticks: u64 = fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0);
+    let ticks: u64 =
+        fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0);
     // SAFETY: sysconf has no preconditions.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Ok(ticks as f64 / per_second)
