@@ -119,6 +119,7 @@ impl Admission {
         self.entries.len()
     }
 
+    #[cfg(test)]
     pub fn standing(&self, id: u64) -> Option<Standing> {
         self.rank(id).map(|(standing, _)| standing)
     }
@@ -249,6 +250,10 @@ impl FairQueue {
     #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     pub fn push(&mut self, source: Source, id: u64) {

@@ -17,10 +17,12 @@
 //! - TLS: a handshake costs the server public-key work for every
 //!   ClientHello, so at most `max_tls_handshakes` run at once; others
 //!   wait in a queue served in turn by source address (`FairQueue`), their
-//!   ClientHello left in the kernel. When a connection queues and every
-//!   slot is taken, the slot whose client has kept the server waiting the
-//!   longest is taken back (its connection dropped): a client that sends a
-//!   ClientHello and stalls holds nothing for long.
+//!   ClientHello left in the kernel. While some wait and every slot is
+//!   taken, the oldest handshake past [`TLS_SLOT_GRACE`] is served once
+//!   more and, if still unfinished, dropped to free its slot: a client that
+//!   sends a ClientHello and stalls holds nothing for long, and a flood of
+//!   them costs at most `max_tls_handshakes` key exchanges per grace
+//!   period.
 //! - File descriptors: when accept fails with EMFILE or ENFILE, the first
 //!   connection in eviction order is dropped to make room; if none waits,
 //!   a reserve descriptor is released to accept the connection and close
@@ -65,6 +67,11 @@ pub(crate) const ACCEPTS_PER_TURN: usize = 1024;
 pub(crate) const READS_PER_SERVICE: usize = 16;
 /// How long the listener rests when accept fails and nothing can be freed.
 pub(crate) const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// A TLS handshake keeps its slot at least this long, even while others
+/// queue: an honest client under load gets time to answer, and a flood of
+/// stalling ClientHellos gets at most `max_tls_handshakes` handshakes per
+/// this period.
+pub(crate) const TLS_SLOT_GRACE: Duration = Duration::from_millis(100);
 /// Events taken from epoll at once.
 const EVENTS_PER_WAIT: usize = 256;
 
@@ -147,6 +154,8 @@ struct Waiting {
     client_flags: u32,
     /// Epoll events asked for now.
     interest: u32,
+    /// When its TLS handshake got a slot.
+    tls_started: Option<Instant>,
     /// Messages completed (a TLS handshake counts as one).
     messages: u64,
     /// The standing and message count last told to the admission.
@@ -340,6 +349,7 @@ impl<'a> Lobby<'a> {
                 self.accept_some(doors);
             }
             self.expire(Instant::now());
+            self.reclaim_tls_slots(Instant::now());
             self.resume_listener(doors);
         };
         let ids: Vec<u64> = self.conns.keys().copied().collect();
@@ -360,7 +370,18 @@ impl<'a> Lobby<'a> {
             .by_age
             .first()
             .map(|id| self.conns[id].accepted + self.config.handshake_timeout);
-        [deadline, self.listener_paused_until]
+        // When a queued TLS handshake may take a stalled one's slot.
+        let reclaim = (!self.tls_queue.is_empty()
+            && self.tls_running.len() >= self.config.max_tls_handshakes)
+            .then(|| {
+                self.tls_running
+                    .iter()
+                    .filter_map(|id| self.conns[id].tls_started)
+                    .min()
+                    .map(|started| started + TLS_SLOT_GRACE)
+            })
+            .flatten();
+        [deadline, self.listener_paused_until, reclaim]
             .into_iter()
             .flatten()
             .min()
@@ -493,6 +514,7 @@ impl<'a> Lobby<'a> {
                 haggle: Haggle::new(0, TlsState::OFF),
                 client_flags: 0,
                 interest: IN,
+                tls_started: None,
                 messages: 0,
                 reported: (Standing::Silent, 0),
                 told_busy: false,
@@ -505,15 +527,19 @@ impl<'a> Lobby<'a> {
         self.service(id, 0);
     }
 
-    /// Drops waiting connections until `source` may add one. A silent
-    /// victim is read once first: if its message has arrived, it is no
-    /// longer silent and someone else goes.
+    /// Drops waiting connections until `source` may add one. A victim is
+    /// served once first: if its next message has arrived (the loop may be
+    /// behind on a busy turn), it has made progress and the choice is made
+    /// again.
     fn make_room(&mut self, source: Source) {
         let mut probed = HashSet::new();
         while let Some((victim, why)) = self.admission.victim_for(source) {
-            if self.admission.standing(victim) == Some(Standing::Silent) && probed.insert(victim) {
+            if probed.insert(victim) {
+                let before = self.admission.rank(victim);
                 self.service(victim, 0);
-                continue;
+                if self.admission.rank(victim) != before {
+                    continue;
+                }
             }
             self.close(victim, Closing::Crowded(why));
         }
@@ -613,24 +639,36 @@ impl<'a> Lobby<'a> {
         }
         self.report_standing(id);
         self.tls_queue.push(source, id);
-        if self.tls_running.len() >= self.config.max_tls_handshakes {
-            // Take back the slot whose client has kept us waiting longest.
-            let slowest = self
+        self.start_queued_tls();
+        self.reclaim_tls_slots(Instant::now());
+    }
+
+    /// While connections queue for a TLS slot and none is free, takes back
+    /// the slot of the oldest handshake past [`TLS_SLOT_GRACE`], once it
+    /// has been served one last time (its client's answer may be waiting).
+    fn reclaim_tls_slots(&mut self, now: Instant) {
+        let mut probed = HashSet::new();
+        while !self.tls_queue.is_empty() && self.tls_running.len() >= self.config.max_tls_handshakes
+        {
+            let oldest = self
                 .tls_running
                 .iter()
-                .filter_map(|running| {
-                    self.admission
-                        .rank(*running)
-                        .filter(|rank| rank.0 == Standing::ClientsTurn)
-                        .map(|rank| (rank, *running))
+                .filter(|id| !probed.contains(*id))
+                .filter_map(|id| {
+                    let started = self.conns[id].tls_started?;
+                    (now.duration_since(started) >= TLS_SLOT_GRACE).then_some((started, *id))
                 })
                 .min()
-                .map(|(_, running)| running);
-            if let Some(slowest) = slowest {
-                self.close(slowest, Closing::TlsSlot);
+                .map(|(_, id)| id);
+            let Some(oldest) = oldest else {
+                return;
+            };
+            probed.insert(oldest);
+            self.service(oldest, 0);
+            if self.tls_running.contains(&oldest) {
+                self.close(oldest, Closing::TlsSlot);
             }
         }
-        self.start_queued_tls();
     }
 
     fn start_queued_tls(&mut self) {
@@ -646,6 +684,7 @@ impl<'a> Lobby<'a> {
             match conn.transport.new_tls_session(config) {
                 Ok(session) => {
                     conn.stage = Stage::Tls(Box::new(session));
+                    conn.tls_started = Some(Instant::now());
                     self.tls_running.insert(id);
                     bump(&self.counters.tls_handshakes_started);
                     self.set_tls_gauge();
