@@ -55,6 +55,8 @@ const RSS_GROWTH_MAX_BYTES: u64 = 64 << 20;
 /// How often attackers reopen what the server closed.
 const ATTACK_ROUND: Duration = Duration::from_secs(2);
 const DRIP_EVERY: Duration = Duration::from_secs(9);
+/// Longest wait for the attack's first wave before the honest clients come.
+const RAMP_MAX: Duration = Duration::from_secs(8);
 /// Patience of an honest client for each step; only a hang trips it.
 const HONEST_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -180,7 +182,8 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
     let alone_iops = fio(&uri, "randread", 8)?;
 
     // The established client, for the whole siege.
-    let fio_seconds = spread.as_secs() + 20;
+    // Two seconds before the attack, the ramp, the tries, and a margin.
+    let fio_seconds = spread.as_secs() + RAMP_MAX.as_secs() + 4;
     let fio_uri = uri.clone();
     let reader = thread::spawn(move || fio(&fio_uri, "randread", fio_seconds));
     thread::sleep(Duration::from_secs(2));
@@ -211,7 +214,11 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
     if attack == Attack::Drip {
         waves.push((DRIPPER, 50));
     }
-    let wave_total: usize = waves.iter().map(|(_, count)| count).sum();
+    // A ClientHello flood opens only as fast as the server answers.
+    let wave_total: usize = match attack {
+        Attack::ClientHello => 500,
+        _ => waves.iter().map(|(_, count)| count).sum(),
+    };
     for (source, count) in waves {
         let (stop, opened, hello) = (Arc::clone(&stop), Arc::clone(&opened), hello.clone());
         attackers.push(thread::spawn(move || match &hello {
@@ -228,9 +235,7 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
     }
     // Let the first wave arrive before the honest clients come.
     let ramp = Instant::now();
-    while opened.load(Ordering::Relaxed) < wave_total as u64
-        && ramp.elapsed() < Duration::from_secs(15)
-    {
+    while opened.load(Ordering::Relaxed) < wave_total as u64 && ramp.elapsed() < RAMP_MAX {
         thread::sleep(Duration::from_millis(100));
     }
 
