@@ -2,9 +2,12 @@
 //! until the client enters transmission (NBD_OPT_EXPORT_NAME or a successful
 //! NBD_OPT_GO) or leaves.
 //!
-//! The state machine runs over any `Read` and `Write`, so the fuzzer drives
-//! exactly this code from a byte slice. Each option is read whole (at most
-//! [`MAX_OPTION_BYTES`]) and answered with one buffered write.
+//! The state machine answers one whole option at a time ([`Haggle::answer`]):
+//! the server's lobby (`lobby.rs`) feeds it options as they arrive on
+//! non-blocking sockets, and [`greet`] and [`haggle`] run it over any
+//! `Read` and `Write`, so the fuzzer drives exactly this code from a byte
+//! slice. Each option is taken whole (at most [`MAX_OPTION_BYTES`]) and
+//! answered with one buffered write.
 //!
 //! Invariants and policy:
 //! - Every option gets exactly one final reply (ACK or an error), except
@@ -31,9 +34,12 @@
 //!   transmission asked for NBD_INFO_BLOCK_SIZE; only then may the server
 //!   insist on 512-byte alignment (the specification's size-constraint rule).
 
+#[cfg(any(test, feature = "testing"))]
 use std::io::{Read, Write};
 
-use crate::session::{discard, read_message, read_vec, SessionEnd};
+use crate::session::SessionEnd;
+#[cfg(any(test, feature = "testing"))]
+use crate::session::{discard, read_message, read_vec};
 use crate::tls::TlsMode;
 use crate::wire::*;
 
@@ -113,9 +119,11 @@ impl TlsState {
     }
 }
 
-/// Option-haggling state that options change.
-struct Haggle<'a> {
-    export: &'a Export,
+/// Option-haggling state that options change. It holds no reference to
+/// the export, so a connection waiting in the server's event loop keeps
+/// only these few bytes between its options.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Haggle {
     no_zeroes: bool,
     tls: TlsState,
     structured_replies: bool,
@@ -124,7 +132,8 @@ struct Haggle<'a> {
 }
 
 /// What one option did to the conversation.
-enum Next {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
     Continue,
     Transmission(Negotiated),
     StartTls,
@@ -132,6 +141,7 @@ enum Next {
 }
 
 /// How option haggling ended, short of the client leaving.
+#[cfg(any(test, feature = "testing"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
     Transmission(Negotiated),
@@ -140,25 +150,44 @@ pub(crate) enum Outcome {
     StartTls,
 }
 
-/// Sends the greeting and reads the client's flags.
+/// The server's greeting, the first bytes of every connection.
+pub(crate) fn put_server_greeting(out: &mut Vec<u8>) {
+    put_greeting(out, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
+}
+
+/// The client's flags, which follow the greeting.
+pub(crate) fn client_flags(bytes: &[u8; CLIENT_FLAGS_BYTES]) -> Result<u32, SessionEnd> {
+    parse_client_flags(bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))
+}
+
+/// An option's header, checked.
+pub(crate) fn option_header(bytes: &[u8; OPTION_HEADER_BYTES]) -> Result<OptionHeader, SessionEnd> {
+    parse_option_header(bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))
+}
+
+/// Sends the greeting and reads the client's flags (the fuzzer's way in;
+/// the server's lobby reads them as they arrive).
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn greet<R: Read + ?Sized, W: Write + ?Sized>(
     reader: &mut R,
     writer: &mut W,
 ) -> Result<u32, SessionEnd> {
     let mut out = Vec::with_capacity(GREETING_BYTES);
-    put_greeting(&mut out, NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES);
+    put_server_greeting(&mut out);
     writer.write_all(&out)?;
 
     let mut flag_bytes = [0u8; CLIENT_FLAGS_BYTES];
     if !read_message(reader, &mut flag_bytes)? {
         return Err(SessionEnd::ClientClosed);
     }
-    parse_client_flags(&flag_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))
+    client_flags(&flag_bytes)
 }
 
 /// Haggles options until the client enters transmission, asks for TLS, or
 /// leaves. `refusal` is asked before each option; while it says the
-/// server will not serve, options are refused with the reason.
+/// server will not serve, options are refused with the reason. The
+/// fuzzer's way in; the server's lobby feeds [`Haggle::answer`] itself.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
     reader: &mut R,
     writer: &mut W,
@@ -167,32 +196,23 @@ pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
     tls: TlsState,
     refusal: &dyn Fn() -> Option<Refusal>,
 ) -> Result<Outcome, SessionEnd> {
-    let mut haggle = Haggle {
-        export,
-        no_zeroes: client_flags & NBD_FLAG_C_NO_ZEROES != 0,
-        tls,
-        structured_replies: false,
-        base_allocation_id: None,
-        compression_id: None,
-    };
+    let mut haggle = Haggle::new(client_flags, tls);
     let mut out = Vec::new();
     loop {
         let mut header_bytes = [0u8; OPTION_HEADER_BYTES];
         if !read_message(reader, &mut header_bytes)? {
             return Err(SessionEnd::ClientClosed);
         }
-        let header =
-            parse_option_header(&header_bytes).map_err(|e| SessionEnd::Protocol(e.to_string()))?;
+        let header = option_header(&header_bytes)?;
 
         out.clear();
         let next = if header.length > MAX_OPTION_BYTES {
-            oversized_option(reader, &mut out, header)?
+            Haggle::check_oversized(header)?;
+            discard(reader, u64::from(header.length))?;
+            haggle.answer(export, &mut out, header, None, refusal())?
         } else {
             let data = read_vec(reader, header.length as usize)?;
-            match refusal() {
-                Some(refusal) => refuse(&mut out, header.option, &refusal)?,
-                None => haggle.option(&mut out, header.option, &data)?,
-            }
+            haggle.answer(export, &mut out, header, Some(&data), refusal())?
         };
         writer.write_all(&out)?;
         match next {
@@ -204,20 +224,56 @@ pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
     }
 }
 
-/// An option whose data exceeds [`MAX_OPTION_BYTES`]: discard it, then say so.
-fn oversized_option<R: Read + ?Sized>(
-    reader: &mut R,
-    out: &mut Vec<u8>,
-    header: OptionHeader,
-) -> Result<Next, SessionEnd> {
-    if header.option == NBD_OPT_EXPORT_NAME {
-        // No export has a name this long, and this option cannot be refused.
-        return Err(SessionEnd::Protocol(format!(
-            "NBD_OPT_EXPORT_NAME with a {}-byte name",
-            header.length
-        )));
+impl Haggle {
+    /// A clean slate, after the client's flags or after STARTTLS.
+    pub fn new(client_flags: u32, tls: TlsState) -> Haggle {
+        Haggle {
+            no_zeroes: client_flags & NBD_FLAG_C_NO_ZEROES != 0,
+            tls,
+            structured_replies: false,
+            base_allocation_id: None,
+            compression_id: None,
+        }
     }
-    discard(reader, u64::from(header.length))?;
+
+    /// Whether an option announced larger than [`MAX_OPTION_BYTES`] may be
+    /// discarded and refused; NBD_OPT_EXPORT_NAME cannot be refused, and no
+    /// export has a name this long, so it ends the connection at once.
+    pub fn check_oversized(header: OptionHeader) -> Result<(), SessionEnd> {
+        if header.option == NBD_OPT_EXPORT_NAME {
+            return Err(SessionEnd::Protocol(format!(
+                "NBD_OPT_EXPORT_NAME with a {}-byte name",
+                header.length
+            )));
+        }
+        Ok(())
+    }
+
+    /// Answers one option into `out`. `data` is None for an option whose
+    /// data was too large and has been discarded (after
+    /// [`Haggle::check_oversized`]); `refusal` says why the server will not
+    /// serve this connection, if it will not.
+    pub fn answer(
+        &mut self,
+        export: &Export,
+        out: &mut Vec<u8>,
+        header: OptionHeader,
+        data: Option<&[u8]>,
+        refusal: Option<Refusal>,
+    ) -> Result<Next, SessionEnd> {
+        match data {
+            None => oversized_option(out, header),
+            Some(data) => match refusal {
+                Some(refusal) => refuse(out, header.option, &refusal),
+                None => self.option(export, out, header.option, data),
+            },
+        }
+    }
+}
+
+/// An option whose data exceeded [`MAX_OPTION_BYTES`] and was discarded.
+fn oversized_option(out: &mut Vec<u8>, header: OptionHeader) -> Result<Next, SessionEnd> {
+    Haggle::check_oversized(header)?;
     if header.option == NBD_OPT_ABORT {
         put_option_reply(out, header.option, NBD_REP_ACK, &[]);
         return Ok(Next::Abort);
@@ -257,8 +313,14 @@ fn refuse(out: &mut Vec<u8>, option: u32, refusal: &Refusal) -> Result<Next, Ses
     }
 }
 
-impl Haggle<'_> {
-    fn option(&mut self, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Result<Next, SessionEnd> {
+impl Haggle {
+    fn option(
+        &mut self,
+        export: &Export,
+        out: &mut Vec<u8>,
+        option: u32,
+        data: &[u8],
+    ) -> Result<Next, SessionEnd> {
         if self.tls.required_first() && !matches!(option, NBD_OPT_STARTTLS | NBD_OPT_ABORT) {
             if option == NBD_OPT_EXPORT_NAME {
                 return Err(SessionEnd::Protocol(
@@ -276,7 +338,7 @@ impl Haggle<'_> {
         }
         match option {
             NBD_OPT_STARTTLS => Ok(self.start_tls(out, data)),
-            NBD_OPT_EXPORT_NAME => self.export_name(out, data),
+            NBD_OPT_EXPORT_NAME => self.export_name(export, out, data),
             NBD_OPT_ABORT => {
                 // The specification asks servers to ignore any data here.
                 put_option_reply(out, option, NBD_REP_ACK, &[]);
@@ -284,8 +346,8 @@ impl Haggle<'_> {
             }
             NBD_OPT_LIST => {
                 if data.is_empty() {
-                    let description = self.export.description.as_deref();
-                    put_rep_server(out, option, &self.export.name, description);
+                    let description = export.description.as_deref();
+                    put_rep_server(out, option, &export.name, description);
                     put_option_reply(out, option, NBD_REP_ACK, &[]);
                 } else {
                     put_option_error(
@@ -297,7 +359,7 @@ impl Haggle<'_> {
                 }
                 Ok(Next::Continue)
             }
-            NBD_OPT_INFO | NBD_OPT_GO => Ok(self.info_or_go(out, option, data)),
+            NBD_OPT_INFO | NBD_OPT_GO => Ok(self.info_or_go(export, out, option, data)),
             NBD_OPT_STRUCTURED_REPLY => {
                 if data.is_empty() {
                     self.structured_replies = true;
@@ -313,11 +375,11 @@ impl Haggle<'_> {
                 Ok(Next::Continue)
             }
             NBD_OPT_LIST_META_CONTEXT => {
-                self.list_meta_context(out, data);
+                self.list_meta_context(export, out, data);
                 Ok(Next::Continue)
             }
             NBD_OPT_SET_META_CONTEXT => {
-                self.set_meta_context(out, data);
+                self.set_meta_context(export, out, data);
                 Ok(Next::Continue)
             }
             _ => {
@@ -355,16 +417,21 @@ impl Haggle<'_> {
         }
     }
 
-    fn export_name(&self, out: &mut Vec<u8>, name: &[u8]) -> Result<Next, SessionEnd> {
-        if !self.export.answers_to(name) {
+    fn export_name(
+        &self,
+        export: &Export,
+        out: &mut Vec<u8>,
+        name: &[u8],
+    ) -> Result<Next, SessionEnd> {
+        if !export.answers_to(name) {
             let shown = &name[..name.len().min(256)];
             return Err(SessionEnd::Protocol(format!(
                 "NBD_OPT_EXPORT_NAME for unknown export {:?}",
                 String::from_utf8_lossy(shown)
             )));
         }
-        let flags = transmission_flags(self.export.read_only, self.structured_replies);
-        put_export_name_reply(out, self.export.size_bytes, flags, self.no_zeroes);
+        let flags = transmission_flags(export.read_only, self.structured_replies);
+        put_export_name_reply(out, export.size_bytes, flags, self.no_zeroes);
         Ok(Next::Transmission(Negotiated {
             structured_replies: self.structured_replies,
             base_allocation_id: self.base_allocation_id,
@@ -373,7 +440,7 @@ impl Haggle<'_> {
         }))
     }
 
-    fn unknown_export(&self, out: &mut Vec<u8>, option: u32, name: &[u8]) {
+    fn unknown_export(export: &Export, out: &mut Vec<u8>, option: u32, name: &[u8]) {
         put_option_error(
             out,
             option,
@@ -381,12 +448,12 @@ impl Haggle<'_> {
             &format!(
                 "no export named {:?}; this server exports {:?}",
                 String::from_utf8_lossy(name),
-                self.export.name
+                export.name
             ),
         );
     }
 
-    fn info_or_go(&mut self, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Next {
+    fn info_or_go(&mut self, export: &Export, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Next {
         let request = match parse_go_option(data) {
             Ok(request) => request,
             Err(error) => {
@@ -394,12 +461,12 @@ impl Haggle<'_> {
                 return Next::Continue;
             }
         };
-        if !self.export.answers_to(request.export_name) {
-            self.unknown_export(out, option, request.export_name);
+        if !export.answers_to(request.export_name) {
+            Self::unknown_export(export, out, option, request.export_name);
             return Next::Continue;
         }
-        let flags = transmission_flags(self.export.read_only, self.structured_replies);
-        put_info_export(out, option, self.export.size_bytes, flags);
+        let flags = transmission_flags(export.read_only, self.structured_replies);
+        put_info_export(out, option, export.size_bytes, flags);
         // Sent whether asked for or not: it tells every client our limits,
         // and the specification allows unrequested information replies.
         put_info_block_size(
@@ -410,10 +477,10 @@ impl Haggle<'_> {
             MAX_PAYLOAD_BYTES,
         );
         if request.requests(NBD_INFO_NAME) {
-            put_info_string(out, option, NBD_INFO_NAME, &self.export.name);
+            put_info_string(out, option, NBD_INFO_NAME, &export.name);
         }
         if request.requests(NBD_INFO_DESCRIPTION) {
-            if let Some(description) = &self.export.description {
+            if let Some(description) = &export.description {
                 put_info_string(out, option, NBD_INFO_DESCRIPTION, description);
             }
         }
@@ -430,7 +497,7 @@ impl Haggle<'_> {
         }
     }
 
-    fn list_meta_context(&self, out: &mut Vec<u8>, data: &[u8]) {
+    fn list_meta_context(&self, export: &Export, out: &mut Vec<u8>, data: &[u8]) {
         let option = NBD_OPT_LIST_META_CONTEXT;
         let request = match parse_meta_context_option(data) {
             Ok(request) => request,
@@ -439,8 +506,8 @@ impl Haggle<'_> {
                 return;
             }
         };
-        if !self.export.answers_to(request.export_name) {
-            self.unknown_export(out, option, request.export_name);
+        if !export.answers_to(request.export_name) {
+            Self::unknown_export(export, out, option, request.export_name);
             return;
         }
         // No queries lists everything; `base:` and `zdisk:` are namespace
@@ -463,7 +530,7 @@ impl Haggle<'_> {
         put_option_reply(out, option, NBD_REP_ACK, &[]);
     }
 
-    fn set_meta_context(&mut self, out: &mut Vec<u8>, data: &[u8]) {
+    fn set_meta_context(&mut self, export: &Export, out: &mut Vec<u8>, data: &[u8]) {
         let option = NBD_OPT_SET_META_CONTEXT;
         // Every SET replaces the previous selection, even when it fails.
         self.base_allocation_id = None;
@@ -484,8 +551,8 @@ impl Haggle<'_> {
                 return;
             }
         };
-        if !self.export.answers_to(request.export_name) {
-            self.unknown_export(out, option, request.export_name);
+        if !export.answers_to(request.export_name) {
+            Self::unknown_export(export, out, option, request.export_name);
             return;
         }
         // A namespace alone must select nothing in SET; unknown queries

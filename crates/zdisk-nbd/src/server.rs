@@ -1,22 +1,28 @@
-//! The NBD server: listening sockets, two threads per connection (a
-//! reader, and a sender for its replies), a shared worker pool, limits, and
-//! an orderly shutdown.
+//! The NBD server: listening sockets, the lobby that runs handshakes, two
+//! threads per established session (a reader, and a sender for its
+//! replies), a shared worker pool, limits, and an orderly shutdown.
 //!
-//! Each accepted connection gets a reader thread that runs the handshake
-//! (within [`ServerConfig::handshake_timeout`], TLS included) and then reads
-//! requests; request execution happens on the shared
+//! Accepting and handshakes (TLS included, within
+//! [`ServerConfig::handshake_timeout`]) happen on one thread, the lobby's
+//! event loop (`lobby.rs`), with a budget of their own: a connection gets
+//! threads only once it reaches transmission. Each session's reader thread
+//! reads requests; request execution happens on the shared
 //! [`WorkerPool`](crate::pool::WorkerPool), and replies are queued for the
 //! connection's sender thread (see `transmission.rs`). A worker therefore
 //! never waits on a client's socket: a client that stops reading its
 //! replies fills only its own in-flight budget, and after
 //! [`ServerConfig::reply_timeout`] without progress it is disconnected.
 //!
-//! Limits (see [`ServerConfig`]): connections beyond `max_connections` are
-//! answered with an error on every option, saying why, and closed; buffer
+//! Limits (see [`ServerConfig`]): while `max_connections` sessions are
+//! established, a connection in its handshake is answered with an error on
+//! every option, saying why; connections in their handshake are bounded by
+//! `max_handshakes` and `max_handshakes_per_address` (the oldest silent
+//! one makes room) and TLS handshakes by `max_tls_handshakes`; buffer
 //! memory is bounded per connection and for the whole server (`budget.rs`).
 //!
 //! Shutdown, in order: [`ShutdownHandle::shutdown`] sets a flag and wakes the
-//! accept loop through a socket pair; [`Server::run`] stops accepting, shuts
+//! lobby through a socket pair; [`Server::run`] stops accepting, closes
+//! every connection still in its handshake, shuts
 //! the read side of every connection (a blocked reader sees end of stream,
 //! and readers check the flag before each request, so nothing new is read),
 //! waits for every connection to answer its in-flight requests and close,
@@ -36,15 +42,18 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use zdisk_core::BlockDevice;
 
+use crate::admission::AdmissionLimits;
 use crate::budget::{InFlightLimits, MemoryBudget};
-use crate::handshake::{greet, haggle, Export, Outcome, Refusal, TlsState};
+use crate::counters::ServerCounters;
+use crate::handshake::{Export, Negotiated};
+use crate::lobby::{Accepted, Doors, Lobby, LobbyConfig, Sessions};
 use crate::pool::{PoolHandle, WorkerPool};
 use crate::request::Session;
 use crate::session::{ConnLog, SessionEnd};
@@ -54,20 +63,14 @@ use crate::transmission::{serve, Connection, Outbox};
 use crate::transport::Transport;
 use crate::wire::{MAX_PAYLOAD_BYTES, MAX_STRING_BYTES, MIN_BLOCK_BYTES};
 
+/// Connections the kernel queues for accept (it caps this at
+/// `net.core.somaxconn`, 4096 by default).
+const LISTEN_BACKLOG: libc::c_int = 4096;
 /// Buffer for reading requests: one syscall brings in many small requests.
 const READ_BUFFER_BYTES: usize = 128 * 1024;
-/// Pause after an accept error such as EMFILE, which would otherwise spin.
-const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// While the server stops, how long a sender waits for a client to take
 /// reply data before giving up on it (its requests have all run).
 pub const SHUTDOWN_REPLY_PATIENCE: Duration = Duration::from_secs(2);
-/// Connections over the limit answered at once; beyond these, they are
-/// closed without a word.
-const MAX_REFUSING: usize = 8;
-/// How long an over-the-limit connection is given to hear why.
-const REFUSAL_PATIENCE: Duration = Duration::from_secs(2);
-/// Refusals are logged at most once per this period (with a count).
-const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
 /// How the server behaves. `Default` gives sensible values for everything.
 #[derive(Debug, Clone)]
@@ -81,8 +84,19 @@ pub struct ServerConfig {
     pub read_only: bool,
     /// Threads executing requests, shared by all connections.
     pub worker_threads: usize,
-    /// Connections served at once; more are refused with a reason.
+    /// Established sessions served at once; while this many are, a
+    /// connection in its handshake is refused with a reason.
     pub max_connections: usize,
+    /// Connections in their handshake at once; a newcomer beyond this
+    /// drops the waiting connection that has done least (the oldest silent
+    /// one first).
+    pub max_handshakes: usize,
+    /// Connections in their handshake at once from one IPv4 address or
+    /// IPv6 /64; a newcomer beyond this drops one of that address's.
+    pub max_handshakes_per_address: usize,
+    /// TLS handshakes in progress at once; more wait in a queue served in
+    /// turn by source address.
+    pub max_tls_handshakes: usize,
     /// Requests one connection may have dispatched but not yet answered;
     /// its reader stops reading at this limit.
     pub max_in_flight_per_conn: usize,
@@ -114,6 +128,9 @@ impl Default for ServerConfig {
             read_only: false,
             worker_threads: (2 * cpus).max(4),
             max_connections: 128,
+            max_handshakes: 1024,
+            max_handshakes_per_address: 64,
+            max_tls_handshakes: 32,
             max_in_flight_per_conn: 64,
             max_in_flight_bytes_per_conn: 128 * 1024 * 1024,
             max_in_flight_bytes: 512 * 1024 * 1024,
@@ -148,6 +165,12 @@ impl ServerConfig {
         }
         if self.max_connections == 0 {
             return invalid("max_connections must be at least 1");
+        }
+        if self.max_handshakes == 0
+            || self.max_handshakes_per_address == 0
+            || self.max_tls_handshakes == 0
+        {
+            return invalid("the handshake limits must be at least 1");
         }
         if self.max_in_flight_per_conn == 0 {
             return invalid("max_in_flight_per_conn must be at least 1");
@@ -210,18 +233,26 @@ impl Listener {
         }
     }
 
-    fn accept(&self) -> io::Result<(Socket, String)> {
+    fn accept(&self) -> io::Result<Accepted> {
         match self {
             Listener::Tcp(listener) => {
                 // TCP sizes its own buffers (and stops if told a size).
                 let (stream, peer) = listener.accept()?;
-                Ok((Socket::Tcp(stream), peer.to_string()))
+                Ok(Accepted {
+                    socket: Socket::Tcp(stream),
+                    peer: peer.to_string(),
+                    ip: Some(peer.ip()),
+                })
             }
             Listener::Unix { listener, .. } => {
                 let (stream, _) = listener.accept()?;
                 let socket = Socket::Unix(stream);
                 socket.request_send_buffer(UNIX_SEND_BUFFER_BYTES);
-                Ok((socket, "unix socket".to_string()))
+                Ok(Accepted {
+                    socket,
+                    peer: "unix socket".to_string(),
+                    ip: None,
+                })
             }
         }
     }
@@ -261,11 +292,12 @@ impl ShutdownHandle {
 
 type Connections = std::collections::HashMap<u64, Arc<Transport>>;
 
-/// Live connections: a transport handle each, for shutting them down.
+/// Established sessions: a transport handle each, for shutting them down.
 #[derive(Default)]
 struct Registry {
     transports: Mutex<Connections>,
     emptied: Condvar,
+    counters: Arc<ServerCounters>,
 }
 
 impl Registry {
@@ -317,45 +349,10 @@ impl Drop for Registration {
     fn drop(&mut self) {
         let mut transports = self.registry.lock();
         transports.remove(&self.id);
+        let sessions = &self.registry.counters.sessions;
+        sessions.store(transports.len() as u64, Ordering::Relaxed);
         if transports.is_empty() {
             self.registry.emptied.notify_all();
-        }
-    }
-}
-
-/// Counts connections refused over the limit, and logs them without
-/// letting a flood of them flood the log.
-#[derive(Default)]
-struct Refusals {
-    /// Refusing threads running now.
-    answering: AtomicUsize,
-    log: Mutex<RefusalLog>,
-}
-
-#[derive(Default)]
-struct RefusalLog {
-    last_line: Option<Instant>,
-    unlogged: u64,
-}
-
-impl Refusals {
-    fn note(&self, limit: usize, peer: &str) {
-        let mut log = self
-            .log
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        log.unlogged += 1;
-        if log
-            .last_line
-            .is_none_or(|at| at.elapsed() >= REFUSAL_LOG_PERIOD)
-        {
-            log::warn!(
-                target: "zdisk_nbd",
-                "refused {} connection(s) over the limit of {limit} (latest from {peer}); raise --max-connections if they are expected",
-                log.unlogged
-            );
-            log.unlogged = 0;
-            log.last_line = Some(Instant::now());
         }
     }
 }
@@ -372,6 +369,16 @@ struct Context {
 impl Context {
     fn stopping(&self) -> bool {
         self.shared.stopping.load(Ordering::SeqCst)
+    }
+
+    /// The export as the handshake describes it.
+    fn export(&self) -> Export {
+        Export {
+            name: self.config.export_name.clone(),
+            description: self.config.description.clone(),
+            size_bytes: self.device.size_bytes(),
+            read_only: self.config.read_only || self.device.is_read_only(),
+        }
     }
 }
 
@@ -404,6 +411,14 @@ impl BoundListener {
             Listener::Tcp(listener) => listener.set_nonblocking(true)?,
             Listener::Unix { listener, .. } => listener.set_nonblocking(true)?,
         }
+        // A longer queue than std's: under a flood of connections, an honest
+        // client's connection waits there for the lobby, instead of having
+        // its handshake dropped by the kernel and retried a second later.
+        // Calling listen again on a listening socket only resizes its queue.
+        // SAFETY: a valid listening descriptor.
+        if unsafe { libc::listen(listener.raw_fd(), LISTEN_BACKLOG) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(BoundListener { listener })
     }
 
@@ -420,6 +435,7 @@ pub struct Server {
     config: ServerConfig,
     shared: Arc<Shared>,
     started: AtomicBool,
+    counters: Arc<ServerCounters>,
 }
 
 impl Server {
@@ -453,12 +469,19 @@ impl Server {
                 wake_receiver,
             }),
             started: AtomicBool::new(false),
+            counters: Arc::new(ServerCounters::default()),
         })
     }
 
     /// The address actually bound, e.g. the port chosen for port 0.
     pub fn local_addr(&self) -> io::Result<ListenAddr> {
         self.listener.local_addr()
+    }
+
+    /// The server's connection counters, live: handshakes, evictions,
+    /// refusals (for statistics and `/metrics`).
+    pub fn counters(&self) -> Arc<ServerCounters> {
+        Arc::clone(&self.counters)
     }
 
     /// A handle that makes [`Server::run`] return.
@@ -482,10 +505,12 @@ impl Server {
             pool: pool.handle(),
             memory: Arc::new(MemoryBudget::new(self.config.max_in_flight_bytes)),
         });
-        let registry = Arc::new(Registry::default());
-        let refusals = Arc::new(Refusals::default());
+        let registry = Arc::new(Registry {
+            counters: Arc::clone(&self.counters),
+            ..Registry::default()
+        });
 
-        let result = self.accept_loop(&context, &registry, &refusals);
+        let result = self.run_lobby(&context, &registry);
 
         // Also covers an accept loop that failed: readers must stop too.
         self.shared.stopping.store(true, Ordering::SeqCst);
@@ -504,48 +529,60 @@ impl Server {
         result
     }
 
-    fn accept_loop(
-        &self,
-        context: &Arc<Context>,
-        registry: &Arc<Registry>,
-        refusals: &Arc<Refusals>,
-    ) -> io::Result<()> {
-        let mut next_id: u64 = 0;
-        loop {
-            if self.shared.stopping.load(Ordering::SeqCst) {
-                return Ok(());
-            }
-            wait_readable(
-                self.listener.raw_fd(),
-                self.shared.wake_receiver.as_raw_fd(),
-            )?;
-            loop {
-                if self.shared.stopping.load(Ordering::SeqCst) {
-                    return Ok(());
-                }
-                match self.listener.accept() {
-                    Ok((socket, peer)) => {
-                        next_id += 1;
-                        if registry.lock().len() >= self.config.max_connections {
-                            refuse_connection(context, refusals, socket, peer);
-                        } else {
-                            start_connection(context, registry, next_id, socket, peer);
-                        }
-                    }
-                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(error)
-                        if matches!(
-                            error.kind(),
-                            io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                        ) => {}
-                    Err(error) => {
-                        log::warn!(target: "zdisk_nbd", "accepting a connection failed: {error}");
-                        thread::sleep(ACCEPT_ERROR_PAUSE);
-                        break;
-                    }
-                }
-            }
-        }
+    /// Accepts connections and runs their handshakes until shut down.
+    fn run_lobby(&self, context: &Arc<Context>, registry: &Arc<Registry>) -> io::Result<()> {
+        let config = &self.config;
+        let export = context.export();
+        let starter = Starter { context, registry };
+        let mut lobby = Lobby::new(
+            LobbyConfig {
+                handshake_timeout: config.handshake_timeout,
+                limits: AdmissionLimits {
+                    max_total: config.max_handshakes,
+                    max_per_source: config.max_handshakes_per_address,
+                },
+                max_tls_handshakes: config.max_tls_handshakes,
+                max_connections: config.max_connections,
+                tls_mode: config.tls_mode,
+                tls: config.tls.as_ref(),
+            },
+            &export,
+            &starter,
+            &self.counters,
+        )?;
+        let accept = || self.listener.accept();
+        lobby.run(&Doors {
+            listener: self.listener.raw_fd(),
+            wake: self.shared.wake_receiver.as_raw_fd(),
+            accept: &accept,
+        })
+    }
+}
+
+/// Starts sessions for the lobby.
+struct Starter<'a> {
+    context: &'a Arc<Context>,
+    registry: &'a Arc<Registry>,
+}
+
+impl Sessions for Starter<'_> {
+    fn established(&self) -> usize {
+        self.registry.lock().len()
+    }
+
+    fn stopping(&self) -> bool {
+        self.context.stopping()
+    }
+
+    fn start(&self, transport: Transport, negotiated: Negotiated, log: ConnLog, took: Duration) {
+        start_session(
+            self.context,
+            self.registry,
+            transport,
+            negotiated,
+            log,
+            took,
+        );
     }
 }
 
@@ -583,206 +620,91 @@ fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
     fs::remove_file(path)
 }
 
-/// Blocks until the listener or the wake socket is readable.
-fn wait_readable(listener: RawFd, wake: RawFd) -> io::Result<()> {
-    let mut fds = [
-        libc::pollfd {
-            fd: listener,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: wake,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    // SAFETY: `fds` is a valid array of two pollfd structs that outlives the
-    // call, and its length is passed alongside.
-    let result = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-    if result < 0 {
-        let error = io::Error::last_os_error();
-        if error.kind() != io::ErrorKind::Interrupted {
-            return Err(error);
-        }
-    }
-    Ok(())
-}
-
-fn start_connection(
+/// Gives an established session its threads: a reader (this one) and,
+/// from `transmit`, a sender.
+fn start_session(
     context: &Arc<Context>,
     registry: &Arc<Registry>,
-    id: u64,
-    socket: Socket,
-    peer: String,
+    transport: Transport,
+    negotiated: Negotiated,
+    log: ConnLog,
+    took: Duration,
 ) {
-    let log = ConnLog {
-        enabled: true,
-        label: format!("conn {id} ({peer})"),
+    let transport = Arc::new(transport);
+    let id = {
+        let mut transports = registry.lock();
+        let id = transports.keys().max().map_or(1, |max| max + 1);
+        transports.insert(id, Arc::clone(&transport));
+        registry
+            .counters
+            .sessions
+            .store(transports.len() as u64, Ordering::Relaxed);
+        id
     };
-    let transport = match Transport::new(socket) {
-        Ok(transport) => Arc::new(transport),
-        Err(error) => {
-            log.line(format_args!("dropped at accept: {error}"));
-            return;
-        }
-    };
-    registry.lock().insert(id, Arc::clone(&transport));
     let registration = Registration {
         registry: Arc::clone(registry),
         id,
     };
     let context = Arc::clone(context);
+    let label = log.label.clone();
     let spawned = thread::Builder::new()
-        .name(format!("nbd-conn-{id}"))
+        .name("nbd-conn".into())
         .spawn(move || {
             let _registration = registration;
-            run_connection(&context, &transport, &log);
+            run_session(&context, &transport, negotiated, &log, took);
         });
     if let Err(error) = spawned {
         // The closure (and with it the registration and socket) was dropped.
-        log::warn!(target: "zdisk_nbd", "conn {id} ({peer}): no thread for it: {error}");
+        log::warn!(target: "zdisk_nbd", "{label}: no thread for it: {error}");
     }
 }
 
-/// Tells a connection over the limit why it is not served, briefly and on
-/// a thread of its own, or, if too many are being told already, closes it.
-fn refuse_connection(
-    context: &Arc<Context>,
-    refusals: &Arc<Refusals>,
-    socket: Socket,
-    peer: String,
+fn run_session(
+    context: &Context,
+    transport: &Arc<Transport>,
+    negotiated: Negotiated,
+    log: &ConnLog,
+    took: Duration,
 ) {
-    let limit = context.config.max_connections;
-    refusals.note(limit, &peer);
-    if refusals.answering.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
-        refusals.answering.fetch_sub(1, Ordering::SeqCst);
-        return; // dropping the socket closes it
+    match transport.tls_description() {
+        Some(tls) => log.line(format_args!(
+            "opened after a {:.1} ms handshake; TLS: {tls}",
+            took.as_secs_f64() * 1000.0
+        )),
+        None => log.line(format_args!(
+            "opened after a {:.1} ms handshake",
+            took.as_secs_f64() * 1000.0
+        )),
     }
-    let answering = Arc::clone(refusals);
-    let spawned = thread::Builder::new()
-        .name("nbd-refuse".into())
-        .spawn(move || {
-            if let Ok(transport) = Transport::new(socket) {
-                let deadline = Instant::now() + REFUSAL_PATIENCE;
-                let mut reader = transport.reader(Some(deadline));
-                let give_up = |_stalled: Duration| Instant::now() >= deadline;
-                let mut writer = transport.writer(&give_up);
-                let why = format!(
-                    "the server has too many connections (its limit is {limit}); try again later"
-                );
-                let refusal = || Some(Refusal::Busy(why.clone()));
-                if let Ok(flags) = greet(&mut reader, &mut writer) {
-                    let export = Export {
-                        name: String::new(),
-                        description: None,
-                        size_bytes: 0,
-                        read_only: true,
-                    };
-                    let _ = haggle(
-                        &mut reader,
-                        &mut writer,
-                        &export,
-                        flags,
-                        TlsState::OFF,
-                        &refusal,
-                    );
-                }
-                transport.shutdown(Shutdown::Both);
-            }
-            answering.answering.fetch_sub(1, Ordering::SeqCst);
-        });
-    if spawned.is_err() {
-        refusals.answering.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-fn run_connection(context: &Context, transport: &Arc<Transport>, log: &ConnLog) {
-    log.line(format_args!("opened"));
-    let (mut end, counts) = converse(context, transport, log);
+    let (mut end, (requests, rejected)) = transmit(context, transport, negotiated, log);
     // Shutdown closes the read side, which a reader sees as the client leaving.
     if context.stopping() && matches!(end, SessionEnd::ClientClosed) {
         end = SessionEnd::Shutdown;
     }
     transport.close();
-    match counts {
-        Some((requests, 0)) => log.line(format_args!("closed after {requests} requests: {end}")),
-        Some((requests, rejected)) => log.line(format_args!(
+    match rejected {
+        0 => log.line(format_args!("closed after {requests} requests: {end}")),
+        _ => log.line(format_args!(
             "closed after {requests} requests ({rejected} rejected): {end}"
         )),
-        None => log.line(format_args!("closed during the handshake: {end}")),
     }
 }
 
-/// The handshake, TLS included, under the handshake deadline. Returns what
-/// it settled, or why the conversation ended.
-fn handshake(
-    context: &Context,
-    transport: &Transport,
-    reader: &mut BufReader<crate::transport::TransportReader<'_>>,
-    log: &ConnLog,
-    export: &Export,
-) -> Result<crate::handshake::Negotiated, SessionEnd> {
-    let deadline = Instant::now() + context.config.handshake_timeout;
-    reader.get_mut().deadline = Some(deadline);
-    let give_up = |_stalled: Duration| Instant::now() >= deadline;
-    let mut writer = transport.writer(&give_up);
-    let refusal = || context.stopping().then_some(Refusal::Shutdown);
-    let flags = greet(reader, &mut writer)?;
-    let mut tls = TlsState {
-        mode: context.config.tls_mode,
-        active: false,
-    };
-    loop {
-        match haggle(reader, &mut writer, export, flags, tls, &refusal)? {
-            Outcome::Transmission(negotiated) => {
-                reader.get_mut().deadline = None;
-                return Ok(negotiated);
-            }
-            Outcome::StartTls => {
-                // Bytes the client sent after STARTTLS, before the TLS
-                // handshake, would otherwise be taken as protected.
-                if !reader.buffer().is_empty() {
-                    return Err(SessionEnd::Protocol(
-                        "data after NBD_OPT_STARTTLS ahead of the TLS handshake".into(),
-                    ));
-                }
-                let config = context
-                    .config
-                    .tls
-                    .as_ref()
-                    .expect("check() requires credentials when TLS is on");
-                let description = transport.start_tls(config, deadline)?;
-                log.line(format_args!("TLS: {description}"));
-                tls.active = true;
-            }
-        }
-    }
-}
-
-/// The whole conversation: handshake, then transmission. Returns why it
-/// ended, and the requests read and rejected if it reached transmission.
-fn converse(
+/// The transmission phase of an established session. Returns why it
+/// ended, and the requests read and rejected.
+fn transmit(
     context: &Context,
     transport: &Arc<Transport>,
+    negotiated: Negotiated,
     log: &ConnLog,
-) -> (SessionEnd, Option<(u64, u64)>) {
+) -> (SessionEnd, (u64, u64)) {
     let device = &context.device;
-    let export = Export {
-        name: context.config.export_name.clone(),
-        description: context.config.description.clone(),
-        size_bytes: device.size_bytes(),
-        read_only: context.config.read_only || device.is_read_only(),
-    };
+    let read_only = context.config.read_only || device.is_read_only();
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, transport.reader(None));
-    let negotiated = match handshake(context, transport, &mut reader, log, &export) {
-        Ok(negotiated) => negotiated,
-        Err(end) => return (end, None),
-    };
     let session = Session {
         device: Arc::clone(device),
-        size_bytes: export.size_bytes,
-        read_only: export.read_only,
+        size_bytes: device.size_bytes(),
+        read_only,
         structured_replies: negotiated.structured_replies,
         base_allocation_id: negotiated.base_allocation_id,
         compression_id: negotiated.compression_id,
@@ -829,7 +751,7 @@ fn converse(
     };
     let sender = match sender {
         Ok(sender) => sender,
-        Err(error) => return (SessionEnd::Io(error), Some((0, 0))),
+        Err(error) => return (SessionEnd::Io(error), (0, 0)),
     };
     let stopping = || context.stopping();
     let end = serve(&mut reader, &connection, &context.pool, &stopping);
@@ -837,6 +759,6 @@ fn converse(
     let _ = sender.join();
     (
         end,
-        Some((connection.request_count(), connection.rejection_count())),
+        (connection.request_count(), connection.rejection_count()),
     )
 }

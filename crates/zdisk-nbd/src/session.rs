@@ -111,6 +111,7 @@ pub(crate) fn discard<R: Read + ?Sized>(reader: &mut R, count: u64) -> io::Resul
 /// Reads exactly `count` bytes into a fresh buffer. Callers bound `count`
 /// before calling (option data by `MAX_OPTION_BYTES`, write payloads by
 /// `MAX_PAYLOAD_BYTES` and the device size).
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn read_vec<R: Read + ?Sized>(reader: &mut R, count: usize) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; count];
     reader.read_exact(&mut buf)?;

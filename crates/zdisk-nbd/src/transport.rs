@@ -14,13 +14,13 @@
 //! fails (after which the connection is shut down and nothing more is sent);
 //! [`Transport::shutdown`] wakes every thread waiting on the socket.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::Shutdown;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::socket::{plain_read, plain_write, Blocked, Socket};
-use crate::tls::{TlsSession, TlsStep};
+use crate::tls::TlsSession;
 
 /// Longest single `poll`: waits are re-evaluated this often, so a limit
 /// that shrinks (at shutdown) takes effect promptly.
@@ -77,27 +77,47 @@ impl Transport {
         self.tls.get().is_some()
     }
 
-    /// Runs the TLS handshake on the socket (the client sends its hello
-    /// after our NBD_REP_ACK to NBD_OPT_STARTTLS), then carries every
-    /// later byte over TLS. Returns a description of the session for logs.
-    pub fn start_tls(
-        &self,
-        config: &crate::tls::TlsConfig,
-        deadline: Instant,
-    ) -> io::Result<String> {
+    /// The socket's descriptor, for the lobby's event loop.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.raw_fd()
+    }
+
+    /// A TLS session over this socket, for the handshake the client starts
+    /// after our NBD_REP_ACK to NBD_OPT_STARTTLS. The caller steps it
+    /// (`TlsSession::handshake`) until done, then hands it to
+    /// [`Transport::adopt_tls`].
+    pub fn new_tls_session(&self, config: &crate::tls::TlsConfig) -> io::Result<TlsSession> {
         assert!(!self.is_tls(), "TLS started twice on one connection");
-        let mut session = TlsSession::new(config, self.socket.try_clone()?)?;
+        TlsSession::new(config, self.socket.try_clone()?)
+    }
+
+    /// Carries every later byte over `session`, whose handshake is done.
+    pub fn adopt_tls(&self, session: TlsSession) {
+        if self.tls.set(Mutex::new(session)).is_err() {
+            panic!("TLS started twice on one connection");
+        }
+    }
+
+    /// The TLS session's protocol and cipher, for logs; None in plain text.
+    pub fn tls_description(&self) -> Option<String> {
+        self.tls_session().map(|session| session.describe())
+    }
+
+    /// One read attempt that never waits: the bytes read (0 at end of
+    /// stream), or what to wait for before trying again.
+    pub fn try_read(&self, buf: &mut [u8]) -> Result<usize, Blocked> {
         loop {
-            match session.handshake()? {
-                TlsStep::Done => break,
-                TlsStep::Wait(events) => self.wait(events, Some(deadline))?,
+            let attempt = match self.tls_session() {
+                Some(mut session) => session.read(buf),
+                None => {
+                    plain_read(&self.socket, buf).map_err(|e| Blocked::waiting(e, libc::POLLIN))
+                }
+            };
+            match attempt {
+                Err(Blocked::Failed(error)) if error.kind() == io::ErrorKind::Interrupted => {}
+                other => return other,
             }
         }
-        let description = session.describe();
-        if self.tls.set(Mutex::new(session)).is_err() {
-            unreachable!("checked above that TLS was not started");
-        }
-        Ok(description)
     }
 
     fn tls_session(&self) -> Option<MutexGuard<'_, TlsSession>> {
@@ -229,14 +249,6 @@ impl Transport {
             deadline,
         }
     }
-
-    /// The stream as `Write`, each write giving up as `give_up` says.
-    pub fn writer<'a>(&'a self, give_up: Patience<'a>) -> TransportWriter<'a> {
-        TransportWriter {
-            transport: self,
-            give_up,
-        }
-    }
 }
 
 /// [`Transport`] as a `Read` with a deadline (set per phase: the
@@ -249,22 +261,5 @@ pub(crate) struct TransportReader<'a> {
 impl Read for TransportReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.transport.read(buf, self.deadline)
-    }
-}
-
-/// [`Transport`] as a `Write`; every `write` writes everything.
-pub(crate) struct TransportWriter<'a> {
-    transport: &'a Transport,
-    give_up: Patience<'a>,
-}
-
-impl Write for TransportWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.transport.write_all(buf, self.give_up)?;
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
     }
 }

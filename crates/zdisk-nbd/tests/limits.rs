@@ -1,7 +1,8 @@
 //! What a hostile or broken client must not be able to do to the others:
 //! a client that stops reading its replies stalls only itself and is
 //! dropped after the reply timeout; connections over the limit are refused
-//! with a reason; a silent or trickling handshake is dropped at its
+//! with a reason; silent connections make room for prompt ones and never
+//! count as sessions; a silent or trickling handshake is dropped at its
 //! deadline; shutdown does not wait for clients that stopped reading; and
 //! under `--tls require` nothing but STARTTLS is answered in plain text.
 //!
@@ -12,12 +13,14 @@
 
 mod common;
 
+use std::io::Read;
+use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{Client, Setup, TestServer};
 use zdisk_nbd::wire::*;
-use zdisk_nbd::{ServerConfig, TlsConfig, TlsCredentials, TlsMode};
+use zdisk_nbd::{ListenAddr, ServerConfig, TlsConfig, TlsCredentials, TlsMode};
 
 const SIZE: u64 = 128 << 20;
 const BIG_READ: u32 = 32 << 20;
@@ -149,6 +152,44 @@ fn connections_over_the_limit_are_refused_with_a_reason() {
         assert!(Instant::now() < deadline, "the freed place never came back");
         thread::sleep(Duration::from_millis(50));
     }
+    server.stop().unwrap();
+}
+
+#[test]
+fn silent_connections_make_room_and_are_not_sessions() {
+    // Two places for sessions, four per address for handshakes: 200
+    // silent connections from this address must neither take the session
+    // places nor keep prompt clients out.
+    let config = ServerConfig {
+        max_connections: 2,
+        max_handshakes: 8,
+        max_handshakes_per_address: 4,
+        ..ServerConfig::default()
+    };
+    let server = TestServer::start_with(SIZE, config);
+    let ListenAddr::Tcp(addr) = server.addr.clone() else {
+        unreachable!("the test server listens on TCP");
+    };
+    let mut silent: Vec<TcpStream> = (0..200)
+        .map(|_| TcpStream::connect(addr).expect("connect"))
+        .collect();
+    let (mut first, _) = Client::connect_with(&server.addr, Setup::SIMPLE);
+    let (mut second, _) = Client::connect_with(&server.addr, Setup::SIMPLE);
+    first.assert_works();
+    second.assert_works();
+    // The oldest silent connection got its greeting and then, dropped to
+    // make room, the end of the stream.
+    let oldest = &mut silent[0];
+    oldest
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut bytes = Vec::new();
+    oldest
+        .read_to_end(&mut bytes)
+        .expect("closed by the server");
+    assert_eq!(bytes.len(), 18, "a greeting, then nothing");
+    assert_eq!(&bytes[..8], b"NBDMAGIC");
+    drop(silent);
     server.stop().unwrap();
 }
 

@@ -208,13 +208,26 @@ pub struct ServeArgs {
     /// With --tls-certificates: require a client certificate signed by ca-cert.pem.
     #[arg(long)]
     pub tls_verify_peer: bool,
-    /// Connections served at once; more are refused with a reason.
+    /// Established sessions served at once; while this many are, a new
+    /// client is refused with a reason. Connections still in their
+    /// handshake do not count (see --max-handshakes).
     #[arg(long, value_parser = count_arg, default_value = "128")]
     pub max_connections: usize,
+    /// Connections in their handshake at once; a newcomer beyond this
+    /// drops the waiting connection that has done least (the oldest silent one).
+    #[arg(long, value_parser = count_arg, default_value = "1024")]
+    pub max_handshakes: usize,
+    /// Connections in their handshake at once from one IPv4 address (or
+    /// IPv6 /64); a newcomer beyond this drops that address's oldest silent one.
+    #[arg(long, value_parser = count_arg, default_value = "64")]
+    pub max_handshakes_per_address: usize,
+    /// TLS handshakes in progress at once; more queue, served in turn by address.
+    #[arg(long, value_parser = count_arg, default_value = "32")]
+    pub max_tls_handshakes: usize,
     /// Memory all connections together may hold in request and reply buffers.
     #[arg(long, value_parser = size_arg, default_value = "512M")]
     pub max_in_flight: u64,
-    /// Seconds a new connection has to finish its handshake (TLS included).
+    /// Seconds a new connection has, in all, to finish its handshake (TLS included).
     #[arg(long, value_parser = seconds_arg, default_value = "10")]
     pub handshake_timeout: f64,
     /// Seconds a client may take no reply data, while replies wait, before it is disconnected.

@@ -123,8 +123,13 @@ pub fn serve(image: &Path, volume: Arc<Volume>) -> Result<ControlSocket, String>
     std::thread::Builder::new()
         .name("zdisk-control".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                answer(&stream, &volume);
+            for stream in listener.incoming() {
+                match stream {
+                    Ok(stream) => answer(&stream, &volume),
+                    // Out of descriptors (EMFILE) fails at once: wait
+                    // rather than spin on it.
+                    Err(_) => std::thread::sleep(Duration::from_millis(100)),
+                }
             }
         })
         .map_err(|e| format!("cannot start the control socket's thread: {e}"))?;

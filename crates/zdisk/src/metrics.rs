@@ -1,5 +1,7 @@
 //! A minimal HTTP endpoint for statistics: `GET /stats` returns the same
-//! JSON as `zdisk stats --json`, `GET /metrics` the Prometheus text format.
+//! JSON as `zdisk stats --json` plus an `nbd` object (the server's
+//! connection counters: handshakes, evictions, refusals), `GET /metrics`
+//! all of it in the Prometheus text format (`zdisk_nbd_*` for the server's).
 //! One short-lived connection at a time is plenty for scrapers and curl.
 
 use std::io::{BufRead, BufReader, Write};
@@ -8,15 +10,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zdisk_core::Volume;
+use zdisk_nbd::ServerCounters;
 
-pub fn spawn(addr: &str, volume: Arc<Volume>) -> Result<std::net::SocketAddr, String> {
+pub fn spawn(
+    addr: &str,
+    volume: Arc<Volume>,
+    server: Arc<ServerCounters>,
+) -> Result<std::net::SocketAddr, String> {
     let listener =
         TcpListener::bind(addr).map_err(|e| format!("cannot listen for metrics on {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     std::thread::Builder::new()
         .name("zdisk-metrics".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else {
+                    // Out of descriptors (EMFILE) fails at once: wait
+                    // rather than spin on it.
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                };
                 let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
                 let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
                 let mut reader = BufReader::new(&stream);
@@ -34,9 +47,13 @@ pub fn spawn(addr: &str, volume: Arc<Volume>) -> Result<std::net::SocketAddr, St
                     "/stats" => (
                         "200 OK",
                         "application/json",
-                        serde_json::to_string_pretty(&volume.stats()).unwrap_or_default() + "\n",
+                        serde_json::to_string_pretty(&stats_json(&volume, &server)).unwrap_or_default() + "\n",
                     ),
-                    "/metrics" => ("200 OK", "text/plain; version=0.0.4", volume.stats().to_prometheus()),
+                    "/metrics" => (
+                        "200 OK",
+                        "text/plain; version=0.0.4",
+                        volume.stats().to_prometheus() + &server_prometheus(&server),
+                    ),
                     _ => ("404 Not Found", "text/plain", "try /stats or /metrics\n".to_string()),
                 };
                 let mut stream = &stream;
@@ -49,4 +66,33 @@ pub fn spawn(addr: &str, volume: Arc<Volume>) -> Result<std::net::SocketAddr, St
         })
         .map_err(|e| e.to_string())?;
     Ok(local)
+}
+
+/// The volume's statistics with the server's counters under `nbd`.
+fn stats_json(volume: &Volume, server: &ServerCounters) -> serde_json::Value {
+    let mut json = serde_json::to_value(volume.stats()).unwrap_or_default();
+    let nbd: serde_json::Map<String, serde_json::Value> = server
+        .snapshot()
+        .into_iter()
+        .map(|(name, value, _, _)| (name.to_string(), value.into()))
+        .collect();
+    if let Some(all) = json.as_object_mut() {
+        all.insert("nbd".to_string(), nbd.into());
+    }
+    json
+}
+
+/// The server's counters in the Prometheus text format.
+fn server_prometheus(server: &ServerCounters) -> String {
+    let mut out = String::new();
+    for (name, value, kind, help) in server.snapshot() {
+        let name = match kind {
+            "counter" => format!("zdisk_nbd_{name}_total"),
+            _ => format!("zdisk_nbd_{name}"),
+        };
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    }
+    out
 }

@@ -132,6 +132,9 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig, String> {
         description: Some(format!("zdisk image {}", args.image.display())),
         read_only: args.read_only,
         max_connections: args.max_connections,
+        max_handshakes: args.max_handshakes,
+        max_handshakes_per_address: args.max_handshakes_per_address,
+        max_tls_handshakes: args.max_tls_handshakes,
         max_in_flight_bytes: usize::try_from(args.max_in_flight)
             .map_err(|_| "--max-in-flight is too large".to_string())?,
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
@@ -245,6 +248,7 @@ fn serve(
     );
     let device: Arc<dyn BlockDevice> = volume.clone();
     let server = Server::with_listener(bound, device, config).map_err(|e| e.to_string())?;
+    let counters = server.counters();
     let bound = server.local_addr().map_err(|e| e.to_string())?;
     let control = match crate::control::serve(&args.image, volume.clone()) {
         Ok(control) => Some(control),
@@ -256,7 +260,7 @@ fn serve(
         }
     };
     if let Some(addr) = &args.metrics {
-        let local = crate::metrics::spawn(addr, volume.clone())?;
+        let local = crate::metrics::spawn(addr, volume.clone(), counters)?;
         log::info!("statistics at http://{local}/stats and http://{local}/metrics");
     }
     if let (mode, Some(summary)) = &tls {

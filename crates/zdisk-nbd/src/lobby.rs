@@ -1,0 +1,1011 @@
+//! The lobby: one thread that accepts connections and runs every handshake,
+//! TLS included, as an event loop over epoll. A connection that has not
+//! finished its handshake costs a file descriptor and a few hundred bytes,
+//! never a thread, so silent connections cannot starve real clients; only
+//! a connection that reaches transmission gets its threads (`server.rs`).
+//!
+//! Policy, and why:
+//! - Budget: connections in their handshake are bounded apart from
+//!   established sessions, in total and per source address; a newcomer
+//!   always gets in and the waiting connection that has done least goes
+//!   (`admission.rs`). Before a silent connection is dropped it is read
+//!   once more, so a client whose first message is already in the socket
+//!   is not taken for silent.
+//! - Deadline: the whole handshake, TLS included, must finish within
+//!   `handshake_timeout` of the accept. A client dripping a byte at a time
+//!   never resets it.
+//! - TLS: a handshake costs the server public-key work for every
+//!   ClientHello, so at most `max_tls_handshakes` run at once; others
+//!   wait in a queue served in turn by source address (`FairQueue`), their
+//!   ClientHello left in the kernel. While some wait and every slot is
+//!   taken, the oldest handshake past [`TLS_SLOT_GRACE`] is served once
+//!   more and, if still unfinished, dropped to free its slot: a client that
+//!   sends a ClientHello and stalls holds nothing for long, and a flood of
+//!   them costs at most `max_tls_handshakes` key exchanges per grace
+//!   period.
+//! - File descriptors: when accept fails with EMFILE or ENFILE, the first
+//!   connection in eviction order is dropped to make room; if none waits,
+//!   a reserve descriptor is released to accept the connection and close
+//!   it at once, so the backlog drains and the loop never spins; if even
+//!   that fails, the listener rests for [`ACCEPT_PAUSE`].
+//! - Work per turn is bounded: at most [`ACCEPTS_PER_TURN`] accepts and
+//!   [`READS_PER_SERVICE`] reads per connection, so a fast talker waits its
+//!   turn like everyone else.
+//!
+//! Reads take exactly the bytes of the message being read (greeting flags,
+//! option header, option data), so nothing a client sends after NBD_OPT_GO
+//! or NBD_OPT_STARTTLS is read here: it stays in the socket for the
+//! session, or for the TLS handshake (bytes injected in plain text after
+//! STARTTLS then break that handshake instead of passing for protected).
+//!
+//! Invariants: a connection is in `conns`, `admission` and `by_age`, or in
+//! none of them; it is registered with epoll exactly while in `conns`; it
+//! holds a TLS slot exactly while its stage is [`Stage::Tls`].
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fs::File;
+use std::io;
+use std::net::IpAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use crate::admission::{Admission, AdmissionLimits, Crowding, FairQueue, Source, Standing};
+use crate::counters::{bump, ServerCounters, Tally};
+use crate::handshake::{
+    client_flags, option_header, put_server_greeting, Export, Haggle, Negotiated, Next, Refusal,
+    TlsState,
+};
+use crate::session::{ConnLog, SessionEnd};
+use crate::socket::{Blocked, Socket};
+use crate::tls::{TlsConfig, TlsMode, TlsSession, TlsStep};
+use crate::transport::Transport;
+use crate::wire::{OptionHeader, CLIENT_FLAGS_BYTES, MAX_OPTION_BYTES, OPTION_HEADER_BYTES};
+
+/// Accepts per loop turn, so waiting connections are served between bursts.
+pub(crate) const ACCEPTS_PER_TURN: usize = 1024;
+/// Reads per connection per turn.
+pub(crate) const READS_PER_SERVICE: usize = 16;
+/// How long the listener rests when accept fails and nothing can be freed.
+pub(crate) const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// A TLS handshake keeps its slot at least this long, even while others
+/// queue: an honest client under load gets time to answer, and a flood of
+/// stalling ClientHellos gets at most `max_tls_handshakes` handshakes per
+/// this period.
+pub(crate) const TLS_SLOT_GRACE: Duration = Duration::from_millis(100);
+/// Events taken from epoll at once.
+const EVENTS_PER_WAIT: usize = 256;
+
+const TOKEN_LISTENER: u64 = 0;
+const TOKEN_WAKE: u64 = 1;
+const FIRST_CONNECTION_ID: u64 = 2;
+
+const IN: u32 = libc::EPOLLIN as u32;
+const OUT: u32 = libc::EPOLLOUT as u32;
+
+/// The lobby's settings (from `ServerConfig`).
+pub(crate) struct LobbyConfig<'a> {
+    pub handshake_timeout: Duration,
+    pub limits: AdmissionLimits,
+    pub max_tls_handshakes: usize,
+    pub max_connections: usize,
+    pub tls_mode: TlsMode,
+    pub tls: Option<&'a TlsConfig>,
+}
+
+/// An accepted connection.
+pub(crate) struct Accepted {
+    pub socket: Socket,
+    pub peer: String,
+    /// The peer's address; None for a Unix socket.
+    pub ip: Option<IpAddr>,
+}
+
+/// What the lobby needs from the server.
+pub(crate) trait Sessions {
+    /// Sessions established now.
+    fn established(&self) -> usize;
+    /// Whether the server is stopping.
+    fn stopping(&self) -> bool;
+    /// Takes over a connection that has finished its handshake.
+    fn start(&self, transport: Transport, negotiated: Negotiated, log: ConnLog, took: Duration);
+}
+
+/// Where connections come from: the listening socket and its accept, and
+/// the socket that wakes the loop for shutdown.
+pub(crate) struct Doors<'a> {
+    pub listener: RawFd,
+    pub wake: RawFd,
+    pub accept: &'a dyn Fn() -> io::Result<Accepted>,
+}
+
+/// What a waiting connection is reading, or doing.
+enum Stage {
+    Flags,
+    Header,
+    Data(OptionHeader),
+    /// An oversized option's data, this many bytes still to drop.
+    Discard(OptionHeader, u64),
+    /// Waiting for a TLS slot; the ClientHello waits in the kernel.
+    TlsQueued,
+    Tls(Box<TlsSession>),
+}
+
+/// What happens once the pending output has gone out.
+enum Then {
+    Read,
+    StartTls,
+    Transmission(Negotiated),
+    Close(SessionEnd),
+}
+
+/// A connection in its handshake.
+struct Waiting {
+    transport: Transport,
+    peer: String,
+    source: Source,
+    accepted: Instant,
+    stage: Stage,
+    /// The part of the current message received so far.
+    frame: Vec<u8>,
+    output: Vec<u8>,
+    sent: usize,
+    then: Then,
+    haggle: Haggle,
+    client_flags: u32,
+    /// Epoll events asked for now.
+    interest: u32,
+    /// When its TLS handshake got a slot.
+    tls_started: Option<Instant>,
+    /// Messages completed (a TLS handshake counts as one).
+    messages: u64,
+    /// The standing and message count last told to the admission.
+    reported: (Standing, u64),
+    /// An option was refused because the sessions are at their limit.
+    told_busy: bool,
+    /// ... and that was counted.
+    refused_busy: bool,
+}
+
+/// What servicing a connection came to.
+enum Turn {
+    /// Wait for these epoll events.
+    Wait(u32),
+    /// More may be ready without an event (bytes TLS has buffered, or the
+    /// read budget ran out): serve it again next turn.
+    Again,
+    QueueTls,
+    Established(Negotiated),
+    Ended(SessionEnd),
+}
+
+/// Why a waiting connection was closed.
+enum Closing {
+    Ended(SessionEnd),
+    TimedOut,
+    Crowded(Crowding),
+    ForFds,
+    TlsSlot,
+    Stopping,
+}
+
+struct Epoll(OwnedFd);
+
+impl Epoll {
+    fn new() -> io::Result<Epoll> {
+        // SAFETY: plain syscall; a non-negative result is a new descriptor
+        // we own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        Ok(Epoll(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn control(&self, op: libc::c_int, fd: RawFd, token: u64, events: u32) -> io::Result<()> {
+        let mut event = libc::epoll_event { events, u64: token };
+        // SAFETY: valid descriptors and a valid event struct for the call.
+        let result = unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd, &mut event) };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn wait(
+        &self,
+        events: &mut [libc::epoll_event],
+        timeout: Option<Duration>,
+    ) -> io::Result<usize> {
+        let timeout_ms = match timeout {
+            None => -1,
+            // Round up, so a deadline is never woken for just before it.
+            Some(t) => t.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int,
+        };
+        // SAFETY: `events` is a valid, writable array of the length passed.
+        let count = unsafe {
+            libc::epoll_wait(
+                self.0.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as libc::c_int,
+                timeout_ms,
+            )
+        };
+        if count < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                return Ok(0);
+            }
+            return Err(error);
+        }
+        Ok(count as usize)
+    }
+}
+
+/// Log lines the lobby writes, each kind rate-limited.
+struct Tallies {
+    crowded: Tally,
+    timed_out: Tally,
+    ended: Tally,
+    busy: Tally,
+    fds: Tally,
+    tls_slot: Tally,
+}
+
+/// The event loop and everything it owns.
+pub(crate) struct Lobby<'a> {
+    config: LobbyConfig<'a>,
+    export: &'a Export,
+    sessions: &'a dyn Sessions,
+    counters: &'a ServerCounters,
+    epoll: Epoll,
+    conns: HashMap<u64, Waiting>,
+    admission: Admission,
+    /// Waiting connections by id, which is accept order: the deadline order.
+    by_age: BTreeSet<u64>,
+    tls_running: HashSet<u64>,
+    tls_queue: FairQueue,
+    /// Connections to serve again next turn, without waiting for an event.
+    again: Vec<u64>,
+    next_id: u64,
+    /// Kept open to be closed when accept finds no descriptor left.
+    reserve: Option<File>,
+    /// While set, the listener is out of epoll until then.
+    listener_paused_until: Option<Instant>,
+    scratch: Vec<u8>,
+    tallies: Tallies,
+}
+
+impl<'a> Lobby<'a> {
+    pub fn new(
+        config: LobbyConfig<'a>,
+        export: &'a Export,
+        sessions: &'a dyn Sessions,
+        counters: &'a ServerCounters,
+    ) -> io::Result<Lobby<'a>> {
+        assert!(config.max_tls_handshakes >= 1);
+        Ok(Lobby {
+            admission: Admission::new(config.limits),
+            config,
+            export,
+            sessions,
+            counters,
+            epoll: Epoll::new()?,
+            conns: HashMap::new(),
+            by_age: BTreeSet::new(),
+            tls_running: HashSet::new(),
+            tls_queue: FairQueue::default(),
+            again: Vec::new(),
+            next_id: FIRST_CONNECTION_ID,
+            reserve: open_reserve(),
+            listener_paused_until: None,
+            scratch: vec![0u8; MAX_OPTION_BYTES as usize + OPTION_HEADER_BYTES],
+            tallies: Tallies {
+                crowded: Tally::new("handshake budget"),
+                timed_out: Tally::new("handshake timeout"),
+                ended: Tally::new("handshake ended"),
+                busy: Tally::new("too many connections"),
+                fds: Tally::new("out of file descriptors"),
+                tls_slot: Tally::new("TLS handshake slots"),
+            },
+        })
+    }
+
+    /// Accepts and serves handshakes until the server stops; then drops
+    /// every connection still in its handshake.
+    pub fn run(&mut self, doors: &Doors<'_>) -> io::Result<()> {
+        self.epoll
+            .control(libc::EPOLL_CTL_ADD, doors.listener, TOKEN_LISTENER, IN)?;
+        self.epoll
+            .control(libc::EPOLL_CTL_ADD, doors.wake, TOKEN_WAKE, IN)?;
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
+        let result = loop {
+            if self.sessions.stopping() {
+                break Ok(());
+            }
+            let count = match self.epoll.wait(&mut events, self.next_timeout()) {
+                Ok(count) => count,
+                Err(error) => break Err(error),
+            };
+            let mut listener_ready = false;
+            let mut ready: Vec<(u64, u32)> = self.again.drain(..).map(|id| (id, 0)).collect();
+            for event in &events[..count] {
+                let (token, flags) = (event.u64, event.events);
+                match token {
+                    TOKEN_LISTENER => listener_ready = true,
+                    TOKEN_WAKE => {}
+                    id => ready.push((id, flags)),
+                }
+            }
+            if self.sessions.stopping() {
+                break Ok(());
+            }
+            // Waiting connections first: one whose message arrived with a
+            // burst of newcomers is then not taken for silent.
+            for (id, flags) in ready {
+                self.service(id, flags);
+            }
+            if listener_ready {
+                self.accept_some(doors);
+            }
+            self.expire(Instant::now());
+            self.reclaim_tls_slots(Instant::now());
+            self.resume_listener(doors);
+        };
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.close(id, Closing::Stopping);
+        }
+        result
+    }
+
+    /// Until the first deadline or the listener's rest ends; zero when a
+    /// connection is to be served again at once.
+    fn next_timeout(&self) -> Option<Duration> {
+        if !self.again.is_empty() {
+            return Some(Duration::ZERO);
+        }
+        let now = Instant::now();
+        let deadline = self
+            .by_age
+            .first()
+            .map(|id| self.conns[id].accepted + self.config.handshake_timeout);
+        // When a queued TLS handshake may take a stalled one's slot.
+        let reclaim = (!self.tls_queue.is_empty()
+            && self.tls_running.len() >= self.config.max_tls_handshakes)
+            .then(|| {
+                self.tls_running
+                    .iter()
+                    .filter_map(|id| self.conns[id].tls_started)
+                    .min()
+                    .map(|started| started + TLS_SLOT_GRACE)
+            })
+            .flatten();
+        [deadline, self.listener_paused_until, reclaim]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|at| at.saturating_duration_since(now))
+    }
+
+    fn accept_some(&mut self, doors: &Doors<'_>) {
+        for _ in 0..ACCEPTS_PER_TURN {
+            match (doors.accept)() {
+                Ok(accepted) => self.admit(accepted),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(error) if out_of_descriptors(&error) => {
+                    bump(&self.counters.accept_exhausted);
+                    if !self.free_a_descriptor(doors, &error) {
+                        self.pause_listener(doors);
+                        return;
+                    }
+                }
+                Err(error) => {
+                    self.tallies
+                        .fds
+                        .note(true, format_args!("accepting a connection failed: {error}"));
+                    self.pause_listener(doors);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// After accept failed for want of descriptors: drops the first waiting
+    /// connection in eviction order, or accepts one connection on the
+    /// reserve descriptor and closes it. False if neither was possible.
+    fn free_a_descriptor(&mut self, doors: &Doors<'_>, error: &io::Error) -> bool {
+        if let Some(victim) = self.admission.first() {
+            self.close(victim, Closing::ForFds);
+            return true;
+        }
+        if self.reserve.take().is_none() {
+            self.tallies.fds.note(
+                true,
+                format_args!("accept failed ({error}) and no descriptor could be freed"),
+            );
+            return false;
+        }
+        if let Ok(accepted) = (doors.accept)() {
+            bump(&self.counters.dropped_no_fds);
+            self.tallies.fds.note(
+                true,
+                format_args!(
+                    "closed a connection from {} at once ({error}); raise the file limit (ulimit -n)",
+                    accepted.peer
+                ),
+            );
+        }
+        self.reserve = open_reserve();
+        self.reserve.is_some()
+    }
+
+    fn pause_listener(&mut self, doors: &Doors<'_>) {
+        if self.listener_paused_until.is_none() {
+            let _ = self
+                .epoll
+                .control(libc::EPOLL_CTL_MOD, doors.listener, TOKEN_LISTENER, 0);
+        }
+        self.listener_paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+    }
+
+    fn resume_listener(&mut self, doors: &Doors<'_>) {
+        if self
+            .listener_paused_until
+            .is_some_and(|until| Instant::now() >= until)
+        {
+            self.listener_paused_until = None;
+            if self.reserve.is_none() {
+                self.reserve = open_reserve();
+            }
+            let _ = self
+                .epoll
+                .control(libc::EPOLL_CTL_MOD, doors.listener, TOKEN_LISTENER, IN);
+        }
+    }
+
+    fn admit(&mut self, accepted: Accepted) {
+        bump(&self.counters.connections_accepted);
+        let source = Source::of(accepted.ip);
+        self.make_room(source);
+        let transport = match Transport::new(accepted.socket) {
+            Ok(transport) => transport,
+            Err(error) => {
+                bump(&self.counters.handshakes_failed);
+                self.tallies.ended.note(
+                    false,
+                    format_args!("{}: dropped at accept: {error}", accepted.peer),
+                );
+                return;
+            }
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Err(error) = self
+            .epoll
+            .control(libc::EPOLL_CTL_ADD, transport.raw_fd(), id, IN)
+        {
+            bump(&self.counters.handshakes_failed);
+            self.tallies.ended.note(
+                true,
+                format_args!("{}: dropped at accept: {error}", accepted.peer),
+            );
+            return;
+        }
+        let mut output = Vec::new();
+        put_server_greeting(&mut output);
+        self.conns.insert(
+            id,
+            Waiting {
+                transport,
+                peer: accepted.peer,
+                source,
+                accepted: Instant::now(),
+                stage: Stage::Flags,
+                frame: Vec::new(),
+                output,
+                sent: 0,
+                then: Then::Read,
+                haggle: Haggle::new(0, TlsState::OFF),
+                client_flags: 0,
+                interest: IN,
+                tls_started: None,
+                messages: 0,
+                reported: (Standing::Silent, 0),
+                told_busy: false,
+                refused_busy: false,
+            },
+        );
+        self.admission.admit(id, source);
+        self.by_age.insert(id);
+        self.set_waiting_gauge();
+        self.service(id, 0);
+    }
+
+    /// Drops waiting connections until `source` may add one. A victim is
+    /// served once first: if its next message has arrived (the loop may be
+    /// behind on a busy turn), it has made progress and the choice is made
+    /// again.
+    fn make_room(&mut self, source: Source) {
+        let mut probed = HashSet::new();
+        while let Some((victim, why)) = self.admission.victim_for(source) {
+            if probed.insert(victim) {
+                let before = self.admission.rank(victim);
+                self.service(victim, 0);
+                if self.admission.rank(victim) != before {
+                    continue;
+                }
+            }
+            self.close(victim, Closing::Crowded(why));
+        }
+    }
+
+    /// Serves one connection as far as it can go now.
+    fn service(&mut self, id: u64, flags: u32) {
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return; // closed earlier this turn
+        };
+        if matches!(conn.stage, Stage::TlsQueued) {
+            // It asked for no events: this is a hangup or an error.
+            if flags != 0 {
+                self.close(id, Closing::Ended(SessionEnd::ClientClosed));
+            }
+            return;
+        }
+        let refusal = if self.sessions.stopping() {
+            Some(Refusal::Shutdown)
+        } else if self.sessions.established() >= self.config.max_connections {
+            Some(Refusal::Busy(format!(
+                "the server has too many connections (its limit is {}); try again later",
+                self.config.max_connections
+            )))
+        } else {
+            None
+        };
+        let turn = converse(conn, &mut self.scratch, self.export, &self.config, &refusal);
+        if conn.told_busy && !conn.refused_busy {
+            conn.refused_busy = true;
+            bump(&self.counters.refused_busy);
+            let peer = conn.peer.clone();
+            self.tallies.busy.note(
+                true,
+                format_args!(
+                    "refused {peer}: {} sessions are established; raise --max-connections if they are expected",
+                    self.config.max_connections
+                ),
+            );
+        }
+        // A TLS handshake that finished or failed gives its slot back.
+        let conn = self.conns.get_mut(&id).expect("still waiting");
+        if !matches!(conn.stage, Stage::Tls(_)) && self.tls_running.remove(&id) {
+            self.set_tls_gauge();
+            self.start_queued_tls();
+        }
+        match turn {
+            Turn::Wait(events) => {
+                self.set_interest(id, events);
+                self.report_standing(id);
+            }
+            Turn::Again => {
+                self.again.push(id);
+                self.report_standing(id);
+            }
+            Turn::QueueTls => self.queue_tls(id),
+            Turn::Established(negotiated) => self.hand_over(id, negotiated),
+            Turn::Ended(end) => self.close(id, Closing::Ended(end)),
+        }
+    }
+
+    fn set_interest(&mut self, id: u64, events: u32) {
+        let conn = self.conns.get_mut(&id).expect("waiting");
+        if conn.interest != events {
+            conn.interest = events;
+            let fd = conn.transport.raw_fd();
+            if let Err(error) = self.epoll.control(libc::EPOLL_CTL_MOD, fd, id, events) {
+                self.close(id, Closing::Ended(SessionEnd::Io(error)));
+            }
+        }
+    }
+
+    fn report_standing(&mut self, id: u64) {
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let standing = match conn.stage {
+            Stage::TlsQueued => Standing::ServersTurn,
+            Stage::Tls(_) => Standing::ClientsTurn,
+            _ if conn.messages == 0 => Standing::Silent,
+            _ => Standing::ClientsTurn,
+        };
+        if conn.reported != (standing, conn.messages) {
+            conn.reported = (standing, conn.messages);
+            self.admission.set_standing(id, standing);
+        }
+    }
+
+    /// STARTTLS was acknowledged: take a TLS slot, or queue for one.
+    fn queue_tls(&mut self, id: u64) {
+        let conn = self.conns.get_mut(&id).expect("waiting");
+        conn.stage = Stage::TlsQueued;
+        let source = conn.source;
+        self.set_interest(id, 0);
+        if !self.conns.contains_key(&id) {
+            return;
+        }
+        self.report_standing(id);
+        self.tls_queue.push(source, id);
+        self.start_queued_tls();
+        self.reclaim_tls_slots(Instant::now());
+    }
+
+    /// While connections queue for a TLS slot and none is free, takes back
+    /// the slot of the oldest handshake past [`TLS_SLOT_GRACE`], once it
+    /// has been served one last time (its client's answer may be waiting).
+    fn reclaim_tls_slots(&mut self, now: Instant) {
+        let mut probed = HashSet::new();
+        while !self.tls_queue.is_empty() && self.tls_running.len() >= self.config.max_tls_handshakes
+        {
+            let oldest = self
+                .tls_running
+                .iter()
+                .filter(|id| !probed.contains(*id))
+                .filter_map(|id| {
+                    let started = self.conns[id].tls_started?;
+                    (now.duration_since(started) >= TLS_SLOT_GRACE).then_some((started, *id))
+                })
+                .min()
+                .map(|(_, id)| id);
+            let Some(oldest) = oldest else {
+                return;
+            };
+            probed.insert(oldest);
+            self.service(oldest, 0);
+            if self.tls_running.contains(&oldest) {
+                self.close(oldest, Closing::TlsSlot);
+            }
+        }
+    }
+
+    fn start_queued_tls(&mut self) {
+        while self.tls_running.len() < self.config.max_tls_handshakes {
+            let Some(id) = self.tls_queue.pop() else {
+                return;
+            };
+            let config = self
+                .config
+                .tls
+                .expect("STARTTLS is only acknowledged with credentials");
+            let conn = self.conns.get_mut(&id).expect("queued connections wait");
+            match conn.transport.new_tls_session(config) {
+                Ok(session) => {
+                    conn.stage = Stage::Tls(Box::new(session));
+                    conn.tls_started = Some(Instant::now());
+                    self.tls_running.insert(id);
+                    bump(&self.counters.tls_handshakes_started);
+                    self.set_tls_gauge();
+                    // Its ClientHello may be waiting already.
+                    self.again.push(id);
+                    self.report_standing(id);
+                }
+                Err(error) => self.close(id, Closing::Ended(SessionEnd::Io(error))),
+            }
+        }
+    }
+
+    /// Drops connections whose handshake deadline has passed.
+    fn expire(&mut self, now: Instant) {
+        while let Some(&id) = self.by_age.first() {
+            if self.conns[&id].accepted + self.config.handshake_timeout > now {
+                return;
+            }
+            self.close(id, Closing::TimedOut);
+        }
+    }
+
+    /// Takes a connection out of every structure of the lobby.
+    fn remove(&mut self, id: u64) -> Option<Waiting> {
+        let conn = self.conns.remove(&id)?;
+        let _ = self
+            .epoll
+            .control(libc::EPOLL_CTL_DEL, conn.transport.raw_fd(), id, 0);
+        assert!(
+            self.admission.remove(id),
+            "a waiting connection is admitted"
+        );
+        assert!(self.by_age.remove(&id), "a waiting connection is aged");
+        if matches!(conn.stage, Stage::TlsQueued) {
+            self.tls_queue.remove(conn.source, id);
+        }
+        self.set_waiting_gauge();
+        if self.tls_running.remove(&id) {
+            self.set_tls_gauge();
+            self.start_queued_tls();
+        }
+        Some(conn)
+    }
+
+    fn hand_over(&mut self, id: u64, negotiated: Negotiated) {
+        let Some(conn) = self.remove(id) else {
+            return;
+        };
+        bump(&self.counters.handshakes_completed);
+        let log = ConnLog {
+            enabled: true,
+            label: format!("conn {id} ({})", conn.peer),
+        };
+        self.sessions
+            .start(conn.transport, negotiated, log, conn.accepted.elapsed());
+    }
+
+    fn close(&mut self, id: u64, why: Closing) {
+        let Some(conn) = self.remove(id) else {
+            return;
+        };
+        let peer = &conn.peer;
+        let counters = self.counters;
+        match why {
+            Closing::Ended(end) => {
+                bump(&counters.handshakes_failed);
+                let warn = matches!(end, SessionEnd::Protocol(_) | SessionEnd::Io(_));
+                self.tallies.ended.note(
+                    warn,
+                    format_args!("conn {id} ({peer}) closed during the handshake: {end}"),
+                );
+            }
+            Closing::TimedOut => {
+                bump(&counters.handshakes_timed_out);
+                self.tallies.timed_out.note(
+                    true,
+                    format_args!(
+                        "dropped conn {id} ({peer}): its handshake took over {:?}",
+                        self.config.handshake_timeout
+                    ),
+                );
+            }
+            Closing::Crowded(why) => {
+                let (counter, limit, flag) = match why {
+                    Crowding::Source => (
+                        &counters.evicted_per_source,
+                        self.config.limits.max_per_source,
+                        "--max-handshakes-per-address",
+                    ),
+                    Crowding::Total => (
+                        &counters.evicted_lobby_full,
+                        self.config.limits.max_total,
+                        "--max-handshakes",
+                    ),
+                };
+                bump(counter);
+                self.tallies.crowded.note(
+                    true,
+                    format_args!(
+                        "dropped conn {id} ({peer}) to make room for a newcomer: {limit} handshakes were waiting ({flag})"
+                    ),
+                );
+            }
+            Closing::ForFds => {
+                bump(&counters.evicted_for_fds);
+                self.tallies.fds.note(
+                    true,
+                    format_args!("dropped conn {id} ({peer}), in its handshake, to accept a newcomer; raise the file limit (ulimit -n)"),
+                );
+            }
+            Closing::TlsSlot => {
+                bump(&counters.evicted_tls_slot);
+                self.tallies.tls_slot.note(
+                    true,
+                    format_args!(
+                        "dropped conn {id} ({peer}): its TLS handshake stalled while others queued for the {} slots (--max-tls-handshakes)",
+                        self.config.max_tls_handshakes
+                    ),
+                );
+            }
+            Closing::Stopping => {}
+        }
+        // Dropping the connection closes its socket.
+    }
+
+    fn set_waiting_gauge(&self) {
+        self.counters.handshakes_waiting.store(
+            self.admission.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    fn set_tls_gauge(&self) {
+        self.counters.tls_handshakes_running.store(
+            self.tls_running.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
+/// Runs one connection's handshake as far as it goes without waiting.
+fn converse(
+    conn: &mut Waiting,
+    scratch: &mut [u8],
+    export: &Export,
+    config: &LobbyConfig<'_>,
+    refusal: &Option<Refusal>,
+) -> Turn {
+    for _ in 0..READS_PER_SERVICE {
+        if conn.sent < conn.output.len() {
+            match conn.transport.try_write(&conn.output[conn.sent..]) {
+                Ok(count) => conn.sent += count,
+                Err(error) => return Turn::Ended(error.into()),
+            }
+            if conn.sent < conn.output.len() {
+                return Turn::Wait(OUT);
+            }
+            conn.output = Vec::new();
+            conn.sent = 0;
+            match std::mem::replace(&mut conn.then, Then::Read) {
+                Then::Read => {}
+                Then::StartTls => return Turn::QueueTls,
+                Then::Transmission(negotiated) => return Turn::Established(negotiated),
+                Then::Close(end) => return Turn::Ended(end),
+            }
+        }
+        let needed = match &mut conn.stage {
+            Stage::TlsQueued => return Turn::Wait(0),
+            Stage::Tls(session) => {
+                match session.handshake() {
+                    Ok(TlsStep::Wait(events)) => return Turn::Wait(epoll_events(events)),
+                    Ok(TlsStep::Done) => {}
+                    Err(error) => {
+                        return Turn::Ended(SessionEnd::Protocol(format!(
+                            "TLS handshake failed: {error}"
+                        )))
+                    }
+                }
+                let Stage::Tls(session) = std::mem::replace(&mut conn.stage, Stage::Header) else {
+                    unreachable!("matched above");
+                };
+                conn.transport.adopt_tls(*session);
+                // Nothing negotiated in plain text survives.
+                let tls = TlsState {
+                    mode: config.tls_mode,
+                    active: true,
+                };
+                conn.haggle = Haggle::new(conn.client_flags, tls);
+                conn.messages += 1;
+                continue;
+            }
+            Stage::Flags => CLIENT_FLAGS_BYTES,
+            Stage::Header => OPTION_HEADER_BYTES,
+            Stage::Data(header) => header.length as usize,
+            Stage::Discard(_, left) => (*left).min(scratch.len() as u64) as usize,
+        };
+        let discarding = matches!(conn.stage, Stage::Discard(..));
+        let want = if discarding {
+            needed
+        } else {
+            needed - conn.frame.len()
+        };
+        let count = match conn.transport.try_read(&mut scratch[..want]) {
+            Ok(0) => {
+                let between =
+                    conn.frame.is_empty() && matches!(conn.stage, Stage::Flags | Stage::Header);
+                return Turn::Ended(if between {
+                    SessionEnd::ClientClosed
+                } else {
+                    SessionEnd::Protocol("connection closed in the middle of a message".into())
+                });
+            }
+            Ok(count) => count,
+            Err(Blocked::On(events)) => return Turn::Wait(epoll_events(events)),
+            Err(Blocked::Failed(error)) => return Turn::Ended(SessionEnd::Io(error)),
+        };
+        if let Stage::Discard(header, left) = &mut conn.stage {
+            *left -= count as u64;
+            if *left > 0 {
+                continue;
+            }
+            let header = *header;
+            if let Err(end) = answer(conn, export, header, None, refusal) {
+                return Turn::Ended(end);
+            }
+            continue;
+        }
+        conn.frame.extend_from_slice(&scratch[..count]);
+        if conn.frame.len() < needed {
+            continue;
+        }
+        if let Err(end) = complete(conn, export, config, refusal) {
+            return Turn::Ended(end);
+        }
+    }
+    Turn::Again
+}
+
+/// A whole message is in `conn.frame`: act on it.
+fn complete(
+    conn: &mut Waiting,
+    export: &Export,
+    config: &LobbyConfig<'_>,
+    refusal: &Option<Refusal>,
+) -> Result<(), SessionEnd> {
+    let frame = std::mem::take(&mut conn.frame);
+    conn.messages += 1;
+    match conn.stage {
+        Stage::Flags => {
+            let bytes: &[u8; CLIENT_FLAGS_BYTES] = frame[..].try_into().expect("whole flags");
+            conn.client_flags = client_flags(bytes)?;
+            let tls = TlsState {
+                mode: config.tls_mode,
+                active: false,
+            };
+            conn.haggle = Haggle::new(conn.client_flags, tls);
+            conn.stage = Stage::Header;
+        }
+        Stage::Header => {
+            let bytes: &[u8; OPTION_HEADER_BYTES] = frame[..].try_into().expect("whole header");
+            let header = option_header(bytes)?;
+            if header.length > MAX_OPTION_BYTES {
+                Haggle::check_oversized(header)?;
+                conn.stage = Stage::Discard(header, u64::from(header.length));
+            } else if header.length == 0 {
+                answer(conn, export, header, Some(&[]), refusal)?;
+            } else {
+                conn.stage = Stage::Data(header);
+            }
+        }
+        Stage::Data(header) => answer(conn, export, header, Some(&frame), refusal)?,
+        Stage::Discard(..) | Stage::TlsQueued | Stage::Tls(_) => {
+            unreachable!("no frame is gathered in this stage")
+        }
+    }
+    Ok(())
+}
+
+/// Answers an option, and says what follows once the answer is sent.
+fn answer(
+    conn: &mut Waiting,
+    export: &Export,
+    header: OptionHeader,
+    data: Option<&[u8]>,
+    refusal: &Option<Refusal>,
+) -> Result<(), SessionEnd> {
+    if data.is_some() && matches!(refusal, Some(Refusal::Busy(_))) {
+        conn.told_busy = true;
+    }
+    let next = conn
+        .haggle
+        .answer(export, &mut conn.output, header, data, refusal.clone())?;
+    conn.stage = Stage::Header;
+    conn.then = match next {
+        Next::Continue => Then::Read,
+        Next::StartTls => Then::StartTls,
+        Next::Transmission(negotiated) => Then::Transmission(negotiated),
+        Next::Abort => Then::Close(SessionEnd::ClientAbort),
+    };
+    Ok(())
+}
+
+fn epoll_events(poll_events: libc::c_short) -> u32 {
+    let mut events = 0;
+    if poll_events & libc::POLLIN != 0 {
+        events |= IN;
+    }
+    if poll_events & libc::POLLOUT != 0 {
+        events |= OUT;
+    }
+    events
+}
+
+fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// A descriptor held in reserve for when accept finds none.
+fn open_reserve() -> Option<File> {
+    File::open("/dev/null").ok()
+}
