@@ -112,9 +112,9 @@ impl Location {
             let left = wait.saturating_sub(started.elapsed());
             if cause.is_transient() && !left.is_zero() {
                 log::warn!(
-                    "{}: waiting for the bucket ({} s left): {cause}",
+                    "{}: waiting for the bucket ({:.0} s left): {cause}",
                     self.url,
-                    left.as_secs()
+                    left.as_secs_f64().ceil()
                 );
                 std::thread::sleep(WAIT_PAUSE.min(left));
                 continue;

@@ -56,6 +56,22 @@ fn refused(
     args: &[&str],
     words: &[&str],
 ) -> Result<String, Failed> {
+    let (error, warnings) = refused_after(case, env, args, words)?;
+    ensure!(
+        warnings.is_empty(),
+        "{case}: not one line: {warnings:?} before {error:?}"
+    );
+    Ok(error)
+}
+
+/// Runs `zdisk`, which must fail with an error line holding every one of
+/// `words`, after nothing but warnings; returns the error and the warnings.
+fn refused_after(
+    case: &str,
+    env: &[(String, String)],
+    args: &[&str],
+    words: &[&str],
+) -> Result<(String, Vec<String>), Failed> {
     let (output, took) = zdisk_with(env, args)?;
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     eprintln!("{case}: {:.2} s: {}", took.as_secs_f64(), stderr.trim_end());
@@ -67,17 +83,25 @@ fn refused(
         !stderr.contains("panicked"),
         "{case}: zdisk {args:?} panicked: {stderr}"
     );
+    let mut lines: Vec<String> = stderr.trim_end().lines().map(str::to_string).collect();
+    let error = lines.pop().unwrap_or_default();
     ensure!(
-        stderr.trim_end().lines().count() == 1,
-        "{case}: not one line: {stderr:?}"
+        error.starts_with("zdisk: error: "),
+        "{case}: the last line is no error: {stderr:?}"
+    );
+    ensure!(
+        lines
+            .iter()
+            .all(|line| line.starts_with("zdisk: warning: ")),
+        "{case}: more than warnings before the error: {stderr:?}"
     );
     for word in words {
         ensure!(
-            stderr.contains(word),
-            "{case}: expected {word:?} in {stderr:?}"
+            error.contains(word),
+            "{case}: expected {word:?} in {error:?}"
         );
     }
-    Ok(stderr)
+    Ok((error, lines))
 }
 
 fn nothing_left(image: &Path) -> Result<(), Failed> {
@@ -290,12 +314,19 @@ fn ceph_refusals() -> TestResult {
         &["serve", &made, "--socket", &socket],
         &["refuses connections", &endpoint, "--tier-wait"],
     )?;
-    refused(
+    let (_, warnings) = refused_after(
         "serve --tier-wait 3, gateway stopped",
         &env,
         &["serve", &made, "--socket", &socket, "--tier-wait", "3"],
         &["refuses connections", "waited"],
     )?;
+    ensure!(
+        !warnings.is_empty()
+            && warnings
+                .iter()
+                .all(|w| w.contains("waiting for the bucket") && w.contains("refuses connections")),
+        "serve --tier-wait 3 did not say what it waited for: {warnings:?}"
+    );
 
     // serve --tier-wait comes up once the gateway is back.
     for (key, value) in &env {
