@@ -18,7 +18,7 @@ pub enum TierError {
     Bucket {
         url: String,
         doing: String,
-        cause: StoreCause,
+        cause: Box<StoreCause>,
         note: String,
     },
     /// An object that does not decode.

@@ -604,7 +604,7 @@ pub(crate) fn store_error(
     TierError::Bucket {
         url: location.url.clone(),
         doing: what.to_string(),
-        cause: StoreCause::of(&error, &location.target()),
+        cause: Box::new(StoreCause::of(&error, &location.target())),
         note: String::new(),
     }
 }

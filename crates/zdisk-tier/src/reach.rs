@@ -147,7 +147,7 @@ impl Location {
         TierError::Bucket {
             url: self.url.clone(),
             doing: doing.to_string(),
-            cause,
+            cause: Box::new(cause),
             note,
         }
     }
@@ -457,6 +457,34 @@ mod tests {
     fn a_server_error_leaves_it_to_the_long_policy() {
         let endpoint = fake_gateway(503, "<Error><Code>ServiceUnavailable</Code></Error>", 3);
         assert!(reach(&endpoint, Contact::Attach).is_ok());
+    }
+
+    #[test]
+    fn a_silent_gateway_is_named_then_left_to_the_long_policy() {
+        // Accepts connections, never answers.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let endpoint = format!("http://{}", listener.local_addr().expect("address"));
+        std::thread::spawn(move || {
+            let held: Vec<_> = listener.incoming().take(3).collect();
+            std::thread::sleep(Duration::from_secs(10));
+            drop(held);
+        });
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let store = probe_store(settings(&endpoint)).expect("a store");
+        let location = Location::parse("s3://nob/vol").expect("a good URL");
+        let error = runtime
+            .block_on(probe(&store, &location))
+            .expect_err("no answer");
+        let cause = StoreCause::of(&error, &Target::of(&settings(&endpoint), "nob"));
+        assert!(matches!(cause, StoreCause::NoAnswer { .. }), "{cause:?}");
+        assert!(cause.is_slow());
+        assert!(
+            cause.to_string().contains("does not answer in time"),
+            "{cause}"
+        );
     }
 
     #[test]
