@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use crate::cause::StoreCause;
+
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum TierError {
@@ -10,6 +12,15 @@ pub enum TierError {
     BadLocation(String),
     /// The object store failed (after its retries).
     Store(String),
+    /// A request to the store failed for a cause named in words: the
+    /// volume's URL, what was being done (may be empty), the cause, and
+    /// a note on the fix that only the caller knows (may be empty).
+    Bucket {
+        url: String,
+        doing: String,
+        cause: Box<StoreCause>,
+        note: String,
+    },
     /// An object that does not decode.
     BadObject(String),
     /// Another writer holds or took the volume.
@@ -31,11 +42,33 @@ impl fmt::Display for TierError {
             | TierError::Missing(m)
             | TierError::OtherWriter(m)
             | TierError::Local(m) => f.write_str(m),
+            TierError::Bucket {
+                url,
+                doing,
+                cause,
+                note,
+            } => {
+                write!(f, "{url}: ")?;
+                if !doing.is_empty() {
+                    write!(f, "{doing}: ")?;
+                }
+                write!(f, "{cause}{note}")
+            }
         }
     }
 }
 
 impl std::error::Error for TierError {}
+
+impl TierError {
+    /// The store's cause, if this is a failed request to it.
+    pub fn cause(&self) -> Option<&StoreCause> {
+        match self {
+            TierError::Bucket { cause, .. } => Some(cause),
+            _ => None,
+        }
+    }
+}
 
 impl From<TierError> for zdisk_core::Error {
     fn from(error: TierError) -> Self {

@@ -16,6 +16,7 @@ use zdisk_core::{CreateOptions, OpenOptions, Volume};
 use crate::error::TierError;
 use crate::location::Location;
 use crate::medium::{get_root, list, TierConfig, TieredMedia};
+use crate::reach::Contact;
 use crate::sidecar::{sidecar_path, Sidecar};
 
 /// True if `image` has a tier (its `.tier` file exists).
@@ -31,6 +32,8 @@ pub struct TierLayout {
     pub segment_size_bytes: u64,
     /// Most bytes of segments the local cache keeps.
     pub cache_bytes: u64,
+    /// Make the bucket if it does not exist (`--create-bucket`).
+    pub create_bucket: bool,
 }
 
 fn refuse_existing(image: &Path) -> Result<(), String> {
@@ -77,6 +80,14 @@ pub fn create(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
+        .map_err(|e| e.to_string())?;
+    location
+        .reach(
+            &runtime,
+            Contact::Create {
+                make_bucket: layout.create_bucket,
+            },
+        )
         .map_err(|e| e.to_string())?;
     let listing = runtime
         .block_on(list(&store, &location))
@@ -129,6 +140,9 @@ pub fn restore(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
+        .map_err(|e| e.to_string())?;
+    location
+        .reach(&runtime, Contact::Attach)
         .map_err(|e| e.to_string())?;
     let listing = runtime
         .block_on(list(&store, &location))

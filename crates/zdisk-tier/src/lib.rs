@@ -6,6 +6,7 @@
 //! This crate knows the engine only through `zdisk_core::media::Media` and
 //! the root's public format; the engine knows nothing of it.
 
+mod cause;
 mod error;
 #[doc(hidden)]
 pub mod faults;
@@ -13,8 +14,10 @@ mod image;
 mod location;
 mod medium;
 pub mod objects;
+mod reach;
 mod sidecar;
 
+pub use cause::StoreCause;
 pub use error::TierError;
 pub use image::{create, is_tiered, open, restore, TierLayout};
 pub use location::Location;

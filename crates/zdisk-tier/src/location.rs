@@ -11,6 +11,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::memory::InMemory;
 use object_store::{BackoffConfig, ObjectStore, RetryConfig};
 
+use crate::cause::Target;
 use crate::error::{Result, TierError};
 
 /// A parsed tier URL.
@@ -82,21 +83,50 @@ impl Location {
                     max_retries: usize::MAX,
                     retry_timeout,
                 };
-                let store = AmazonS3Builder::from_env()
-                    .with_bucket_name(&self.bucket)
+                let store = self
+                    .s3_builder()
                     .with_retry(retry)
                     .build()
-                    .map_err(|e| {
-                        TierError::BadLocation(format!(
-                            "tier {}: {e} (set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, \
-                             AWS_SECRET_ACCESS_KEY, AWS_REGION, and AWS_ALLOW_HTTP=true \
-                             for a plain-HTTP endpoint)",
-                            self.url
-                        ))
-                    })?;
+                    .map_err(|e| self.bad_settings(e))?;
                 Ok(Arc::new(store))
             }
         }
+    }
+
+    /// True for an S3 location (one that a network stands between).
+    pub(crate) fn is_s3(&self) -> bool {
+        self.scheme == Scheme::S3
+    }
+
+    pub(crate) fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// The S3 settings from the `AWS_*` variables, for this bucket.
+    pub(crate) fn s3_builder(&self) -> AmazonS3Builder {
+        AmazonS3Builder::from_env().with_bucket_name(&self.bucket)
+    }
+
+    /// The error for S3 settings object_store refuses.
+    pub(crate) fn bad_settings(&self, error: object_store::Error) -> TierError {
+        TierError::BadLocation(format!(
+            "tier {}: {error} (set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, \
+             AWS_SECRET_ACCESS_KEY, AWS_REGION, and AWS_ALLOW_HTTP=true \
+             for a plain-HTTP endpoint)",
+            self.url
+        ))
+    }
+
+    /// What requests to this location go to, for the messages.
+    pub(crate) fn target(&self) -> Target {
+        if self.scheme == Scheme::Memory {
+            return Target {
+                endpoint: "memory".into(),
+                bucket: self.bucket.clone(),
+                key_id: String::new(),
+            };
+        }
+        Target::of(&self.s3_builder(), &self.bucket)
     }
 }
 

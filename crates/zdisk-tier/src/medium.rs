@@ -49,9 +49,11 @@ use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use zdisk_core::media::{HostDirection, Media, MediaGeometry, MediaStat};
 use zdisk_core::units::{PageIndex, SegmentId};
 
+use crate::cause::StoreCause;
 use crate::error::{Result, TierError};
 use crate::location::Location;
 use crate::objects::{self, Incarnation, RootObject, SegmentEntry};
+use crate::reach::Contact;
 use crate::sidecar::Sidecar;
 
 /// Bytes of an evicted segment fetched at a time.
@@ -128,6 +130,9 @@ pub struct TierConfig {
     /// published (readers opened from it keep working that long); segment
     /// objects no kept root names are then deleted.
     pub keep_roots_for: Duration,
+    /// At open, how long to wait for a bucket that is out of reach (the
+    /// gateway down, the network not up yet) before refusing to open.
+    pub wait_for_bucket: Duration,
 }
 
 impl Default for TierConfig {
@@ -139,6 +144,7 @@ impl Default for TierConfig {
             read_only: false,
             sync: false,
             keep_roots_for: Duration::from_secs(600),
+            wait_for_bucket: Duration::ZERO,
         }
     }
 }
@@ -312,6 +318,12 @@ impl TieredMedia {
             .enable_all()
             .build()
             .map_err(|e| TierError::Local(format!("cannot start the tier's I/O threads: {e}")))?;
+        location.reach(
+            &runtime,
+            Contact::Open {
+                wait: config.wait_for_bucket,
+            },
+        )?;
         let listing = runtime.block_on(list(&store, &location))?;
         let newest = listing.roots.last().copied();
         match newest {
@@ -589,7 +601,12 @@ pub(crate) fn store_error(
     what: &str,
     error: object_store::Error,
 ) -> TierError {
-    TierError::Store(format!("{}: {what}: {error}", location.url))
+    TierError::Bucket {
+        url: location.url.clone(),
+        doing: what.to_string(),
+        cause: Box::new(StoreCause::of(&error, &location.target())),
+        note: String::new(),
+    }
 }
 
 /// Work the uploader found under the lock.

@@ -341,6 +341,7 @@ impl Run {
             log_bytes: [16, 24][self.rng.gen_range(0..2)] * MIB,
             segment_size_bytes: 256 << 10,
             cache_bytes: [1, 2][self.rng.gen_range(0..2)] * MIB,
+            create_bucket: false,
         };
         self.trace.push(format!(
             "create: log {} MiB, cache {} MiB",

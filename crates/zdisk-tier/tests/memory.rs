@@ -68,6 +68,7 @@ fn create(dir: &Scratch, url: &str, cache_bytes: u64) -> Arc<Volume> {
         log_bytes: 96 * MIB,
         segment_size_bytes: 256 << 10,
         cache_bytes,
+        create_bucket: false,
     };
     let mut create = CreateOptions::new(64 * MIB);
     create.codec = Codec::Lz4;
@@ -355,6 +356,7 @@ fn same_numbers(name: &str, extra_blocks: u64) {
         log_bytes: 16 * MIB,
         segment_size_bytes: 256 << 10,
         cache_bytes: MIB,
+        create_bucket: false,
     };
     let blocks = 512; // 2 MiB, rewritten whole each round
     let mut create = CreateOptions::new(8 * MIB);

@@ -123,9 +123,15 @@ pub struct CreateArgs {
     pub recycle_cap_mb_s: Option<f64>,
     /// Keep the volume's segments in an object store, s3://BUCKET/PREFIX
     /// (endpoint and credentials from AWS_* variables); the image is then
-    /// a local cache of at most --physical bytes of segments.
+    /// a local cache of at most --physical bytes of segments. The bucket
+    /// is checked first: an unreachable endpoint, a missing bucket, a
+    /// refused key or secret or a skewed clock fails within seconds.
     #[arg(long, conflicts_with_all = ["nand", "force", "from"])]
     pub tier: Option<String>,
+    /// With --tier: make the bucket if it does not exist (needs a key
+    /// allowed to create buckets; AWS_REGION names its region).
+    #[arg(long, requires = "tier")]
+    pub create_bucket: bool,
     /// Make a new local cache for the tiered volume at s3://BUCKET/PREFIX
     /// (its newest root object), of at most --physical bytes.
     #[arg(long, conflicts_with_all = ["nand", "force", "codec", "unit_max", "segment_size", "logical"])]
@@ -246,6 +252,12 @@ pub struct ServeArgs {
     /// no kept root needs are then deleted. Default 600; 0 keeps only the newest.
     #[arg(long, value_parser = seconds_or_zero_arg, value_name = "SECONDS")]
     pub tier_keep: Option<f64>,
+    /// Tiered volumes: at start, wait up to this long for a bucket out of
+    /// reach (gateway down, network not up) before refusing to serve;
+    /// without it, serve refuses within seconds, naming the cause. A
+    /// missing bucket or refused credentials never wait.
+    #[arg(long, value_parser = seconds_or_zero_arg, value_name = "SECONDS")]
+    pub tier_wait: Option<f64>,
     /// Layout used only when the image has to be created.
     #[command(flatten)]
     pub layout: LayoutArgs,

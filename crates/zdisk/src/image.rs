@@ -301,6 +301,7 @@ fn create_tiered(
         log_bytes,
         segment_size_bytes: segment_size,
         cache_bytes,
+        create_bucket: args.create_bucket,
     };
     zdisk_tier::create(
         &args.image,

@@ -149,10 +149,13 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig, String> {
 
 /// The tier's settings; refused for an image that has no tier.
 fn tier_config(args: &ServeArgs) -> Result<zdisk_tier::TierConfig, String> {
-    let given = args.tier_sync || args.tier_timeout.is_some() || args.tier_keep.is_some();
+    let given = args.tier_sync
+        || args.tier_timeout.is_some()
+        || args.tier_keep.is_some()
+        || args.tier_wait.is_some();
     if given && !zdisk_tier::is_tiered(&args.image) {
         return Err(format!(
-            "--tier-sync, --tier-timeout and --tier-keep apply to tiered volumes; {} has no tier",
+            "--tier-sync, --tier-timeout, --tier-keep and --tier-wait apply to tiered volumes; {} has no tier",
             args.image.display()
         ));
     }
@@ -165,6 +168,9 @@ fn tier_config(args: &ServeArgs) -> Result<zdisk_tier::TierConfig, String> {
         keep_roots_for: args
             .tier_keep
             .map_or(defaults.keep_roots_for, Duration::from_secs_f64),
+        wait_for_bucket: args
+            .tier_wait
+            .map_or(defaults.wait_for_bucket, Duration::from_secs_f64),
         ..defaults
     })
 }

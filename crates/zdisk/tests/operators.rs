@@ -295,6 +295,7 @@ fn serve_order() -> TestResult {
         &["--tier-sync"][..],
         &["--tier-timeout", "5"],
         &["--tier-keep", "0"],
+        &["--tier-wait", "5"],
     ] {
         let mut args = vec!["serve", image.to_str().unwrap(), "--listen", "127.0.0.1:0"];
         args.extend_from_slice(flag);
