@@ -306,6 +306,20 @@ pub(crate) struct Directory {
     end: u64,
 }
 
+#[cfg(test)]
+impl Directory {
+    /// The map's totals and every page's (start, blocks, chunk items,
+    /// payload length), for the golden tests.
+    pub(crate) fn contents(&self) -> (Option<MapCounts>, Vec<(u64, u64, u64, u32)>) {
+        let pages = self
+            .pages
+            .iter()
+            .map(|page| (page.start, page.blocks, page.chunk_items, page.payload_len))
+            .collect();
+        (self.totals, pages)
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct DirectoryPage {
     start: u64,

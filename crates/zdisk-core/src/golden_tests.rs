@@ -1,20 +1,21 @@
 //! Golden vectors of the on-disk structures, written by hand from
 //! docs/format.md: a version 3 root, record headers (a data, a trim and a
-//! unit record) and a staging record, each as bytes with the field every
-//! byte belongs to. Each is checked both ways: decoding the bytes gives
-//! the fields the comments name, and encoding those fields gives the
-//! bytes. A change to a format that moves, widens or renumbers a field
+//! unit record), a staging record and a checkpoint directory's item
+//! stream, each as bytes with the field every byte belongs to (map pages:
+//! `map/page_golden_tests.rs`). Each is checked both ways: decoding the
+//! bytes gives the fields the comments name, and encoding those fields
+//! gives the bytes. A change to a format that moves, widens or renumbers a field
 //! fails here even when its encoder and decoder change together; such a
 //! change needs a new format version (and fixtures, tests/format_v1.rs),
 //! not new vectors. The CRCs were computed apart from this code, by a
 //! plain bitwise CRC32C over the bytes the format says they cover.
 
-use crate::codec::Codec;
+use crate::codec::{lz4_decompress, Codec};
+use crate::dump::{decode_chunk_payload, encode_directory, Directory, DumpedSegment};
 use crate::gc::GcPolicy;
+use crate::map::{Map, MapCounts, PageSource, SnapshotPage};
 use crate::media::MediaGeometry;
-use crate::meta::{
-    CheckpointRoot, DumpRef, MediaKind, OpenSegmentPos, Root, Settings, Superblock,
-};
+use crate::meta::{CheckpointRoot, DumpRef, MediaKind, OpenSegmentPos, Root, Settings, Superblock};
 use crate::record::{
     decode_record, decode_unit, encode_record, encode_unit_prefix, range_count,
     record_len_for_payload, RecordHeader, RecordKey, RecordKind,
@@ -208,7 +209,11 @@ fn root_v3_decodes_to_its_fields() {
     let root = Root::decode(ROOT_V3).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
-        assert_eq!(root.checkpoint.counters.get(name), Some(counter_id(name)), "{name}");
+        assert_eq!(
+            root.checkpoint.counters.get(name),
+            Some(counter_id(name)),
+            "{name}"
+        );
     }
 }
 
@@ -407,4 +412,131 @@ fn staging_fields_encode_to_the_golden_bytes() {
     assert_eq!(encoded.len(), 512, "one sector");
     assert_eq!(&encoded[..STAGING_HEAD.len()], STAGING_HEAD);
     assert!(encoded[STAGING_HEAD.len()..].iter().all(|&b| b == 0));
+}
+
+/// A version 3 checkpoint directory's item stream (uncompressed): the
+/// map's totals, two pages, a segment and a segment with cold data.
+#[rustfmt::skip]
+const DIRECTORY_RAW: &[u8] = &[
+    0x04,                                           // item 4: map totals
+    0x03,                                           //   data_blocks 3
+    0xac, 0x02,                                     //   zero_blocks 300
+    0x00,                                           //   damaged_blocks 0
+    0xd0, 0x28,                                     //   stored_bytes 5200
+    0x05,                                           // item 5: page
+    0x00,                                           //   first block: 0 past the previous end (0)
+    0x80, 0x02,                                     //   blocks 256
+    0x01,                                           //   chunk_items 1
+    0x1e,                                           //   payload_length 30
+    0x05,                                           // item 5: page
+    0x80, 0x02,                                     //   first block: 256 past the previous end (256)
+    0x80, 0x04,                                     //   blocks 512
+    0x02,                                           //   chunk_items 2
+    0x09,                                           //   payload_length 9
+    0x02,                                           // item 2: segment
+    0x03, 0x00, 0x00, 0x00,                         //   id 3
+    0x29, 0, 0, 0, 0, 0, 0, 0,                      //   seq 41
+    0x00, 0x20, 0, 0, 0, 0, 0, 0,                   //   fill_bytes 8192
+    0xe8, 0x03, 0, 0, 0, 0, 0, 0,                   //   max_version 1000
+    0x03,                                           // item 3: segment with cold data
+    0x04, 0x00, 0x00, 0x00,                         //   id 4
+    0x2b, 0, 0, 0, 0, 0, 0, 0,                      //   seq 43
+    0x00, 0x10, 0, 0, 0, 0, 0, 0,                   //   fill_bytes 4096
+    0xe9, 0x03, 0, 0, 0, 0, 0, 0,                   //   max_version 1001
+    0x00, 0x08, 0, 0, 0, 0, 0, 0,                   //   cold_bytes 2048
+    0x00,                                           // item 0: end
+];
+
+fn directory_counts() -> MapCounts {
+    MapCounts {
+        data_blocks: 3,
+        zero_blocks: 300,
+        damaged_blocks: 0,
+        stored_bytes: 5200,
+    }
+}
+
+fn directory_segments() -> Vec<(SegmentId, DumpedSegment)> {
+    vec![
+        (
+            SegmentId(3),
+            DumpedSegment {
+                seq: 41,
+                fill_bytes: 8192,
+                max_version: 1000,
+                cold_bytes: 0,
+            },
+        ),
+        (
+            SegmentId(4),
+            DumpedSegment {
+                seq: 43,
+                fill_bytes: 4096,
+                max_version: 1001,
+                cold_bytes: 2048,
+            },
+        ),
+    ]
+}
+
+/// A chunk record's payload: the uncompressed length (u32), then a
+/// literal-only LZ4 block of `raw` (token 0xf0, the length past 15 in
+/// 255s and a last byte, the literals), which any LZ4 decoder reads.
+fn literal_lz4_payload(raw: &[u8]) -> Vec<u8> {
+    let mut out = (raw.len() as u32).to_le_bytes().to_vec();
+    out.push(0xf0);
+    let mut extra = raw.len() - 15;
+    while extra >= 255 {
+        out.push(255);
+        extra -= 255;
+    }
+    out.push(extra as u8);
+    out.extend_from_slice(raw);
+    out
+}
+
+#[test]
+fn a_golden_directory_decodes_to_its_items() {
+    let mut map = Map::new(true);
+    let mut directory = Directory::default();
+    let mut segments = vec![None; 8];
+    decode_chunk_payload(
+        &literal_lz4_payload(DIRECTORY_RAW),
+        &mut map,
+        &mut directory,
+        &mut segments,
+        1 << 20,
+    )
+    .expect("the golden directory decodes");
+    let (totals, pages) = directory.contents();
+    assert_eq!(totals, Some(directory_counts()));
+    assert_eq!(pages, [(0, 256, 1, 30), (512, 512, 2, 9)]);
+    for (segment, dumped) in directory_segments() {
+        assert_eq!(segments[segment.0 as usize], Some(dumped), "{segment:?}");
+    }
+    let listed = segments.iter().filter(|s| s.is_some()).count();
+    assert_eq!(listed, 2, "only the listed segments");
+}
+
+#[test]
+fn directory_items_encode_to_the_golden_stream() {
+    let page = |start, blocks, chunk_items, payload_bytes| SnapshotPage {
+        start,
+        blocks,
+        chunk_items,
+        source: PageSource::Encoded(vec![0; payload_bytes]),
+    };
+    let pages = [page(0, 256, 1, 30), page(512, 512, 2, 9)];
+    let payloads = encode_directory(
+        &pages,
+        directory_counts(),
+        directory_segments().into_iter(),
+        1 << 20,
+    );
+    assert_eq!(payloads.len(), 1, "one directory record");
+    let payload = &payloads[0];
+    let raw_len = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
+    assert_eq!(raw_len, DIRECTORY_RAW.len());
+    let raw = lz4_decompress(&payload[4..], raw_len).expect("the LZ4 block decodes");
+    assert_eq!(raw, DIRECTORY_RAW);
 }

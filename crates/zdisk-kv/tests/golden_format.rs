@@ -59,7 +59,11 @@ fn the_superblock_decodes_to_its_fields() {
     let decoded = Geometry::decode(&block(SUPERBLOCK_HEAD)[..]).expect("the superblock decodes");
     assert_eq!(decoded, geometry());
     assert_eq!(decoded.total_slots(), 1008);
-    assert_eq!(decoded.slot_offset(0), 4096, "slot 0 follows the superblock");
+    assert_eq!(
+        decoded.slot_offset(0),
+        4096,
+        "slot 0 follows the superblock"
+    );
     assert_eq!(decoded.slot_offset(1007), 1008 * 4096);
 }
 
@@ -75,7 +79,10 @@ fn the_slot_decodes_to_its_records() {
     assert_eq!(slot.used_bytes(), 18);
     assert!(slot.overflowed());
     let records = slot.records();
-    assert_eq!(records, [(&b"alpha"[..], &b"one"[..]), (&b"be"[..], &[7u8, 8][..])]);
+    assert_eq!(
+        records,
+        [(&b"alpha"[..], &b"one"[..]), (&b"be"[..], &[7u8, 8][..])]
+    );
 }
 
 #[test]

@@ -322,7 +322,11 @@ fn a_scripted_session_gets_the_golden_bytes_back() {
     let errno = u32::from_be_bytes(fixed[4..8].try_into().unwrap());
     let message_len = u16::from_be_bytes(fixed[8..10].try_into().unwrap()) as usize;
     assert_eq!(errno, 22, "EINVAL for a read past the end");
-    assert_eq!(chunk_len, 4 + 2 + message_len, "the chunk is the error and its message");
+    assert_eq!(
+        chunk_len,
+        4 + 2 + message_len,
+        "the chunk is the error and its message"
+    );
     let mut message = vec![0u8; message_len];
     stream.read_exact(&mut message).unwrap();
     assert!(
@@ -356,7 +360,9 @@ fn compression_status_bits_are_the_documented_ones() {
         (Stored::Zero, 0x0000_0001, "kind 1 zero"),
         (Stored::Damaged, 0x0000_0004, "kind 4 damaged"),
         (
-            Stored::Raw { size_sixteenths: 16 },
+            Stored::Raw {
+                size_sixteenths: 16,
+            },
             0x0000_0f02,
             "kind 2 raw, size class 15 (the doc's 0xf02)",
         ),

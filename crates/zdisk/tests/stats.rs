@@ -23,10 +23,7 @@ fn main() {
     let args = Arguments::from_args();
     let tests: Vec<(&str, TestFn)> = vec![
         ("stats_of_a_served_image_come_from_its_server", served_stats),
-        (
-            "check_shows_progress_on_a_terminal_only",
-            check_progress,
-        ),
+        ("check_shows_progress_on_a_terminal_only", check_progress),
         (
             "a_user_who_cannot_read_the_image_cannot_ask_its_server",
             permissions,

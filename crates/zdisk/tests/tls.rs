@@ -111,11 +111,7 @@ fn tls_tools(clients: &[&str], python: bool) -> Result<(), String> {
     tools.extend_from_slice(clients);
     let reasons: Vec<String> = [
         require_tools(&tools),
-        if python {
-            python_has_libnbd()
-        } else {
-            Ok(())
-        },
+        if python { python_has_libnbd() } else { Ok(()) },
     ]
     .into_iter()
     .filter_map(Result::err)

@@ -59,7 +59,11 @@ const CRC_ANCHOR: [u8; 4] = 0xe862_8feau32.to_le_bytes();
 #[test]
 fn commits_decode_to_their_fields_and_chain() {
     let first_crc = initial_chain_crc(LOG_ID);
-    assert_eq!(first_crc, u32::from_le_bytes(CRC_LOG_ID), "CRC32C of the log id");
+    assert_eq!(
+        first_crc,
+        u32::from_le_bytes(CRC_LOG_ID),
+        "CRC32C of the log id"
+    );
     assert_eq!(
         decode_header(COMMIT_1),
         Some(RecordHeader {
@@ -80,7 +84,10 @@ fn commits_decode_to_their_fields_and_chain() {
         })
     );
     assert!(verify_record(COMMIT_2, u32::from_le_bytes(CRC_1)));
-    assert!(!verify_record(COMMIT_2, first_crc), "commit 2 follows commit 1 only");
+    assert!(
+        !verify_record(COMMIT_2, first_crc),
+        "commit 2 follows commit 1 only"
+    );
 }
 
 /// CRC32C of the log id's little-endian bytes.

@@ -380,7 +380,10 @@ pub fn skip_allowed(reason: &str, allowed: &[String]) -> bool {
 pub fn skip_unless<E: Into<Unmet>>(check: Result<(), E>) -> Option<TestResult> {
     let unmet = check.err()?.into();
     let outcome = skip_decision(unmet, under_ci(), &ci_allowed_skips());
-    if let Ok(Completion::Ignored { reason: Some(reason) }) = &outcome {
+    if let Ok(Completion::Ignored {
+        reason: Some(reason),
+    }) = &outcome
+    {
         eprintln!("SKIPPED: {reason}");
     }
     Some(outcome)
