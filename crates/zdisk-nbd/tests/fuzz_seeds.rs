@@ -3,10 +3,19 @@
 //! to `cargo fuzz run` beside the corpus, so that fuzzing starts from
 //! complete sessions instead of from nothing): they are exactly what the
 //! functions below make, each is small, and each runs through the same
-//! entry point its target calls without a panic. `ZDISK_WRITE_FUZZ_SEEDS=1`
+//! entry point its target calls without a panic; the complete sessions,
+//! sent to a real server, reach transmission and write. `ZDISK_WRITE_FUZZ_SEEDS=1`
 //! writes them anew.
 
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
+
+use common::{TestServer, IO_TIMEOUT};
+use zdisk_core::BlockDevice;
+use zdisk_nbd::ListenAddr;
 
 fn seeds_dir(target: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -184,5 +193,35 @@ fn committed_fuzz_seeds_are_current_and_run_clean() {
         }
         let on_disk = std::fs::read_dir(&dir).unwrap().count();
         assert_eq!(on_disk, seeds.len(), "{}: stray files", dir.display());
+    }
+}
+
+/// The handshake seeds that open a session are valid sessions: sent as
+/// they are to a real server, their FUA write lands on the device.
+#[test]
+fn session_seeds_reach_transmission_on_a_real_server() {
+    for (name, bytes) in handshake_seeds() {
+        if !matches!(name, "structured-go" | "export-name" | "starttls-go") {
+            continue;
+        }
+        let server = TestServer::start(1 << 20);
+        let ListenAddr::Tcp(addr) = &server.addr else {
+            panic!("the test server listens on TCP");
+        };
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        stream.write_all(&bytes).unwrap();
+        let mut replies = Vec::new();
+        stream
+            .read_to_end(&mut replies)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut written = vec![0u8; 512];
+        server.device.read(8192, &mut written).unwrap();
+        let expected: Vec<u8> = (0..512u32).map(|i| (i % 251) as u8).collect();
+        assert!(
+            written == expected,
+            "{name}: the session's write did not land"
+        );
+        server.stop().unwrap();
     }
 }

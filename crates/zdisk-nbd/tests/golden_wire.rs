@@ -141,26 +141,27 @@ const WRITE_REPLY: &[u8] = &[
     0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, // cookie
 ];
 
-/// NBD_CMD_READ of 8 bytes at 8190: 2 bytes of hole, 6 of the write.
+/// NBD_CMD_READ of 1024 bytes at 7680: 512 bytes of hole, then 512 of the
+/// write (the client agreed to 512-byte blocks by asking for their size).
 #[rustfmt::skip]
 const READ: &[u8] = &[
     0x25, 0x60, 0x95, 0x13,                         // request magic
     0x00, 0x00,                                     // command flags: none
     0x00, 0x00,                                     // NBD_CMD_READ
     0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, // cookie 2
-    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1f, 0xfe, // offset 8190
-    0x00, 0x00, 0x00, 0x08,                         // length 8
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1e, 0x00, // offset 7680
+    0x00, 0x00, 0x04, 0x00,                         // length 1024
 ];
 
+/// The OFFSET_DATA chunk before its 1024 data bytes.
 #[rustfmt::skip]
-const READ_REPLY: &[u8] = &[
+const READ_REPLY_HEAD: &[u8] = &[
     0x66, 0x8e, 0x33, 0xef,                         // structured reply magic
     0x00, 0x01,                                     // flags: NBD_REPLY_FLAG_DONE
     0x00, 0x01,                                     // NBD_REPLY_TYPE_OFFSET_DATA
     0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x02, // cookie 2
-    0x00, 0x00, 0x00, 0x10,                         // chunk length 16
-    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1f, 0xfe, // offset 8190
-    0x00, 0x00, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, // data
+    0x00, 0x00, 0x04, 0x08,                         // chunk length 1032: offset and data
+    0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x1e, 0x00, // offset 7680
 ];
 
 /// NBD_CMD_BLOCK_STATUS of the first 16 KiB.
@@ -309,7 +310,9 @@ fn a_scripted_session_gets_the_golden_bytes_back() {
     stream.write_all(&[0xab; 4096]).unwrap();
     expect(&mut stream, "WRITE", WRITE_REPLY);
     stream.write_all(READ).unwrap();
-    expect(&mut stream, "READ", READ_REPLY);
+    expect(&mut stream, "READ", READ_REPLY_HEAD);
+    let data = [[0x00; 512], [0xab; 512]].concat();
+    expect(&mut stream, "READ data: a hole, then the write", &data);
     stream.write_all(BLOCK_STATUS).unwrap();
     expect(&mut stream, "BLOCK_STATUS", BLOCK_STATUS_REPLY);
 
