@@ -306,11 +306,14 @@ pub(crate) struct Directory {
     end: u64,
 }
 
+/// A directory page's (start, blocks, chunk items, payload length).
+#[cfg(test)]
+pub(crate) type PageFields = (u64, u64, u64, u32);
+
 #[cfg(test)]
 impl Directory {
-    /// The map's totals and every page's (start, blocks, chunk items,
-    /// payload length), for the golden tests.
-    pub(crate) fn contents(&self) -> (Option<MapCounts>, Vec<(u64, u64, u64, u32)>) {
+    /// The map's totals and every page's fields, for the golden tests.
+    pub(crate) fn contents(&self) -> (Option<MapCounts>, Vec<PageFields>) {
         let pages = self
             .pages
             .iter()
