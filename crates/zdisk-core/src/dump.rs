@@ -306,6 +306,23 @@ pub(crate) struct Directory {
     end: u64,
 }
 
+/// A directory page's (start, blocks, chunk items, payload length).
+#[cfg(test)]
+pub(crate) type PageFields = (u64, u64, u64, u32);
+
+#[cfg(test)]
+impl Directory {
+    /// The map's totals and every page's fields, for the golden tests.
+    pub(crate) fn contents(&self) -> (Option<MapCounts>, Vec<PageFields>) {
+        let pages = self
+            .pages
+            .iter()
+            .map(|page| (page.start, page.blocks, page.chunk_items, page.payload_len))
+            .collect();
+        (self.totals, pages)
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct DirectoryPage {
     start: u64,

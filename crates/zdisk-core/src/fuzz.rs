@@ -139,4 +139,169 @@ mod tests {
             fuzz_decoders(&bytes);
         }
     }
+
+    /// Where the committed seed inputs of the fuzz targets live.
+    fn seeds_dir(target: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/seeds")
+            .join(target)
+    }
+
+    /// The seed inputs of `record_decoder`: one valid instance of each
+    /// structure it decodes (a root, a segment of records, a staging slot,
+    /// a checkpoint directory), keyed with the fuzz key so that they pass
+    /// their checksums and reach the field parsers.
+    fn decoder_seeds() -> Vec<(&'static str, Vec<u8>)> {
+        use crate::record::{encode_record, record_len_for_payload, RecordHeader, RecordKind};
+        let root = crate::meta::tests_support::sample_root().encode();
+        let mut segment = Vec::new();
+        let mut unit = crate::record::encode_unit_prefix(&[7, 8, 9], false);
+        unit.extend_from_slice(&crate::codec::lz4_compress(&[b'u'; 3 * 4096]));
+        let records: Vec<(RecordKind, u8, u64, u64, Vec<u8>)> = vec![
+            (
+                RecordKind::Data,
+                1,
+                5,
+                3,
+                crate::codec::lz4_compress(&[b'a'; 4096]),
+            ),
+            (RecordKind::Trim, 0, 64, 4, 16u64.to_le_bytes().to_vec()),
+            (RecordKind::Zero, 0, 80, 5, 8u64.to_le_bytes().to_vec()),
+            (RecordKind::Unit, 1, 96, 9, unit),
+            (RecordKind::Damaged, 0, 200, 10, 1u64.to_le_bytes().to_vec()),
+        ];
+        for (kind, codec, lba, version, payload) in records {
+            let mut out = vec![0u8; record_len_for_payload(payload.len()) as usize];
+            let header = RecordHeader {
+                kind,
+                codec,
+                seg_seq: 41,
+                lba,
+                version,
+                payload_len: payload.len() as u32,
+                crc: 0,
+            };
+            encode_record(&mut out, header, &payload, crc32c::crc32c(&payload), &KEY);
+            segment.extend_from_slice(&out);
+        }
+        let staging = Staged {
+            segment: crate::units::SegmentId(3),
+            seq: 41,
+            offset_bytes: 1024,
+            data: segment[..100].to_vec(),
+        }
+        .encode(&KEY);
+        let page = |start, blocks, chunk_items| crate::map::SnapshotPage {
+            start,
+            blocks,
+            chunk_items,
+            source: crate::map::PageSource::Encoded(vec![0; 40]),
+        };
+        let segments = [(
+            crate::units::SegmentId(3),
+            crate::dump::DumpedSegment {
+                seq: 41,
+                fill_bytes: 8192,
+                max_version: 10,
+                cold_bytes: 0,
+            },
+        )];
+        let directory = crate::dump::encode_directory(
+            &[page(0, 256, 1), page(1024, 512, 2)],
+            crate::map::MapCounts {
+                data_blocks: 5,
+                zero_blocks: 8,
+                damaged_blocks: 1,
+                stored_bytes: 900,
+            },
+            segments.into_iter(),
+            1 << 20,
+        )
+        .remove(0);
+        vec![
+            ("root", root),
+            ("segment", segment),
+            ("staging", staging),
+            ("directory", directory),
+        ]
+    }
+
+    /// The seed inputs of `engine_ops`: a few operation sequences over
+    /// different drive shapes (the first byte) and crash models.
+    fn engine_seeds() -> Vec<(&'static str, Vec<u8>)> {
+        let names = ["ops-a", "ops-b", "ops-c", "ops-d", "ops-e", "ops-f"];
+        names
+            .iter()
+            .enumerate()
+            .map(|(index, name)| {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(100 + index as u64);
+                let mut input = vec![0u8; 512];
+                rng.fill_bytes(&mut input);
+                input[0] = (index as u8).wrapping_mul(43);
+                (*name, input)
+            })
+            .collect()
+    }
+
+    /// The committed seeds (fuzz/seeds/TARGET, which `.ci/test` passes to
+    /// `cargo fuzz run` beside the corpus) are exactly what the functions
+    /// above make, each runs clean through its target's function, and each
+    /// is small. `ZDISK_WRITE_FUZZ_SEEDS=1` writes them anew (after a
+    /// format change).
+    #[test]
+    fn committed_fuzz_seeds_are_current_and_run_clean() {
+        let write = std::env::var_os("ZDISK_WRITE_FUZZ_SEEDS").is_some();
+        for (target, seeds) in [
+            ("record_decoder", decoder_seeds()),
+            ("engine_ops", engine_seeds()),
+        ] {
+            let dir = seeds_dir(target);
+            if write {
+                std::fs::create_dir_all(&dir).unwrap();
+            }
+            for (name, bytes) in &seeds {
+                let path = dir.join(name);
+                if write {
+                    std::fs::write(&path, bytes).unwrap();
+                }
+                let committed = std::fs::read(&path).unwrap_or_else(|e| {
+                    panic!(
+                        "{}: {e} (ZDISK_WRITE_FUZZ_SEEDS=1 writes it)",
+                        path.display()
+                    )
+                });
+                assert!(
+                    committed == *bytes,
+                    "{} is not what the generator makes: run ZDISK_WRITE_FUZZ_SEEDS=1 cargo test -p zdisk-core --release --lib fuzz_seeds and commit",
+                    path.display()
+                );
+                assert!(
+                    committed.len() <= 8192,
+                    "{}: keep seeds small",
+                    path.display()
+                );
+            }
+            let on_disk = std::fs::read_dir(&dir).unwrap().count();
+            assert_eq!(on_disk, seeds.len(), "{}: stray files", dir.display());
+        }
+        for (name, bytes) in decoder_seeds() {
+            fuzz_decoders(&bytes);
+            let decoded = match name {
+                "root" => crate::meta::Root::decode(&bytes).is_ok(),
+                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 5,
+                "staging" => Staged::decode(&bytes, &KEY).is_some(),
+                _ => true,
+            };
+            assert!(decoded, "seed {name} is a valid instance");
+        }
+        let mut operations = 0;
+        for (name, bytes) in engine_seeds() {
+            let stats = crate::sim::run_input(&bytes).unwrap_or_else(|f| panic!("{name}: {f}"));
+            operations += stats.operations;
+        }
+        assert!(
+            operations > 100,
+            "the engine seeds drive operations: {operations}"
+        );
+    }
 }

@@ -20,6 +20,8 @@ mod error;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod gc;
+#[cfg(test)]
+mod golden_tests;
 mod map;
 pub mod media;
 pub mod meta;

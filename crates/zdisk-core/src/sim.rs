@@ -13,7 +13,7 @@
 //! - the invariant checker, with data verification, finds nothing wrong.
 //!
 //! A failure names its seed; `ZDISK_SIM_SEED=<seed> cargo test -p zdisk-core
-//! --release sim_replay -- --nocapture` replays it.
+//! --profile ci --lib sim_replay -- --ignored --nocapture` replays it.
 //!
 //! The same runs take their choices from a fuzzer's input instead of a
 //! seed ([`run_input`], the `engine_ops` fuzz target): each choice costs
@@ -378,7 +378,7 @@ impl fmt::Display for SimFailure {
         match self.origin {
             Origin::Seed(seed) => write!(
                 f,
-                "replay: ZDISK_SIM_SEED={seed} cargo test -p zdisk-core --release sim_replay -- --nocapture"
+                "replay: ZDISK_SIM_SEED={seed} cargo test -p zdisk-core --profile ci --lib sim_replay -- --ignored --nocapture"
             ),
             Origin::FuzzInput => write!(
                 f,
@@ -908,10 +908,18 @@ mod tests {
             .unwrap_or(default)
     }
 
-    /// Runs many seeds; the count comes from ZDISK_SIM_SEEDS (CI sets 2000).
+    /// The optimisation level this crate was built with (build.rs passes
+    /// cargo's `OPT_LEVEL` on): "0" in a plain debug build.
+    const OPT_LEVEL: &str = env!("ZDISK_OPT_LEVEL");
+
+    /// Runs many seeds: 2000 in any optimised build, 40 in an unoptimised
+    /// one (where 2000 take hours); ZDISK_SIM_SEEDS overrides. CI runs the
+    /// 2000 with `--profile ci` (release plus debug assertions and overflow
+    /// checks, see the workspace Cargo.toml), and `.ci/test` prints the
+    /// line below, which says how many seeds ran and with what checks.
     #[test]
     fn sim_seeds() {
-        let count = seeds_from_env(if cfg!(debug_assertions) { 40 } else { 2000 });
+        let count = seeds_from_env(if OPT_LEVEL == "0" { 40 } else { 2000 });
         let first: u64 = std::env::var("ZDISK_SIM_FIRST_SEED")
             .ok()
             .and_then(|s| s.parse().ok())
@@ -936,9 +944,12 @@ mod tests {
                 Err(failure) => panic!("{failure}"),
             }
         }
+        let assertions = if cfg!(debug_assertions) { "on" } else { "off" };
         println!(
-            "crash simulation: {count} seeds passed ({in_place} reusing segments in place, \
-             the rest erasing): {totals:?}"
+            "crash simulation: {count} seeds passed (seeds {first}..{last}, debug assertions \
+             {assertions}, opt-level {OPT_LEVEL}; {in_place} reusing segments in place, the rest \
+             erasing): {totals:?}",
+            last = first + count - 1
         );
         if count >= 20 {
             assert!(
@@ -967,6 +978,21 @@ mod tests {
         }
     }
 
+    /// The `ci` profile CI builds these tests with has overflow checks as
+    /// well as debug assertions (Cargo.toml); a build with debug assertions
+    /// but without overflow checks fails here. Ignored in release builds,
+    /// which have neither.
+    #[test]
+    #[cfg_attr(
+        not(debug_assertions),
+        ignore = "a release build has no overflow checks"
+    )]
+    #[should_panic(expected = "attempt to add with overflow")]
+    fn overflow_checks_are_on_with_debug_assertions() {
+        let top = std::hint::black_box(u8::MAX);
+        let _ = std::hint::black_box(top + std::hint::black_box(1u8));
+    }
+
     /// The fuzz target's runs work on any input: random bytes drive a
     /// volume through writes, cleaning, checkpoints and power cuts.
     #[test]
@@ -990,15 +1016,16 @@ mod tests {
         assert!(totals.checkpoints > 0, "{totals:?}");
     }
 
-    /// Replays one seed: ZDISK_SIM_SEED=<seed>.
+    /// Replays one seed: ZDISK_SIM_SEED=<seed>, with `--ignored` (a run
+    /// without a seed replays nothing, so it is not a test of its own).
     #[test]
+    #[ignore = "replays one seed: ZDISK_SIM_SEED=N cargo test -p zdisk-core --profile ci --lib sim_replay -- --ignored --nocapture"]
     fn sim_replay() {
-        let Some(seed) = std::env::var("ZDISK_SIM_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-        else {
-            println!("set ZDISK_SIM_SEED to replay a seed");
-            return;
+        let seed: u64 = match std::env::var("ZDISK_SIM_SEED") {
+            Ok(text) => text
+                .parse()
+                .unwrap_or_else(|_| panic!("ZDISK_SIM_SEED={text:?} is not a seed number")),
+            Err(_) => panic!("sim_replay replays ZDISK_SIM_SEED, which is not set"),
         };
         match run_seed(seed) {
             Ok(stats) => println!("seed {seed} passed: {stats:?}"),

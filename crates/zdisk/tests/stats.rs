@@ -4,7 +4,7 @@
 //! next server, a clean stop removes it, and a user who may not read the
 //! image may not ask its server either. The human output leads with the
 //! summary a person asks for. `zdisk check` shows progress on a terminal
-//! (through `script`) and nowhere else. An idle server gives the dead
+//! (through `script`, a test of its own) and nowhere else. An idle server gives the dead
 //! space of an overwritten copy back (physical use falls to the stored
 //! bytes), and keeps it with `--recompress off --idle-compact off`.
 
@@ -23,6 +23,7 @@ fn main() {
     let args = Arguments::from_args();
     let tests: Vec<(&str, TestFn)> = vec![
         ("stats_of_a_served_image_come_from_its_server", served_stats),
+        ("check_shows_progress_on_a_terminal_only", check_progress),
         (
             "a_user_who_cannot_read_the_image_cannot_ask_its_server",
             permissions,
@@ -153,16 +154,37 @@ fn served_stats() -> TestResult {
     server.stop()?;
     ensure!(!socket.exists(), "a clean stop leaves {}", socket.display());
 
-    // On a terminal, check shows its progress (on stderr, then erased).
-    if require_tools(&["script"]).is_ok() {
-        let command = format!("{} check {image_arg}", zdisk_bin().display());
-        let output = run("script", &["-qec", &command, "/dev/null"])?;
-        let shown = stdout(&output);
-        ensure!(
-            shown.contains("verifying: 100%") && shown.contains(": clean"),
-            "check on a terminal: {shown:?}"
-        );
+    Ok(Completion::Completed)
+}
+
+/// `zdisk check` of an image holding data shows its progress on a
+/// terminal (on stderr, then erased), through `script`, and nowhere else.
+fn check_progress() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["script", "nbdcopy"])) {
+        return skip;
     }
+    let scratch = Scratch::new("stats-progress");
+    let image = scratch.join("vol.zdisk");
+    let image_arg = image.to_str().unwrap();
+    run(
+        zdisk_bin().to_str().unwrap(),
+        &["create", image_arg, "--logical", "64M"],
+    )?;
+    let source = scratch.join("data.bin");
+    std::fs::write(&source, pseudo_random(4 << 20, 9))?;
+    let mut server = Server::start(&image, &scratch.join("nbd.sock"), &[])?;
+    run(
+        "nbdcopy",
+        &["--flush", source.to_str().unwrap(), &server.uri()],
+    )?;
+    server.stop()?;
+    let command = format!("{} check {image_arg}", zdisk_bin().display());
+    let output = run("script", &["-qec", &command, "/dev/null"])?;
+    let shown = stdout(&output);
+    ensure!(
+        shown.contains("verifying: 100%") && shown.contains(": clean"),
+        "check on a terminal: {shown:?}"
+    );
     let output = run(zdisk_bin().to_str().unwrap(), &["check", image_arg])?;
     ensure!(
         !String::from_utf8_lossy(&output.stderr).contains("verifying"),
@@ -174,7 +196,7 @@ fn served_stats() -> TestResult {
 fn permissions() -> TestResult {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return skip_unless(Err("needs root (to ask as another user)".into())).unwrap();
+        return skip_unless(Err("needs root (to ask as another user)".to_string())).unwrap();
     }
     if let Some(skip) = skip_unless(require_tools(&["setpriv"])) {
         return skip;

@@ -7,7 +7,9 @@
 //! wrong key, an unknown user, a missing client certificate under
 //! `--tls-verify-peer`, and a plain-text client under `--tls require` are
 //! all refused; bad TLS flags are one-line errors before anything starts.
-//! A missing tool is a reported skip.
+//! Every client a test's name lists is required up front: a missing one
+//! makes the whole test a reported skip (under `CI=true`, a failure naming
+//! every missing tool), never a pass with that client's check left out.
 
 mod support;
 
@@ -22,9 +24,12 @@ type TestFn = fn() -> TestResult;
 fn main() {
     let args = Arguments::from_args();
     let tests: Vec<(&str, TestFn)> = vec![
-        ("x509_with_nbdinfo_nbdcopy_qemu_and_nbd_client", x509),
-        ("client_certificates_verified_when_asked", verify_peer),
-        ("psk_per_user_keys_and_refusals", psk),
+        ("x509_with_nbdinfo_nbdcopy_libnbd_python_and_qemu", x509),
+        (
+            "client_certificates_verified_for_nbdinfo_and_nbd_client",
+            verify_peer,
+        ),
+        ("psk_per_user_keys_and_refusals_with_nbdinfo_and_qemu", psk),
         ("bad_tls_flags_are_one_line_errors", bad_flags),
     ];
     let trials = tests
@@ -99,8 +104,23 @@ fn make_pki(dir: &Path) -> Result<(), Failed> {
     Ok(())
 }
 
-fn tls_tools() -> Result<(), String> {
-    require_tools(&["certtool", "psktool", "nbdinfo", "nbdcopy"])
+/// GnuTLS's tools, nbdinfo and nbdcopy, plus the `clients` a test names,
+/// and libnbd's Python bindings if `python`: every one that is missing.
+fn tls_tools(clients: &[&str], python: bool) -> Result<(), String> {
+    let mut tools = vec!["certtool", "psktool", "nbdinfo", "nbdcopy"];
+    tools.extend_from_slice(clients);
+    let reasons: Vec<String> = [
+        require_tools(&tools),
+        if python { python_has_libnbd() } else { Ok(()) },
+    ]
+    .into_iter()
+    .filter_map(Result::err)
+    .collect();
+    if reasons.is_empty() {
+        Ok(())
+    } else {
+        Err(reasons.join("; "))
+    }
 }
 
 /// Starts `zdisk serve` on a fresh image over TCP with `extra` flags.
@@ -132,13 +152,9 @@ fn round_trip(scratch: &Scratch, uri: &str) -> Result<(), Failed> {
     Ok(())
 }
 
-/// `qemu-img info` through QEMU's TLS object `creds` (id `tls0`), if
-/// qemu-img is installed; it must see the 64 MiB export.
+/// `qemu-img info` through QEMU's TLS object `creds` (id `tls0`); it must
+/// see the 64 MiB export.
 fn qemu_img_info(port: u16, creds: &str) -> Result<(), Failed> {
-    if require_tools(&["qemu-img"]).is_err() {
-        eprintln!("qemu-img is not installed: its TLS check is skipped");
-        return Ok(());
-    }
     let info = run(
         "qemu-img",
         &[
@@ -186,7 +202,7 @@ fn pki_server(name: &str, verify_peer: bool) -> Result<(Scratch, Server, u16), F
 }
 
 fn x509() -> TestResult {
-    if let Some(skip) = skip_unless(tls_tools()) {
+    if let Some(skip) = skip_unless(tls_tools(&["qemu-img"], true)) {
         return skip;
     }
     let (scratch, server, port) = pki_server("tls-x509", false)?;
@@ -203,10 +219,8 @@ fn x509() -> TestResult {
     );
     round_trip(&scratch, &uri)?;
     // libnbd's Python bindings (nbdsh's engine), over the same URI.
-    if python_has_libnbd().is_ok() {
-        let script = "import nbd, sys\nh = nbd.NBD()\nh.set_uri_allow_local_file(True)\nh.connect_uri(sys.argv[1])\nassert h.get_size() == 64 << 20\nh.pwrite(b'tls!' * 1024, 4096)\nh.flush()\nassert h.pread(4096, 4096) == b'tls!' * 1024\nprint(h.get_protocol())\n";
-        python(script, &[&uri])?;
-    }
+    let script = "import nbd, sys\nh = nbd.NBD()\nh.set_uri_allow_local_file(True)\nh.connect_uri(sys.argv[1])\nassert h.get_size() == 64 << 20\nh.pwrite(b'tls!' * 1024, 4096)\nh.flush()\nassert h.pread(4096, 4096) == b'tls!' * 1024\nprint(h.get_protocol())\n";
+    python(script, &[&uri])?;
     // A plain-text client is refused under require, and says why.
     let plain = refused("nbdinfo", &[&format!("nbd://localhost:{port}/")])?;
     ensure!(
@@ -226,7 +240,7 @@ fn x509() -> TestResult {
 }
 
 fn verify_peer() -> TestResult {
-    if let Some(skip) = skip_unless(tls_tools()) {
+    if let Some(skip) = skip_unless(tls_tools(&["nbd-client"], false)) {
         return skip;
     }
     let (scratch, server, port) = pki_server("tls-verify", true)?;
@@ -241,30 +255,28 @@ fn verify_peer() -> TestResult {
     );
     refused("nbdinfo", &["--size", &without])?;
     // nbd-client's TLS needs no kernel module in list mode.
-    if require_tools(&["nbd-client"]).is_ok() {
-        let client = scratch.join("client");
-        let list = run(
-            "nbd-client",
-            &[
-                "-certfile",
-                client.join("client-cert.pem").to_str().unwrap(),
-                "-keyfile",
-                client.join("client-key.pem").to_str().unwrap(),
-                "-cacertfile",
-                client.join("ca-cert.pem").to_str().unwrap(),
-                "-tlshostname",
-                "localhost",
-                "-l",
-                "localhost",
-                &port.to_string(),
-            ],
-        )?;
-        ensure!(
-            stdout(&list).contains("zdisk"),
-            "nbd-client -l: {}",
-            stdout(&list)
-        );
-    }
+    let client = scratch.join("client");
+    let list = run(
+        "nbd-client",
+        &[
+            "-certfile",
+            client.join("client-cert.pem").to_str().unwrap(),
+            "-keyfile",
+            client.join("client-key.pem").to_str().unwrap(),
+            "-cacertfile",
+            client.join("ca-cert.pem").to_str().unwrap(),
+            "-tlshostname",
+            "localhost",
+            "-l",
+            "localhost",
+            &port.to_string(),
+        ],
+    )?;
+    ensure!(
+        stdout(&list).contains("zdisk"),
+        "nbd-client -l: {}",
+        stdout(&list)
+    );
     let log = server.log();
     ensure!(
         log.contains("client certificate") && log.contains("client.example.com"),
@@ -278,7 +290,7 @@ fn verify_peer() -> TestResult {
 }
 
 fn psk() -> TestResult {
-    if let Some(skip) = skip_unless(tls_tools()) {
+    if let Some(skip) = skip_unless(tls_tools(&["qemu-img"], false)) {
         return skip;
     }
     let scratch = Scratch::new("tls-psk");

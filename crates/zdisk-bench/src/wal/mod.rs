@@ -25,6 +25,8 @@ mod reader;
 mod writer;
 
 #[cfg(test)]
+mod golden_tests;
+#[cfg(test)]
 mod tests;
 
 pub use device::{DeviceOp, LogDevice, TargetDevice, WalError};

@@ -47,6 +47,8 @@ mod entry;
 mod leaf;
 mod page;
 #[cfg(test)]
+mod page_golden_tests;
+#[cfg(test)]
 mod tests;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

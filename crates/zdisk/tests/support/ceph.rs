@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::Failed;
+use super::{Failed, Unmet};
 
 pub struct Ceph {
     dir: PathBuf,
@@ -17,17 +17,34 @@ fn script() -> PathBuf {
 }
 
 impl Ceph {
-    /// Why a cluster cannot be started here (not root, packages absent).
-    pub fn unavailable() -> Result<(), String> {
+    /// Why a cluster cannot be started here: `ceph.sh check` exits 2 when
+    /// a prerequisite is absent (not root, a package not installed), which
+    /// is [`Unmet::Missing`]; any other failure (the daemons' binaries do not
+    /// run, or a bug in the script) is [`Unmet::Broken`] and fails the test
+    /// instead of passing for "not installed".
+    pub fn unavailable() -> Result<(), Unmet> {
         let output = Command::new("bash")
             .arg(script())
             .arg("check")
             .output()
-            .map_err(|e| format!("cannot run ceph.sh: {e}"))?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            Err(String::from_utf8_lossy(&output.stdout).trim().to_string())
+            .map_err(|e| Unmet::Broken(format!("cannot run ceph.sh: {e}")))?;
+        let said = || {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .trim()
+            .to_string()
+        };
+        match output.status.code() {
+            Some(0) => Ok(()),
+            Some(2) => Err(Unmet::Missing(said())),
+            _ => Err(Unmet::Broken(format!(
+                "ceph.sh check failed ({}): {}",
+                output.status,
+                said()
+            ))),
         }
     }
 

@@ -13,8 +13,12 @@
 #   ceph.sh rgw-start DIR      start the gateway again on the same port
 #                              (its PID joins DIR/pids) and wait until it
 #                              answers
-#   ceph.sh check              exit 0 if the packages are installed and we
-#                              are root, else print why not and exit 2
+#   ceph.sh check              exit 0 if the packages are installed, their
+#                              daemons run and we are root; exit 2 with the
+#                              reason when something is absent (the tests
+#                              skip, or fail under CI=true); any other exit
+#                              (a daemon's binary that does not run, a bug
+#                              here) fails the tests everywhere
 #
 # Facts this relies on (Ceph 16.2, Debian 12): the monitor must listen on
 # port 6789 (radosgw failed to authenticate with another one), so only one
@@ -36,6 +40,14 @@ check() {
         if ! command -v "$tool" >/dev/null 2>&1; then
             echo "$tool is not installed (apt-get install ceph-mon ceph-osd ceph-mgr radosgw ceph-common uuid-runtime curl; .ci/run does)"
             return 2
+        fi
+    done
+    # Installed but unable to start is a failure, not a skip.
+    local daemon
+    for daemon in ceph-mon ceph-osd ceph-mgr radosgw; do
+        if ! "$daemon" --version >/dev/null 2>&1; then
+            echo "$daemon is installed but does not run: $("$daemon" --version 2>&1 | tail -n 3)"
+            return 1
         fi
     done
 }
@@ -283,6 +295,6 @@ rgw-start) rgw_start "$(cd "${2:?usage: ceph.sh rgw-start DIR}" && pwd)" ;;
 check) check ;;
 *)
     echo "usage: ceph.sh start DIR [PORT] | stop DIR | rgw-stop DIR | rgw-start DIR | check" >&2
-    exit 2
+    exit 64 # not 2, which check keeps for "absent"
     ;;
 esac

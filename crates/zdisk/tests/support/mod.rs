@@ -1,6 +1,7 @@
 //! Shared plumbing for the integration tests: starting the real `zdisk`
 //! binary, running real clients, and turning a missing prerequisite into a
-//! reported skip instead of a silent pass.
+//! reported skip instead of a silent pass (under `CI=true`, a failure:
+//! see [`skip_unless`]).
 
 #![allow(dead_code)]
 
@@ -31,23 +32,32 @@ pub fn zdisk_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_zdisk"))
 }
 
-/// Where a client finds its tool, or why the test must be skipped.
+/// Where a client finds its tools, or why the test must be skipped: every
+/// missing tool is named, not only the first.
 pub fn require_tools(tools: &[&str]) -> Result<(), String> {
-    for tool in tools {
-        let found = if tool.starts_with('/') {
-            Path::new(tool).exists()
-        } else {
-            std::env::var_os("PATH")
-                .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(tool).is_file()))
-                .unwrap_or(false)
-        };
-        if !found {
-            return Err(format!(
-                "{tool} is not installed (run .ci/run, which installs the test prerequisites)"
-            ));
-        }
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|tool| {
+            if tool.starts_with('/') {
+                !Path::new(tool).exists()
+            } else {
+                !std::env::var_os("PATH").is_some_and(|paths| {
+                    std::env::split_paths(&paths).any(|dir| dir.join(tool).is_file())
+                })
+            }
+        })
+        .collect();
+    match missing.as_slice() {
+        [] => Ok(()),
+        [tool] => Err(format!(
+            "{tool} is not installed (run .ci/run, which installs the test prerequisites)"
+        )),
+        tools => Err(format!(
+            "{} are not installed (run .ci/run, which installs the test prerequisites)",
+            tools.join(", ")
+        )),
     }
-    Ok(())
 }
 
 /// Skips unless running as root with /dev/fuse and loop devices.
@@ -313,14 +323,83 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Wraps a test body so that a skip reason becomes a runtime "ignored".
-pub fn skip_unless(check: Result<(), String>) -> Option<TestResult> {
-    match check {
-        Ok(()) => None,
-        Err(reason) => {
-            eprintln!("SKIPPED: {reason}");
-            Some(Ok(Completion::ignored_with(reason)))
-        }
+/// Why a test cannot run here.
+#[derive(Debug)]
+pub enum Unmet {
+    /// A prerequisite is absent (a tool, root, a device): the test skips,
+    /// or under CI fails, with this reason.
+    Missing(String),
+    /// The check itself broke (a probe script that failed in a way that is
+    /// not "absent"): the test fails everywhere, since a bug in a check
+    /// must not pass for a missing package.
+    Broken(String),
+}
+
+impl From<String> for Unmet {
+    fn from(reason: String) -> Unmet {
+        Unmet::Missing(reason)
+    }
+}
+
+/// Whether this run is CI's: `CI` set to anything but "" , "0" or "false"
+/// (`.ci/run` exports `CI=true`).
+pub fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|value| !matches!(value.trim(), "" | "0" | "false"))
+}
+
+/// The prerequisites CI may skip: the comma-separated words of
+/// `ZDISK_CI_ALLOW_SKIP` (empty by default; `.ci/test` prints it).
+pub fn ci_allowed_skips() -> Vec<String> {
+    std::env::var("ZDISK_CI_ALLOW_SKIP")
+        .unwrap_or_default()
+        .split(',')
+        .map(|word| word.trim().to_string())
+        .filter(|word| !word.is_empty())
+        .collect()
+}
+
+/// Whether a skip reason names one of `allowed`: a word of the allowlist
+/// matches a whole word of the reason (`fuse` matches "needs /dev/fuse",
+/// `qemu-img` matches "qemu-img is not installed"; `qemu` matches neither).
+pub fn skip_allowed(reason: &str, allowed: &[String]) -> bool {
+    let words: Vec<&str> = reason
+        .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+        .map(|word| word.trim_end_matches('.'))
+        .filter(|word| !word.is_empty())
+        .collect();
+    allowed
+        .iter()
+        .any(|entry| words.iter().any(|word| word.eq_ignore_ascii_case(entry)))
+}
+
+/// Wraps a test body's prerequisite check: `None` runs the test. A missing
+/// prerequisite is a visible skip (`SKIPPED: reason`, and the trial
+/// reports itself ignored with the reason) outside CI; under `CI=true` it
+/// fails the trial with its reason, unless `ZDISK_CI_ALLOW_SKIP` names it.
+/// A broken check fails everywhere.
+pub fn skip_unless<E: Into<Unmet>>(check: Result<(), E>) -> Option<TestResult> {
+    let unmet = check.err()?.into();
+    let outcome = skip_decision(unmet, under_ci(), &ci_allowed_skips());
+    if let Ok(Completion::Ignored {
+        reason: Some(reason),
+    }) = &outcome
+    {
+        eprintln!("SKIPPED: {reason}");
+    }
+    Some(outcome)
+}
+
+/// What [`skip_unless`] makes of an unmet prerequisite, given whether this
+/// is CI's run and what CI may skip.
+pub fn skip_decision(unmet: Unmet, ci: bool, allowed: &[String]) -> TestResult {
+    match unmet {
+        Unmet::Broken(reason) => Err(format!("a prerequisite check failed: {reason}").into()),
+        Unmet::Missing(reason) if ci && !skip_allowed(&reason, allowed) => Err(format!(
+            "missing prerequisite under CI: {reason} (CI=true turns skips into failures; \
+             ZDISK_CI_ALLOW_SKIP lists the prerequisites that may skip)"
+        )
+        .into()),
+        Unmet::Missing(reason) => Ok(Completion::ignored_with(reason)),
     }
 }
 
