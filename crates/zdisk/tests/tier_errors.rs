@@ -189,7 +189,9 @@ fn unreachable_endpoint() -> Result<(), Failed> {
 }
 
 fn ceph_refusals() -> TestResult {
-    if let Some(skip) = skip_unless(Ceph::unavailable().and(require_tools(&["nbdinfo"]))) {
+    if let Some(skip) =
+        skip_unless(Ceph::unavailable().and(require_tools(&["nbdinfo"]).map_err(Unmet::from)))
+    {
         return skip;
     }
     let scratch = Scratch::new("tier-errors-ceph");
