@@ -49,27 +49,41 @@ fn honest_rounds(server: &TestServer, rounds: u64) -> Duration {
     started.elapsed()
 }
 
+/// How long a stalled client is given before the server drops it, in the
+/// tests that tell "served beside the stall" from "served once the stall
+/// is dropped".
+const STALL_DROPPED_AFTER: Duration = Duration::from_secs(300);
+
+/// A liveness bound, not a speed floor: far above what a loaded machine
+/// takes, far below [`STALL_DROPPED_AFTER`].
+const SERVED_BESIDE_THE_STALL: Duration = Duration::from_secs(120);
+
 #[test]
 fn a_client_that_stops_reading_stalls_only_itself() {
     let config = ServerConfig {
         worker_threads: 2,
+        reply_timeout: STALL_DROPPED_AFTER,
+        shutdown_timeout: STALL_DROPPED_AFTER,
         ..ServerConfig::default()
     };
     let server = TestServer::start_with(SIZE, config);
     let stalled = stalled_client(&server);
     // Before per-connection reply queues, both workers sat in A's sends and
-    // B's first request never ran (the client's I/O timeout is 20 s).
+    // B's first request never ran (the client's I/O timeout is 20 s). The
+    // events told apart: B served while A still stalls (within B's own I/O
+    // timeouts), or only once A is dropped, 300 s on.
     let took = honest_rounds(&server, 50);
     assert!(
-        took < Duration::from_secs(10),
-        "honest client took {took:?}"
+        took < SERVED_BESIDE_THE_STALL,
+        "honest client took {took:?}: served only after the stalled one went?"
     );
-    // Shutdown gives up on A quickly instead of waiting its full grace.
+    // Shutdown gives up on A after SHUTDOWN_REPLY_PATIENCE, not at the
+    // 300 s backstop.
     let started = Instant::now();
     server.stop().unwrap();
     assert!(
-        started.elapsed() < zdisk_nbd::SHUTDOWN_REPLY_PATIENCE + Duration::from_secs(5),
-        "shutdown took {:?}",
+        started.elapsed() < SERVED_BESIDE_THE_STALL,
+        "shutdown took {:?}: it waited for the backstop",
         started.elapsed()
     );
     drop(stalled);
@@ -104,15 +118,16 @@ fn stalled_big_clients_cannot_starve_small_ones() {
     // an honest client is served long before the stalled one is dropped.
     let config = ServerConfig {
         max_in_flight_bytes: 64 << 20,
-        reply_timeout: Duration::from_secs(120),
+        reply_timeout: STALL_DROPPED_AFTER,
+        shutdown_timeout: Duration::from_secs(5),
         ..ServerConfig::default()
     };
     let server = TestServer::start_with(SIZE, config);
     let stalled = stalled_client(&server);
     let took = honest_rounds(&server, 5);
     assert!(
-        took < Duration::from_secs(10),
-        "honest client took {took:?}"
+        took < SERVED_BESIDE_THE_STALL,
+        "honest client took {took:?}: served only after the stalled one went?"
     );
     server.stop().unwrap();
     drop(stalled);
@@ -140,7 +155,9 @@ fn connections_over_the_limit_are_refused_with_a_reason() {
     // A place freed is a place taken.
     first.disconnect();
     assert!(first.is_closed());
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // The freed place comes back once the server has seen the disconnect;
+    // the bound only tells "never" from "later".
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let mut next = server.connect();
         next.start_handshake();
@@ -201,30 +218,30 @@ fn handshakes_must_finish_within_the_deadline() {
     };
     let server = TestServer::start_with(SIZE, config);
     // Silent after the greeting.
+    // (is_closed waits on the client's read timeout, far above 300 ms: a
+    // server that never closed would fail it.)
     let mut silent = server.connect();
     silent.greeting();
-    let started = Instant::now();
     assert!(silent.is_closed());
-    assert!(started.elapsed() < Duration::from_secs(5));
     // A byte at a time, each well within the deadline: the deadline is for
     // the whole handshake, not per read.
+    // A per-read deadline would take all 100 bytes, one every 50 ms; the
+    // whole-handshake one closes while they still arrive.
     let mut trickle = server.connect();
     trickle.start_handshake();
-    let started = Instant::now();
     let option = [IHAVEOPT.to_be_bytes().as_slice(), &[0, 0, 0, 3, 0, 0, 0, 0]].concat();
-    let mut closed = false;
+    let mut sent = 0;
     for byte in option.iter().cycle().take(100) {
         thread::sleep(Duration::from_millis(50));
         if trickle.try_send(&[*byte]).is_err() {
-            closed = true;
             break;
         }
+        sent += 1;
     }
     assert!(
-        closed || trickle.is_closed(),
-        "a trickling handshake was kept"
+        sent < 100,
+        "a trickling handshake was kept for all {sent} bytes"
     );
-    assert!(started.elapsed() < Duration::from_secs(5));
     // A prompt client is unaffected.
     let (mut c, _) = Client::connect_with(&server.addr, Setup::SIMPLE);
     thread::sleep(Duration::from_millis(500));
