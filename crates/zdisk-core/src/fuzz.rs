@@ -109,6 +109,46 @@ pub fn fuzz_decoders(bytes: &[u8]) {
         .expect("counts stay consistent on any input");
 }
 
+/// Checks the committed seed inputs of a fuzz target (`fuzz/seeds/TARGET`,
+/// which `.ci/test` passes to `cargo fuzz run` beside the corpus) against
+/// what its generator makes: the same files, byte for byte, each small,
+/// and no stray ones. With `ZDISK_WRITE_FUZZ_SEEDS=1` it writes them anew
+/// first (after a format change); `regenerate` is the test command to say
+/// so with. Panics on a difference: for tests.
+pub fn check_committed_seeds(target: &str, seeds: &[(&str, Vec<u8>)], regenerate: &str) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds")
+        .join(target);
+    let write = std::env::var_os("ZDISK_WRITE_FUZZ_SEEDS").is_some();
+    if write {
+        std::fs::create_dir_all(&dir).unwrap();
+    }
+    for (name, bytes) in seeds {
+        let path = dir.join(name);
+        if write {
+            std::fs::write(&path, bytes).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (ZDISK_WRITE_FUZZ_SEEDS=1 writes it)",
+                path.display()
+            )
+        });
+        assert!(
+            committed == *bytes,
+            "{} is not what the generator makes: run ZDISK_WRITE_FUZZ_SEEDS=1 {regenerate} and commit",
+            path.display()
+        );
+        assert!(
+            committed.len() <= 8192,
+            "{}: keep seeds small",
+            path.display()
+        );
+    }
+    let on_disk = std::fs::read_dir(&dir).unwrap().count();
+    assert_eq!(on_disk, seeds.len(), "{}: stray files", dir.display());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,13 +178,6 @@ mod tests {
             }
             fuzz_decoders(&bytes);
         }
-    }
-
-    /// Where the committed seed inputs of the fuzz targets live.
-    fn seeds_dir(target: &str) -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fuzz/seeds")
-            .join(target)
     }
 
     /// The seed inputs of `record_decoder`: one valid instance of each
@@ -250,39 +283,15 @@ mod tests {
     /// format change).
     #[test]
     fn committed_fuzz_seeds_are_current_and_run_clean() {
-        let write = std::env::var_os("ZDISK_WRITE_FUZZ_SEEDS").is_some();
         for (target, seeds) in [
             ("record_decoder", decoder_seeds()),
             ("engine_ops", engine_seeds()),
         ] {
-            let dir = seeds_dir(target);
-            if write {
-                std::fs::create_dir_all(&dir).unwrap();
-            }
-            for (name, bytes) in &seeds {
-                let path = dir.join(name);
-                if write {
-                    std::fs::write(&path, bytes).unwrap();
-                }
-                let committed = std::fs::read(&path).unwrap_or_else(|e| {
-                    panic!(
-                        "{}: {e} (ZDISK_WRITE_FUZZ_SEEDS=1 writes it)",
-                        path.display()
-                    )
-                });
-                assert!(
-                    committed == *bytes,
-                    "{} is not what the generator makes: run ZDISK_WRITE_FUZZ_SEEDS=1 cargo test -p zdisk-core --release --lib fuzz_seeds and commit",
-                    path.display()
-                );
-                assert!(
-                    committed.len() <= 8192,
-                    "{}: keep seeds small",
-                    path.display()
-                );
-            }
-            let on_disk = std::fs::read_dir(&dir).unwrap().count();
-            assert_eq!(on_disk, seeds.len(), "{}: stray files", dir.display());
+            super::check_committed_seeds(
+                target,
+                &seeds,
+                "cargo test -p zdisk-core --release --lib fuzz_seeds",
+            );
         }
         for (name, bytes) in decoder_seeds() {
             fuzz_decoders(&bytes);

@@ -11,17 +11,10 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 
 use common::{TestServer, IO_TIMEOUT};
 use zdisk_core::BlockDevice;
 use zdisk_nbd::ListenAddr;
-
-fn seeds_dir(target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/seeds")
-        .join(target)
-}
 
 /// An option request: IHAVEOPT, the option, its data.
 fn option(code: u32, data: &[u8]) -> Vec<u8> {
@@ -156,43 +149,21 @@ fn transmission_seeds() -> Vec<(&'static str, Vec<u8>)> {
 
 #[test]
 fn committed_fuzz_seeds_are_current_and_run_clean() {
-    let write = std::env::var_os("ZDISK_WRITE_FUZZ_SEEDS").is_some();
     for (target, seeds) in [
         ("nbd_handshake", handshake_seeds()),
         ("nbd_transmission", transmission_seeds()),
     ] {
-        let dir = seeds_dir(target);
-        if write {
-            std::fs::create_dir_all(&dir).unwrap();
-        }
-        for (name, bytes) in &seeds {
-            let path = dir.join(name);
-            if write {
-                std::fs::write(&path, bytes).unwrap();
-            }
-            let committed = std::fs::read(&path).unwrap_or_else(|e| {
-                panic!(
-                    "{}: {e} (ZDISK_WRITE_FUZZ_SEEDS=1 writes it)",
-                    path.display()
-                )
-            });
-            assert!(
-                committed == *bytes,
-                "{} is not what the generator makes: run ZDISK_WRITE_FUZZ_SEEDS=1 cargo test -p zdisk-nbd --release --test fuzz_seeds and commit",
-                path.display()
-            );
-            assert!(
-                committed.len() <= 8192,
-                "{}: keep seeds small",
-                path.display()
-            );
+        zdisk_core::fuzz::check_committed_seeds(
+            target,
+            &seeds,
+            "cargo test -p zdisk-nbd --release --test fuzz_seeds",
+        );
+        for (_, bytes) in &seeds {
             match target {
-                "nbd_handshake" => zdisk_nbd::fuzz_handshake(&committed),
-                _ => zdisk_nbd::fuzz_transmission(&committed),
+                "nbd_handshake" => zdisk_nbd::fuzz_handshake(bytes),
+                _ => zdisk_nbd::fuzz_transmission(bytes),
             }
         }
-        let on_disk = std::fs::read_dir(&dir).unwrap().count();
-        assert_eq!(on_disk, seeds.len(), "{}: stray files", dir.display());
     }
 }
 

@@ -167,15 +167,7 @@ fn pid_cpu_seconds(pid: u32) -> f64 {
 
 /// Resident set size of this process.
 fn own_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+    rss_bytes("/proc/self/status")
 }
 
 /// zdisk's /stats, by a plain HTTP GET.
@@ -366,7 +358,12 @@ fn directory_bytes(dir: &Path) -> u64 {
 
 /// Resident set size of another process (0 if it is gone).
 fn pid_rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
+    rss_bytes(&format!("/proc/{pid}/status"))
+}
+
+/// `VmRSS` of a `/proc/PID/status` file, in bytes (0 if unreadable).
+fn rss_bytes(status_path: &str) -> u64 {
+    std::fs::read_to_string(status_path)
         .ok()
         .and_then(|status| {
             status
