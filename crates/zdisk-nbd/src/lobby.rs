@@ -328,13 +328,28 @@ impl<'a> Lobby<'a> {
                 Err(error) => break Err(error),
             };
             let mut listener_ready = false;
+            // Each connection is served at most once a turn: one left with
+            // bytes unread ("again") is also reported by the level-triggered
+            // epoll, and serving it twice would let a streaming client take
+            // turns from everyone else.
             let mut ready: Vec<(u64, u32)> = self.again.drain(..).map(|id| (id, 0)).collect();
+            let mut slot_of: HashMap<u64, usize> = ready
+                .iter()
+                .enumerate()
+                .map(|(slot, &(id, _))| (id, slot))
+                .collect();
             for event in &events[..count] {
                 let (token, flags) = (event.u64, event.events);
                 match token {
                     TOKEN_LISTENER => listener_ready = true,
                     TOKEN_WAKE => {}
-                    id => ready.push((id, flags)),
+                    id => match slot_of.get(&id) {
+                        Some(&slot) => ready[slot].1 |= flags,
+                        None => {
+                            slot_of.insert(id, ready.len());
+                            ready.push((id, flags));
+                        }
+                    },
                 }
             }
             if self.sessions.stopping() {
@@ -397,7 +412,7 @@ impl<'a> Lobby<'a> {
                     if matches!(
                         error.kind(),
                         io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
-                    ) => {}
+                    ) || carried_over_from_the_network(&error) => {}
                 Err(error) if out_of_descriptors(&error) => {
                     bump(&self.counters.accept_exhausted);
                     if !self.free_a_descriptor(doors, &error) {
@@ -431,7 +446,8 @@ impl<'a> Lobby<'a> {
             );
             return false;
         }
-        if let Ok(accepted) = (doors.accept)() {
+        let accepted = (doors.accept)();
+        if let Ok(accepted) = &accepted {
             bump(&self.counters.dropped_no_fds);
             self.tallies.fds.note(
                 true,
@@ -441,8 +457,12 @@ impl<'a> Lobby<'a> {
                 ),
             );
         }
+        let took_one = accepted.is_ok();
+        drop(accepted);
         self.reserve = open_reserve();
-        self.reserve.is_some()
+        // Only a connection taken off the queue makes progress: otherwise
+        // the listener stays readable and the caller must rest it.
+        took_one && self.reserve.is_some()
     }
 
     fn pause_listener(&mut self, doors: &Doors<'_>) {
@@ -733,6 +753,19 @@ impl<'a> Lobby<'a> {
         let Some(conn) = self.remove(id) else {
             return;
         };
+        // The limit was checked when the client asked to start; sessions
+        // may have filled while its reply waited to be written.
+        if self.sessions.established() >= self.config.max_connections {
+            bump(&self.counters.refused_busy);
+            self.tallies.busy.note(
+                false,
+                format_args!(
+                    "conn {id} ({}) finished its handshake with every session taken; closed",
+                    conn.peer
+                ),
+            );
+            return;
+        }
         bump(&self.counters.handshakes_completed);
         let log = ConnLog {
             enabled: true,
@@ -998,14 +1031,68 @@ fn epoll_events(poll_events: libc::c_short) -> u32 {
     events
 }
 
+/// Accept failed for want of descriptors, which dropping one can cure.
+/// (ENOMEM and ENOBUFS are a memory shortage: the listener rests instead,
+/// and no waiting connection is dropped for them.)
 fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// Errors of one pending connection that Linux reports from accept
+/// (accept(2): to be treated like EAGAIN, i.e. retried); a firewall's
+/// EPERM too. None of them says anything about the listener.
+fn carried_over_from_the_network(error: &io::Error) -> bool {
     matches!(
         error.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        Some(
+            libc::ENETDOWN
+                | libc::EPROTO
+                | libc::ENOPROTOOPT
+                | libc::EHOSTDOWN
+                | libc::ENONET
+                | libc::EHOSTUNREACH
+                | libc::EOPNOTSUPP
+                | libc::ENETUNREACH
+                | libc::EPERM
+        )
     )
 }
 
 /// A descriptor held in reserve for when accept finds none.
 fn open_reserve() -> Option<File> {
     File::open("/dev/null").ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(errno: i32) -> io::Error {
+        io::Error::from_raw_os_error(errno)
+    }
+
+    /// Only a shortage of descriptors costs a waiting connection; a memory
+    /// shortage rests the listener, and a pending connection's own network
+    /// error is skipped like EAGAIN (accept(2)).
+    #[test]
+    fn accept_errors_are_told_apart() {
+        for errno in [libc::EMFILE, libc::ENFILE] {
+            assert!(out_of_descriptors(&os(errno)), "{errno}");
+            assert!(!carried_over_from_the_network(&os(errno)), "{errno}");
+        }
+        for errno in [libc::ENOMEM, libc::ENOBUFS, libc::EBADF, libc::EINVAL] {
+            assert!(!out_of_descriptors(&os(errno)), "{errno}");
+            assert!(!carried_over_from_the_network(&os(errno)), "{errno}");
+        }
+        for errno in [
+            libc::ENETDOWN,
+            libc::EPROTO,
+            libc::EHOSTUNREACH,
+            libc::ENETUNREACH,
+            libc::EPERM,
+        ] {
+            assert!(carried_over_from_the_network(&os(errno)), "{errno}");
+            assert!(!out_of_descriptors(&os(errno)), "{errno}");
+        }
+    }
 }

@@ -129,7 +129,7 @@ impl Default for ServerConfig {
             worker_threads: (2 * cpus).max(4),
             max_connections: 128,
             max_handshakes: 1024,
-            max_handshakes_per_address: 64,
+            max_handshakes_per_address: 256,
             max_tls_handshakes: 32,
             max_in_flight_per_conn: 64,
             max_in_flight_bytes_per_conn: 128 * 1024 * 1024,
@@ -183,6 +183,12 @@ impl ServerConfig {
         }
         if self.handshake_timeout.is_zero() || self.reply_timeout.is_zero() {
             return invalid("handshake and reply timeouts must be positive");
+        }
+        // Deadlines are instants (accepted + timeout): keep them far from
+        // overflow. The CLI takes at most 10^6 s; a month is above it.
+        const TIMEOUT_MAX: Duration = Duration::from_secs(30 * 24 * 3600);
+        if self.handshake_timeout > TIMEOUT_MAX || self.reply_timeout > TIMEOUT_MAX {
+            return invalid("handshake and reply timeouts must be at most 30 days");
         }
         if self.tls_mode != TlsMode::Off && self.tls.is_none() {
             return invalid("TLS needs credentials: certificates or a PSK file");

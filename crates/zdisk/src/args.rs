@@ -224,8 +224,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = count_arg, default_value = "1024")]
     pub max_handshakes: usize,
     /// Connections in their handshake at once from one IPv4 address (or
-    /// IPv6 /64); a newcomer beyond this drops that address's oldest silent one.
-    #[arg(long, value_parser = count_arg, default_value = "64")]
+    /// IPv6 /64); a newcomer beyond this drops that address's oldest silent
+    /// one. An honest client sharing an attacker's address must speak
+    /// before this many newer connections from it arrive.
+    #[arg(long, value_parser = count_arg, default_value = "256")]
     pub max_handshakes_per_address: usize,
     /// TLS handshakes in progress at once; more queue, served in turn by address.
     #[arg(long, value_parser = count_arg, default_value = "32")]
