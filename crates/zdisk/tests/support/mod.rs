@@ -417,3 +417,68 @@ pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
     out.truncate(len);
     out
 }
+
+/// A certificate authority, a server certificate for localhost, and two
+/// client directories: one with a signed client certificate, one with the
+/// CA only. Made as nbdkit's documentation describes, with certtool.
+pub fn make_pki(dir: &Path) -> Result<(), Failed> {
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
+    for sub in ["server", "client", "client-nocert"] {
+        std::fs::create_dir_all(dir.join(sub))?;
+    }
+    write("ca.info", "cn = zdisk test CA\nca\ncert_signing_key\n")?;
+    write(
+        "server.info",
+        "organization = zdisk tests\ncn = localhost\ndns_name = localhost\nip_address = 127.0.0.1\ntls_www_server\nencryption_key\nsigning_key\n",
+    )?;
+    write(
+        "client.info",
+        "organization = zdisk tests\ncn = client.example.com\ntls_www_client\nencryption_key\nsigning_key\n",
+    )?;
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let certtool = |args: &[&str]| run("certtool", args).map(|_| ());
+    certtool(&["--generate-privkey", "--outfile", &path("ca-key.pem")])?;
+    certtool(&[
+        "--generate-self-signed",
+        "--load-privkey",
+        &path("ca-key.pem"),
+        "--template",
+        &path("ca.info"),
+        "--outfile",
+        &path("ca-cert.pem"),
+    ])?;
+    for (who, key, cert, info) in [
+        (
+            "server",
+            "server/server-key.pem",
+            "server/server-cert.pem",
+            "server.info",
+        ),
+        (
+            "client",
+            "client/client-key.pem",
+            "client/client-cert.pem",
+            "client.info",
+        ),
+    ] {
+        certtool(&["--generate-privkey", "--outfile", &path(key)])?;
+        certtool(&[
+            "--generate-certificate",
+            "--load-ca-certificate",
+            &path("ca-cert.pem"),
+            "--load-ca-privkey",
+            &path("ca-key.pem"),
+            "--load-privkey",
+            &path(key),
+            "--template",
+            &path(info),
+            "--outfile",
+            &path(cert),
+        ])
+        .map_err(|e| format!("{who} certificate: {e:?}"))?;
+    }
+    for sub in ["server", "client", "client-nocert"] {
+        std::fs::copy(dir.join("ca-cert.pem"), dir.join(sub).join("ca-cert.pem"))?;
+    }
+    Ok(())
+}
