@@ -22,6 +22,7 @@ pub mod fuzz;
 mod gc;
 #[cfg(test)]
 mod golden_tests;
+pub mod held;
 mod map;
 pub mod media;
 pub mod meta;

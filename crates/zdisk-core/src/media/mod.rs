@@ -27,8 +27,11 @@
 //! - a metadata slot write is atomic only in the sense that a torn one fails
 //!   its checksum.
 
+mod checked;
 mod file;
 mod mem;
+
+pub use checked::LockChecked;
 
 pub use file::{
     file_geometry, lock_file, set_mapped_reads, FileMedia, FILE_DATA_OFFSET, FILE_META_SLOT_SIZE,

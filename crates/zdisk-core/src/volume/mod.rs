@@ -186,6 +186,8 @@ impl Volume {
     /// Opens an existing volume, replaying the log if it was not shut down cleanly.
     pub fn open(media: Arc<dyn Media>, options: OpenOptions) -> Result<Arc<Volume>> {
         let started = options.clock.monotonic();
+        // Debug builds check that no medium I/O runs under the state lock.
+        let media = crate::media::LockChecked::wrap(media);
         let ahead = Ahead {
             seq: options.seq_reserve_ahead,
             version: options.version_reserve_ahead,
