@@ -42,6 +42,6 @@ pub use stats::{Counters, SegmentCounts, Stats, Wear};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     default_map_cache_bytes, CheckReport, Clock, CreateOptions, FixedClock, IdleBudget,
-    OpenOptions, OpenReport, Random, Recompress, SystemClock, Volume, WriteEstimate,
+    LockProfile, OpenOptions, OpenReport, Random, Recompress, SystemClock, Volume, WriteEstimate,
     WriteEstimator,
 };

@@ -13,7 +13,6 @@
 
 mod support;
 
-
 use libtest_mimic::{Arguments, Trial};
 
 use support::*;

@@ -280,8 +280,8 @@ pub trait Media: Send + Sync {
 
     /// The engine sealed this incarnation of `segment` at `fill_bytes`: it
     /// writes no more to it until a later `prepare_segment` or
-    /// `erase_segment`. Called under the engine's lock, possibly before the
-    /// last pages up to `fill_bytes` are written (they follow in order).
+    /// `erase_segment`. Called by the engine's log writer in order with the
+    /// segment's writes, so after its last pages up to `fill_bytes`.
     fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
         let _ = (segment, fill_bytes);
     }

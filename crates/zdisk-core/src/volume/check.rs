@@ -88,7 +88,9 @@ impl Volume {
             lost: self.open_report().lost_checkpoints,
             ..CheckReport::default()
         };
-        let state = self.lock();
+        // Everything queued on the medium first: the checker reads it.
+        self.wait_all_written();
+        let state = self.lock_frozen();
         let media = &*self.media;
         // Reads every evicted leaf's page: that checks the map's pages.
         if let Err(problem) = state.map().check_counts_with(Some(media)) {
@@ -152,22 +154,20 @@ impl Volume {
         report: &mut CheckReport,
     ) -> Result<()> {
         let loc = members[0].0;
-        let bytes = match state.read_buffered(loc)? {
-            Some(bytes) => bytes,
+        let read = match state.read_buffered(loc)? {
+            Some(buffered) => buffered.complete(&*self.media),
             None => {
                 let mut bytes = vec![0u8; loc.len as usize];
-                if self
-                    .media
+                self.media
                     .read(loc.segment, loc.offset as u64, &mut bytes)
-                    .is_err()
-                {
-                    report
-                        .damaged_blocks
-                        .extend(members.iter().map(|(_, lba, _)| lba.0));
-                    return Ok(());
-                }
-                bytes
+                    .map(|()| bytes)
             }
+        };
+        let Ok(bytes) = read else {
+            report
+                .damaged_blocks
+                .extend(members.iter().map(|(_, lba, _)| lba.0));
+            return Ok(());
         };
         report.extents_verified += members.len() as u64;
         report.bytes_verified += loc.len as u64;

@@ -283,6 +283,8 @@ impl Volume {
         generation: u64,
         clean: bool,
     ) -> Result<(DumpRef, Reservation)> {
+        // The dump's segments are readied by the log writer: first that.
+        self.wait_all_written();
         let page_size = self.geometry.page_size_bytes as u64;
         let first_page = snapshot.directory.len();
         let mut written = 0u64;

@@ -35,7 +35,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::guard::StateGuard;
 use super::space::{Need, Reach, Writer};
-use super::state::{StreamKind, Tally};
+use super::state::{Buffered, StreamKind, Tally};
 use super::Volume;
 
 /// Adjacent extents are read from the medium in one request up to this size.
@@ -192,7 +192,7 @@ impl Volume {
         if buf.is_empty() {
             return Ok(());
         }
-        self.lock().tally(Tally::HostRead(buf.len() as u64));
+        self.tally(Tally::HostRead(buf.len() as u64));
         let result = self.read_bytes_inner(offset, buf);
         // The data leaves over the host link once it has been read.
         self.media
@@ -231,8 +231,15 @@ impl Volume {
             }
         }
         let mut failed: Vec<(usize, Error)> = Vec::new();
-        for (bytes, members) in &buffered {
-            decode_into(&self.record_key, first, bytes, members, out, &mut failed);
+        for (buffered, members) in buffered {
+            match buffered.complete(&*self.media) {
+                Ok(bytes) => {
+                    decode_into(&self.record_key, first, &bytes, &members, out, &mut failed)
+                }
+                Err(e) => {
+                    failed.extend(members.iter().map(|w| (w.index, read_failed(first, w, &e))))
+                }
+            }
         }
         let records = by_record(wanted);
         let runs = coalesce(&records);
@@ -364,7 +371,7 @@ impl Volume {
         if buffer.len() <= READ_SCRATCH_KEPT_BYTES {
             READ_SCRATCH.with(|kept| kept.replace(buffer));
         }
-        self.lock().tally(Tally::MediaRead(media_read));
+        self.tally(Tally::MediaRead(media_read));
         failed
     }
 
@@ -465,7 +472,7 @@ impl Volume {
                 Err(e) => error = e,
             }
         }
-        self.lock().tally(Tally::DamageFound);
+        self.tally(Tally::DamageFound);
         Err(error)
     }
 
@@ -479,7 +486,7 @@ impl Volume {
             Slot::Data(loc) => {
                 let buffered = self.lock().read_buffered(loc)?;
                 let bytes = match buffered {
-                    Some(bytes) => bytes,
+                    Some(buffered) => buffered.complete(&*self.media)?,
                     None => {
                         let mut bytes = vec![0u8; loc.len as usize];
                         self.media
@@ -532,7 +539,7 @@ impl Volume {
                 self.modify_block(end_full, Some(&data[(end_full - offset) as usize..]))?;
             }
         }
-        self.lock().tally(Tally::HostWrite(data.len() as u64));
+        self.tally(Tally::HostWrite(data.len() as u64));
         if fua {
             self.flush()?;
         }
@@ -700,7 +707,7 @@ impl Volume {
                 self.modify_block_with(end_full, None, (end - end_full) as usize)?;
             }
         }
-        self.lock().tally(match mode {
+        self.tally(match mode {
             Discard::Trim => Tally::HostTrim(len),
             Discard::Zero | Discard::ZeroPunch => Tally::HostZero(len),
         });
@@ -735,7 +742,7 @@ struct Lookup {
     /// Each segment `wanted` reads from, with its incarnation (`seq`) at lookup.
     incarnations: Vec<(SegmentId, u64)>,
     /// Records not on the medium yet, copied, with the blocks wanted of each.
-    buffered: Vec<(Vec<u8>, Vec<Wanted>)>,
+    buffered: Vec<(Buffered, Vec<Wanted>)>,
 }
 
 /// Groups wanted blocks by record, in medium order.
@@ -1031,12 +1038,13 @@ mod tests {
         assert!(from_medium.len() >= 60, "{from_medium:?}");
         assert!(!lookup.incarnations.is_empty());
         let mut failed = Vec::new();
-        for (bytes, members) in &lookup.buffered {
+        for (buffered, members) in lookup.buffered {
+            let bytes = buffered.complete(&*volume.media).unwrap();
             decode_into(
                 &volume.record_key,
                 Lba(0),
-                bytes,
-                members,
+                &bytes,
+                &members,
                 &mut out,
                 &mut failed,
             );

@@ -32,11 +32,13 @@ mod space;
 pub(crate) mod staging;
 mod state;
 mod status;
+mod tallies;
 #[cfg(test)]
 mod tests;
 
 pub use check::CheckReport;
 pub use estimate::{WriteEstimate, WriteEstimator};
+pub use guard::LockProfile;
 pub use options::{
     default_map_cache_bytes, Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, Random,
     Recompress, SystemClock,
@@ -83,6 +85,17 @@ pub struct Volume {
     wake_lock: Mutex<bool>,
     /// Signalled (with the state lock) when queued pages were written.
     page_written: Condvar,
+    /// Signalled (with the state lock) when work is queued for the log
+    /// writer thread (`guard.rs`).
+    log_work: Condvar,
+    /// True while the log writer thread runs; changed under the state lock.
+    log_writer_running: AtomicBool,
+    log_writer: Mutex<Option<JoinHandle<()>>>,
+    /// How much the state lock is used.
+    lock_stats: guard::LockStats,
+    /// The host I/O counters, bumped without the state lock (the state
+    /// shares them).
+    tallies: Arc<tallies::Tallies>,
     stop: AtomicBool,
     closed: AtomicBool,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -239,7 +252,10 @@ impl Volume {
                     Err(other) => return Err(other),
                 }
             }
-            volume.lock().report_all_free();
+            let free = volume.lock().all_free();
+            for segment in free {
+                volume.media.segment_freed(segment);
+            }
         }
         report.duration = volume.options.clock.monotonic().saturating_sub(started);
         *volume.open_report.lock().expect("report lock") = report;
@@ -284,6 +300,7 @@ impl Volume {
             options::default_map_cache_bytes(root.superblock.logical_size_bytes)
         }));
         let read_only = options.read_only;
+        let tallies = state.tallies().clone();
         Volume {
             media,
             record_key,
@@ -298,6 +315,11 @@ impl Volume {
             wake: Condvar::new(),
             wake_lock: Mutex::new(false),
             page_written: Condvar::new(),
+            log_work: Condvar::new(),
+            log_writer_running: AtomicBool::new(false),
+            log_writer: Mutex::new(None),
+            lock_stats: guard::LockStats::default(),
+            tallies,
             stop: AtomicBool::new(false),
             closed: AtomicBool::new(read_only),
             worker: Mutex::new(None),
@@ -322,7 +344,7 @@ impl Volume {
             .spawn(move || maintenance_loop(weak))
             .map_err(|e| Error::io("starting the maintenance thread", e))?;
         *self.worker.lock().expect("worker lock") = Some(handle);
-        Ok(())
+        self.start_log_writer()
     }
 
     pub fn superblock(&self) -> &Superblock {
@@ -355,11 +377,8 @@ impl Volume {
         if self.read_only {
             return Ok(());
         }
-        let gen = {
-            let mut state = self.lock();
-            state.tally(state::Tally::Flush);
-            state.barrier()?
-        };
+        self.tally(state::Tally::Flush);
+        let gen = self.lock().barrier()?;
         self.sync_to(gen)
     }
 
@@ -415,6 +434,7 @@ impl Volume {
         if let Some(handle) = handle {
             let _ = handle.join();
         }
+        self.stop_log_writer();
     }
 
     /// Wakes the background thread (space is short or a checkpoint is due).
@@ -594,6 +614,13 @@ impl Volume {
                 .iter()
                 .map(|stat| (stat.name.to_string(), stat.help))
                 .collect(),
+        }
+    }
+
+    /// Counts `tally`, without the state lock if it is a host I/O counter.
+    pub(crate) fn tally(&self, tally: state::Tally) {
+        if !self.tallies.add(tally) {
+            self.lock().tally(tally);
         }
     }
 

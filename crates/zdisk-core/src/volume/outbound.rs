@@ -1,12 +1,19 @@
-//! Whole pages on their way to the medium.
+//! Whole pages, and every other medium call the engine decides under the
+//! state lock, on their way to the medium.
 //!
 //! Appending a record is a copy into a stream's page buffer under the state
 //! lock; writing the full pages to the medium is a system call that copies
 //! them again (into the page cache, or across a drive's link), and it used
 //! to happen under that lock too, so every other writer waited for it.
 //! Now full pages are queued here under the lock and written after it is
-//! released, by one thread at a time (`volume/guard.rs`), so that
-//! compression and appends on other threads go on meanwhile.
+//! released, by one thread at a time (the log writer, `volume/guard.rs`),
+//! so that compression, appends and reads on other threads go on
+//! meanwhile. The medium's segment events (a segment readied for a new
+//! incarnation, sealed, freed) and staging-slot writes queue here too, so
+//! that no medium call runs under the lock and all of them reach the
+//! medium in the order the engine decided them: a tier's `segment_freed`
+//! erases its copy, so one arriving after the segment was readied again
+//! would destroy the new incarnation.
 //!
 //! Invariants:
 //! - Writes go to the medium in queue order, one writer at a time, so each
@@ -37,6 +44,26 @@ pub(crate) enum WriteKind {
     /// Hands a partial page to a medium with power-loss protection
     /// (`Media::stage_partial_page`), after the pages before it.
     Stage,
+    /// Writes staging slot `n` (`Media::write_staging`); not segment data.
+    Staging(usize),
+    /// Readies the segment for a new incarnation (`Media::prepare_segment`).
+    Prepare,
+    /// The segment's incarnation was sealed at `offset` bytes
+    /// (`Media::segment_sealed`).
+    Sealed,
+    /// The segment was freed (`Media::segment_freed`).
+    Freed,
+}
+
+impl WriteKind {
+    /// True if the write puts bytes into its segment (which a read of a
+    /// record there may need before it reaches the medium).
+    pub fn is_segment_data(self) -> bool {
+        matches!(
+            self,
+            WriteKind::Pages | WriteKind::Sectors | WriteKind::Stage
+        )
+    }
 }
 
 /// Pages of one segment, to be written (or a partial one staged) at
@@ -82,7 +109,15 @@ impl Outbound {
         offset: u64,
         bytes: Vec<u8>,
     ) {
-        debug_assert!(!bytes.is_empty(), "an empty page write");
+        debug_assert!(
+            bytes.is_empty()
+                == matches!(
+                    kind,
+                    WriteKind::Prepare | WriteKind::Sealed | WriteKind::Freed
+                ),
+            "{kind:?} with {} bytes",
+            bytes.len()
+        );
         self.last_ticket += 1;
         self.queued_bytes += bytes.len();
         self.queue.push_back(PageWrite {
@@ -141,9 +176,17 @@ impl Outbound {
         self.busy
     }
 
-    /// Queued writes of `segment`, in offset order.
+    /// Queued writes of data into `segment`, in offset order.
     pub fn of_segment(&self, segment: SegmentId) -> impl Iterator<Item = &PageWrite> {
-        self.queue.iter().filter(move |w| w.segment == segment)
+        self.queue
+            .iter()
+            .filter(move |w| w.segment == segment && w.kind.is_segment_data())
+    }
+
+    /// Queues a medium call that carries no data: `Prepare`, `Sealed`
+    /// (`offset`: the fill) or `Freed`.
+    pub fn push_event(&mut self, kind: WriteKind, segment: SegmentId, offset: u64) {
+        self.push(kind, segment, PageIndex(0), offset, Vec::new());
     }
 
     /// Drops everything queued, as a power cut would.

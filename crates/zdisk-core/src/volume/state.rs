@@ -40,6 +40,7 @@ use crate::units::{Lba, PageIndex, SegmentId};
 use super::outbound::{Outbound, PageWrite, WriteKind};
 use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
 use super::staging::{Staged, StagingSlots};
+use super::tallies::Tallies;
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,41 @@ pub(crate) struct Stream {
 impl Stream {
     pub fn write_offset(&self) -> u64 {
         self.base_offset + self.buf.len() as u64
+    }
+}
+
+/// A record copied from RAM under the lock, its first `on_medium` bytes
+/// (already on the medium, so not in RAM) still to read.
+#[derive(Debug)]
+pub(crate) struct Buffered {
+    loc: Location,
+    bytes: Vec<u8>,
+    on_medium: usize,
+}
+
+impl Buffered {
+    /// The whole record: reads the part on the medium (outside the lock;
+    /// it stays there for as long as the segment's incarnation lives, and
+    /// the caller verifies the record anyway).
+    pub(crate) fn complete(mut self, media: &dyn Media) -> Result<Vec<u8>> {
+        if self.on_medium > 0 {
+            let loc = self.loc;
+            media.read(
+                loc.segment,
+                loc.offset as u64,
+                &mut self.bytes[..self.on_medium],
+            )?;
+        }
+        Ok(self.bytes)
+    }
+
+    pub(crate) fn loc(&self) -> Location {
+        self.loc
+    }
+
+    /// The record's bytes, if all of them were in RAM.
+    pub(crate) fn in_ram(&self) -> Option<&[u8]> {
+        (self.on_medium == 0).then_some(&self.bytes[..])
     }
 }
 
@@ -104,6 +140,8 @@ pub(crate) struct State {
     /// Which staging slot each stream's next barrier writes.
     staging: StagingSlots,
     counters: Counters,
+    /// The host I/O counters, kept outside the lock (added to `counters`).
+    tallies: Arc<Tallies>,
     /// Generation of the newest root written.
     generation: u64,
     /// The roots in the two metadata slots (by slot). Recovery may start
@@ -151,6 +189,7 @@ impl State {
             outbound: Outbound::default(),
             staging: StagingSlots::default(),
             counters: start.counters,
+            tallies: Arc::default(),
             generation: start.generation,
             roots: start.roots,
             failed: None,
@@ -196,7 +235,12 @@ impl State {
     }
 
     pub(crate) fn counters(&self) -> Counters {
-        self.counters
+        self.tallies.added_to(self.counters)
+    }
+
+    /// The host I/O counters the volume bumps without the lock.
+    pub(crate) fn tallies(&self) -> &Arc<Tallies> {
+        &self.tallies
     }
 
     pub(crate) fn streams(&self) -> &[Stream; 2] {
@@ -288,8 +332,9 @@ impl State {
 
     /// The bytes of a record that is not (all) on the medium yet: still in
     /// a stream buffer, or in pages queued for writing. `None` if it is
-    /// all on the medium.
-    pub(crate) fn read_buffered(&self, loc: Location) -> Result<Option<Vec<u8>>> {
+    /// all on the medium. A part already on the medium is left for the
+    /// caller to read after releasing the lock ([`Buffered::complete`]).
+    pub(crate) fn read_buffered(&self, loc: Location) -> Result<Option<Buffered>> {
         let segment = loc.segment;
         let start = loc.offset as u64;
         let end = start + loc.len as u64;
@@ -325,13 +370,7 @@ impl State {
             )));
         }
         let mut bytes = vec![0u8; loc.len as usize];
-        if start < unwritten_from {
-            self.media.read(
-                segment,
-                start,
-                &mut bytes[..(unwritten_from - start) as usize],
-            )?;
-        }
+        let on_medium = unwritten_from.saturating_sub(start) as usize;
         let mut overlay = |from: u64, data: &[u8]| {
             let lo = from.max(start);
             let hi = (from + data.len() as u64).min(end);
@@ -346,7 +385,11 @@ impl State {
         if let Some(stream) = stream {
             overlay(stream.base_offset, &stream.buf);
         }
-        Ok(Some(bytes))
+        Ok(Some(Buffered {
+            loc,
+            bytes,
+            on_medium,
+        }))
     }
 
     /// The root with the highest generation.
@@ -722,11 +765,6 @@ impl State {
 
     // --- Streams and barriers.
 
-    fn fail<T>(&mut self, error: Error) -> Result<T> {
-        self.note_failure(&error);
-        Err(error)
-    }
-
     /// Stops all writing after a medium error: the log may have a hole.
     pub(crate) fn note_failure(&mut self, error: &Error) {
         if self.failed.is_none() {
@@ -856,7 +894,8 @@ impl State {
         let stream = std::mem::take(&mut self.streams[kind as usize]);
         let segment = stream.segment.expect("checked above");
         self.space.seal(segment, stream.base_offset);
-        self.media.segment_sealed(segment, stream.base_offset);
+        self.outbound
+            .push_event(WriteKind::Sealed, segment, stream.base_offset);
         Ok(())
     }
 
@@ -881,17 +920,16 @@ impl State {
         Ok(())
     }
 
-    /// Takes a reserved free segment as a new incarnation and has the
-    /// medium ready it for writing from page 0 (flash erases it; a file
-    /// does not).
+    /// Takes a reserved free segment as a new incarnation and queues the
+    /// medium's readying of it for writing from page 0 (flash erases it; a
+    /// file does not), ahead of every write to it. A failure to ready it
+    /// stops all writing, as a failed page write does.
     fn acquire(&mut self, state: SegmentState) -> Result<SegmentId> {
         let segment = self.space.acquire(state).ok_or(Error::NoSpace {
             free_segments: self.space.free_count(),
             reserved_segments: 0,
         })?;
-        if let Err(error) = self.media.prepare_segment(segment) {
-            return self.fail(error);
-        }
+        self.outbound.push_event(WriteKind::Prepare, segment, 0);
         Ok(segment)
     }
 
@@ -938,15 +976,24 @@ impl State {
             data: stream.buf.clone(),
         };
         let bytes = staged.encode(&self.key);
+        // The slot and the barrier generation are decided here, under the
+        // lock, so two barriers never pick one slot; the write is queued
+        // behind the sectors written in place above, and a sync covering
+        // the barrier waits for the queue.
         let slot = self.staging.slot_for(kind as usize);
-        if let Err(error) = self.media.write_staging(slot, &bytes) {
-            return self.fail(error);
-        }
+        let len = bytes.len() as u64;
+        self.outbound.push(
+            WriteKind::Staging(slot),
+            segment,
+            PageIndex(0),
+            offset,
+            bytes,
+        );
         // Durable once a sync covers the barrier being issued.
         let gen = self.space.barrier_gen() + 1;
         self.staging.note_written(slot, gen, &staged);
-        self.counters.staging_bytes += bytes.len() as u64;
-        self.counters.media_write_bytes += bytes.len() as u64;
+        self.counters.staging_bytes += len;
+        self.counters.media_write_bytes += len;
         Ok(())
     }
 
@@ -981,17 +1028,16 @@ impl State {
     /// Tells the medium of segments freed since the last report.
     fn report_freed(&mut self) {
         for segment in self.space.take_freed() {
-            self.media.segment_freed(segment);
+            self.outbound.push_event(WriteKind::Freed, segment, 0);
         }
     }
 
-    /// Tells the medium of every free segment (once recovery has settled
-    /// what is free).
-    pub(crate) fn report_all_free(&mut self) {
+    /// Every free segment, for the medium to hear of once recovery has
+    /// settled what is free (before anything else runs, so outside the
+    /// lock and in order with what follows).
+    pub(crate) fn all_free(&mut self) -> Vec<SegmentId> {
         self.space.take_freed();
-        for segment in self.space.free_segments() {
-            self.media.segment_freed(segment);
-        }
+        self.space.free_segments().collect()
     }
 
     /// A cleaned victim (see `Space::retire`).
@@ -1030,6 +1076,9 @@ impl State {
     }
 
     pub(crate) fn tally(&mut self, tally: Tally) {
+        if self.tallies.add(tally) {
+            return;
+        }
         let counters = &mut self.counters;
         match tally {
             Tally::HostWrite(bytes) => {

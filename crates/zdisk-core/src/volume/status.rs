@@ -123,6 +123,7 @@ impl Volume {
         let mut headers = HashMap::new();
         let mut next = from.0;
         let mut window_data = 0u64;
+        let mut partial = Vec::new();
         let mut state = self.lock();
         state.load_map(from, end - from.0)?;
         state
@@ -134,8 +135,16 @@ impl Volume {
                     Slot::Damaged => Found::Known(Stored::Damaged, blocks),
                     Slot::Data(loc) => {
                         if let Vacant(slot) = headers.entry(loc.record_key()) {
-                            if let Ok(Some(bytes)) = state.read_buffered(loc) {
-                                slot.insert(RecordHeader::decode(&bytes).ok());
+                            // A record partly on the medium is left to
+                            // `read_headers`, outside the lock, unless its
+                            // header is in RAM.
+                            if let Ok(Some(buffered)) = state.read_buffered(loc) {
+                                match buffered.in_ram() {
+                                    Some(bytes) => {
+                                        slot.insert(RecordHeader::decode(bytes).ok());
+                                    }
+                                    None => partial.push(buffered),
+                                }
                             }
                         }
                         window_data += blocks;
@@ -149,6 +158,15 @@ impl Volume {
                     false => ControlFlow::Continue(()),
                 }
             });
+        drop(state);
+        for buffered in partial {
+            let key = buffered.loc().record_key();
+            let header = buffered
+                .complete(&*self.media)
+                .ok()
+                .and_then(|bytes| RecordHeader::decode(&bytes).ok());
+            headers.insert(key, header);
+        }
         Ok(Window {
             found,
             headers,
