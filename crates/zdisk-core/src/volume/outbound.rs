@@ -76,7 +76,8 @@ pub(crate) struct PageWrite {
     pub first_page: PageIndex,
     /// Byte offset of `bytes[0]` in the segment.
     pub offset: u64,
-    pub bytes: Arc<[u8]>,
+    /// Shared, not copied: queueing a batch must not copy it under the lock.
+    pub bytes: Arc<Vec<u8>>,
 }
 
 impl PageWrite {
@@ -126,7 +127,7 @@ impl Outbound {
             segment,
             first_page,
             offset,
-            bytes: bytes.into(),
+            bytes: Arc::new(bytes),
         });
     }
 
