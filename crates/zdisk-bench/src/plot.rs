@@ -144,11 +144,17 @@ fn draw<DB: DrawingBackend>(
                     .into_iter()
                     .flatten()
                     .map(|r| {
-                        let label = format!("{} x{}", r["op"].as_str().unwrap_or("?"), r["threads"]);
+                        let label =
+                            format!("{} x{}", r["op"].as_str().unwrap_or("?"), r["threads"]);
                         (label, number(&r["ops_per_s"]))
                     })
                     .collect();
-                bars(area, "4 KiB random operations by thread count", "ops/s", &values)?
+                bars(
+                    area,
+                    "4 KiB random operations by thread count",
+                    "ops/s",
+                    &values,
+                )?
             }
             Scenario::SparseWal => sparse_wal(area, &outcome.json)?,
             Scenario::Restart => bars(

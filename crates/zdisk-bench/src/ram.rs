@@ -131,7 +131,7 @@ mod tests {
         RamMedia::new(MediaGeometry {
             page_size_bytes: 4096,
             segment_size_bytes: 64 * 1024,
-            segment_count: 4,
+            segment_count: 8,
             meta_slot_size_bytes: 8192,
         })
         .expect("geometry")
@@ -157,7 +157,7 @@ mod tests {
     fn out_of_range_requests_are_errors() {
         let media = media();
         let mut buf = [0u8; 4096];
-        assert!(media.read(SegmentId(4), 0, &mut buf).is_err());
+        assert!(media.read(SegmentId(8), 0, &mut buf).is_err());
         assert!(media.read(SegmentId(0), 62 * 1024, &mut buf).is_err());
         assert!(media
             .write_pages(SegmentId(0), PageIndex(16), &[0u8; 4096])

@@ -54,18 +54,16 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
             codec: args.codec.unwrap_or_default(),
             gc_policy: args.gc_policy,
         }),
-        (None, Some(path)) => {
-            Box::new(ImageDrive {
-                path: path.clone(),
-                logical_bytes: args.logical,
-                physical_bytes: physical,
-                segment_bytes: args.segment_size,
-                codec: args.codec.unwrap_or_default(),
-                gc_policy: args.gc_policy,
-                force: args.force,
-                created: Default::default(),
-            })
-        }
+        (None, Some(path)) => Box::new(ImageDrive {
+            path: path.clone(),
+            logical_bytes: args.logical,
+            physical_bytes: physical,
+            segment_bytes: args.segment_size,
+            codec: args.codec.unwrap_or_default(),
+            gc_policy: args.gc_policy,
+            force: args.force,
+            created: Default::default(),
+        }),
         (None, None) => return Err("give --profile NAME, --image PATH or --memory".into()),
     };
     let config = BenchConfig {

@@ -434,7 +434,11 @@ fn threads_scenario() -> TestResult {
         ],
         &scratch.join("out.json"),
     )?;
-    ensure!(objects.len() == 5, "{} JSON lines: {objects:?}", objects.len());
+    ensure!(
+        objects.len() == 5,
+        "{} JSON lines: {objects:?}",
+        objects.len()
+    );
     let find = |op: &str, threads: u64| -> Result<&Value, Failed> {
         objects
             .iter()
@@ -450,7 +454,10 @@ fn threads_scenario() -> TestResult {
             let seconds = number(line, "seconds")?;
             ensure!(ops > 0.0 && seconds >= 0.3, "{line}");
             let ops_s = number(line, "ops_per_s")?;
-            ensure!((ops_s - ops / seconds).abs() <= 1e-6 * ops_s, "ops/s: {line}");
+            ensure!(
+                (ops_s - ops / seconds).abs() <= 1e-6 * ops_s,
+                "ops/s: {line}"
+            );
             let speedup = number(line, "speedup")?;
             ensure!(
                 (speedup - ops_s / one_ops_s).abs() <= 1e-9 * speedup,

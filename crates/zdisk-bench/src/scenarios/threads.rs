@@ -92,7 +92,14 @@ pub fn threads(
     };
     let seconds = settings.seconds;
     // Untimed: the first timed run must not pay for caches the fill left cold.
-    measure(&target, OpKind::Read, 1, region, (seconds / 4.0).min(1.0), settings.seed)?;
+    measure(
+        &target,
+        OpKind::Read,
+        1,
+        region,
+        (seconds / 4.0).min(1.0),
+        settings.seed,
+    )?;
     let mut lines = Vec::new();
     for kind in [OpKind::Read, OpKind::Write] {
         let mut one_thread_ops_s = None;
