@@ -493,10 +493,15 @@ fn threads_scenario() -> TestResult {
             }
         }
     }
-    let summary = &objects
+    let last = objects
         .iter()
         .find(|o| o.get("summary").is_some())
-        .ok_or("no summary line")?["summary"];
+        .ok_or("no summary line")?;
+    ensure!(
+        number(last, "cpus")? >= 1.0 && number(last, "region_bytes")? == (8 << 20) as f64,
+        "summary line {last}"
+    );
+    let summary = &last["summary"];
     for op in ["read", "write"] {
         ensure!(
             summary[format!("{op}_speedup_1_to_2")] == find(op, 2)?["speedup"]

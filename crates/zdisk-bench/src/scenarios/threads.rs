@@ -120,7 +120,13 @@ pub fn threads(
     });
     json["summary"] = summary.clone();
     let mut out_lines: Vec<Value> = lines;
-    out_lines.push(json!({ "scenario": "threads", "summary": summary }));
+    out_lines.push(json!({
+        "scenario": "threads",
+        "cpus": cpus,
+        "region_bytes": region,
+        "seconds": seconds,
+        "summary": summary,
+    }));
     drop(target);
     Ok(Outcome {
         json,
