@@ -397,3 +397,76 @@ impl Drive for NandDrive {
         })
     }
 }
+
+/// A volume on a RAM medium (`crate::ram`), driven in real time: the
+/// engine's own speed, with no medium latency and no medium lock in the
+/// way. Nothing outlives the run.
+pub struct RamDrive {
+    pub logical_bytes: u64,
+    /// Bytes of log (segments); the metadata slots come on top.
+    pub physical_bytes: u64,
+    pub segment_bytes: u64,
+    pub codec: Codec,
+    pub gc_policy: GcPolicy,
+}
+
+impl RamDrive {
+    fn geometry(&self, physical_bytes: u64) -> zdisk_core::media::MediaGeometry {
+        zdisk_core::media::MediaGeometry {
+            page_size_bytes: 4096,
+            segment_size_bytes: self.segment_bytes,
+            segment_count: (physical_bytes / self.segment_bytes.max(1)).min(u32::MAX as u64 - 1)
+                as u32,
+            meta_slot_size_bytes: 1 << 20,
+        }
+    }
+}
+
+impl Drive for RamDrive {
+    fn describe(&self) -> String {
+        format!(
+            "RAM ({} logical, {} physical, real time)",
+            zdisk_core::units::format_size(self.logical_bytes),
+            zdisk_core::units::format_size(self.physical_bytes)
+        )
+    }
+
+    fn supports_plp(&self) -> bool {
+        false
+    }
+
+    fn default_sizes(&self) -> (u64, u64) {
+        (
+            self.geometry(self.physical_bytes).log_capacity_bytes(),
+            self.logical_bytes,
+        )
+    }
+
+    fn segment_and_page(&self) -> (u64, u64) {
+        (self.segment_bytes, 4096)
+    }
+
+    fn create(&self, options: &DriveOptions) -> Result<Target, String> {
+        if options.plp == Some(true) {
+            return Err("a RAM medium has no power-loss protection".into());
+        }
+        let geometry = self.geometry(options.physical_bytes.unwrap_or(self.physical_bytes));
+        let media = crate::ram::RamMedia::new(geometry).map_err(|e| e.to_string())?;
+        let codec = options.codec.unwrap_or(self.codec);
+        let create = CreateOptions {
+            logical_size_bytes: options.logical_bytes.unwrap_or(self.logical_bytes),
+            codec,
+            gc_policy: options.gc_policy.unwrap_or(self.gc_policy),
+            unit_blocks: zdisk_core::meta::default_unit_blocks(codec),
+            media_kind: MediaKind::Memory,
+            media_params: Vec::new(),
+        };
+        let volume = Volume::create(
+            Arc::new(media) as Arc<dyn Media>,
+            create,
+            OpenOptions::default(),
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Target::real(volume))
+    }
+}

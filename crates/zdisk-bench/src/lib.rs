@@ -7,8 +7,10 @@
 //! from a source drive in the same three states), `flush` (flush after every write, with and without
 //! power-loss protection), `qd` (queue depth 1–32), `wa` (steady-state
 //! write amplification under random overwrites, against theory),
-//! `restart`, and `sparse-wal` (a write-ahead log in the packed and the
-//! sparse layout, `wal`). Results print as tables, and optionally as JSON
+//! `restart`, `sparse-wal` (a write-ahead log in the packed and the
+//! sparse layout, `wal`), and `threads` (4 KiB reads and writes from 1,
+//! 2, 4 … threads with the state lock's share of each operation, on a RAM
+//! medium, `ram`). Results print as tables, and optionally as JSON
 //! lines (one object per scenario, or per measurement for `sparse-wal`) and
 //! a chart.
 
@@ -16,6 +18,7 @@ pub mod drive;
 pub mod driver;
 pub mod pattern;
 pub mod plot;
+pub mod ram;
 pub mod scenarios;
 pub mod wal;
 
@@ -38,6 +41,7 @@ pub enum Scenario {
     WriteAmplification,
     Restart,
     SparseWal,
+    Threads,
 }
 
 impl Scenario {
@@ -51,9 +55,10 @@ impl Scenario {
             "wa" => Ok(Scenario::WriteAmplification),
             "restart" => Ok(Scenario::Restart),
             "sparse-wal" => Ok(Scenario::SparseWal),
+            "threads" => Ok(Scenario::Threads),
             other => Err(format!(
-                "unknown scenario {other:?}: use sweep, dirty, file-copy, flush, qd, wa, restart \
-                 or sparse-wal"
+                "unknown scenario {other:?}: use sweep, dirty, file-copy, flush, qd, wa, restart, \
+                 sparse-wal or threads"
             )),
         }
     }
@@ -68,6 +73,7 @@ impl Scenario {
             Scenario::WriteAmplification => "wa",
             Scenario::Restart => "restart",
             Scenario::SparseWal => "sparse-wal",
+            Scenario::Threads => "threads",
         }
     }
 }
@@ -150,6 +156,7 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
             }
             Scenario::Restart => scenarios::restart(drive, &config.settings, &progress),
             Scenario::SparseWal => scenarios::sparse_wal(drive, &config.settings, &progress),
+            Scenario::Threads => scenarios::threads(drive, &config.settings, &progress),
         }
         .map_err(|e| format!("scenario {}: {e}", scenario.name()))?;
         let host_seconds = started.elapsed().as_secs_f64();
@@ -185,7 +192,7 @@ pub fn run(drive: &dyn Drive, config: &BenchConfig) -> Result<Vec<(Scenario, Out
         }
         say!(
             "\nJSON written to {} ({objects} objects, one per line: one per scenario, \
-             or per measurement for sparse-wal)",
+             or per measurement for sparse-wal and threads)",
             path.display()
         )?;
     }

@@ -138,6 +138,24 @@ fn draw<DB: DrawingBackend>(
                 )?
             }
             Scenario::QueueDepth => queue_depth(area, &outcome.json)?,
+            Scenario::Threads => {
+                let values: Vec<(String, f64)> = outcome.json["results"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        let label =
+                            format!("{} x{}", r["op"].as_str().unwrap_or("?"), r["threads"]);
+                        (label, number(&r["ops_per_s"]))
+                    })
+                    .collect();
+                bars(
+                    area,
+                    "4 KiB random operations by thread count",
+                    "ops/s",
+                    &values,
+                )?
+            }
             Scenario::SparseWal => sparse_wal(area, &outcome.json)?,
             Scenario::Restart => bars(
                 area,

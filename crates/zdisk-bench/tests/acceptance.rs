@@ -27,6 +27,8 @@ fn bench(drive: &NandDrive, scenario: Scenario, size: u64, patterns: Vec<Pattern
             dirty_fill_random: false,
             spares: vec![],
             copy_source_bytes_per_sec: None,
+            threads: Vec::new(),
+            seconds: 1.0,
             seed: 1,
         },
         json: None,

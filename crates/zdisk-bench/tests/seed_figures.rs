@@ -38,6 +38,8 @@ fn bench(drive: &NandDrive, scenario: Scenario, size: u64, source_mb_s: Option<f
             dirty_fill_random: false,
             spares: vec![],
             copy_source_bytes_per_sec: source_mb_s.map(|rate| (rate * 1e6) as u64),
+            threads: Vec::new(),
+            seconds: 1.0,
             seed: 1,
         },
         json: None,

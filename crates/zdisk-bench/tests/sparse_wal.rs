@@ -39,6 +39,8 @@ fn json_lines() -> Vec<Value> {
             dirty_fill_random: false,
             spares: vec![],
             copy_source_bytes_per_sec: None,
+            threads: Vec::new(),
+            seconds: 1.0,
             seed: 1,
         },
         json: Some(path.clone()),

@@ -321,17 +321,27 @@ pub struct CheckArgs {
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Emulated drive profile, run in virtual time (see docs/emulation.md).
-    #[arg(long, conflicts_with = "image", required_unless_present = "image")]
+    #[arg(
+        long,
+        conflicts_with_all = ["image", "memory"],
+        required_unless_present_any = ["image", "memory"]
+    )]
     pub profile: Option<String>,
     /// A real image (file or block device) to benchmark in real time. It is
     /// recreated for every scenario: its contents are lost.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "memory")]
     pub image: Option<PathBuf>,
+    /// A volume on a RAM medium, in real time: the engine's own speed, no
+    /// medium in the way (for the threads scenario). Sized by --logical,
+    /// --physical and --segment-size.
+    #[arg(long)]
+    pub memory: bool,
     /// Let the benchmark replace an --image that existed before this run
     /// (an image in use by another process is refused even then).
     #[arg(long, requires = "image")]
     pub force: bool,
-    /// Scenarios, comma-separated: sweep, dirty, file-copy, flush, qd, wa, restart, sparse-wal.
+    /// Scenarios, comma-separated: sweep, dirty, file-copy, flush, qd, wa, restart, sparse-wal,
+    /// threads.
     #[arg(long, value_delimiter = ',', required = true)]
     pub scenario: Vec<String>,
     /// Write JSON lines to FILE: one object per scenario (per measurement for sparse-wal).
@@ -378,6 +388,13 @@ pub struct BenchArgs {
     pub codec: Option<Codec>,
     #[arg(long, value_parser = policy_arg, default_value = "cost-benefit")]
     pub gc_policy: GcPolicy,
+    /// threads: thread counts, comma-separated (default: 1, 2, 4 … up to the
+    /// host's CPUs, and 4 where it has fewer).
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// threads: seconds each measurement runs.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
     /// Seed for data and offsets.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,

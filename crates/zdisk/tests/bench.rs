@@ -1,7 +1,9 @@
 //! End-to-end tests of `zdisk bench` through the real binary: every
 //! scenario on a small emulated drive in virtual time, with its JSON keys
-//! and charts; scenarios on a real image in real time; bad arguments; and
-//! the chart of `scripts/pg-fillfactor.py`'s results.
+//! and charts; scenarios on a real image in real time; the threads
+//! scenario on a RAM medium (its figures consistent with each other, never
+//! its speed); bad arguments; and the chart of `scripts/pg-fillfactor.py`'s
+//! results.
 //!
 //! Figures are asserted only where they are outputs of the drive model
 //! (virtual time), never where they would time the host. A missing
@@ -35,6 +37,10 @@ fn main() {
             pg_fillfactor_chart,
         ),
         ("an_image_is_benchmarked_in_real_time", image_scenarios),
+        (
+            "threads_on_a_ram_medium_reports_lock_figures_that_add_up",
+            threads_scenario,
+        ),
         (
             "bad_arguments_are_one_line_errors_and_touch_nothing",
             bad_arguments,
@@ -405,12 +411,126 @@ fn image_scenarios() -> TestResult {
     Ok(Completion::Completed)
 }
 
+/// Two thread counts of reads and of writes, briefly: every figure there,
+/// the derived ones (speed-up, operation time, hold share, Amdahl ceiling)
+/// those the counts give, and the summary line the runs' figures.
+fn threads_scenario() -> TestResult {
+    let scratch = Scratch::new("bench-threads");
+    let objects = bench(
+        &[
+            "--memory",
+            "--scenario",
+            "threads",
+            "--threads",
+            "1,2",
+            "--seconds",
+            "0.3",
+            "--size",
+            "8M",
+            "--logical",
+            "64M",
+            "--physical",
+            "128M",
+        ],
+        &scratch.join("out.json"),
+    )?;
+    ensure!(
+        objects.len() == 5,
+        "{} JSON lines: {objects:?}",
+        objects.len()
+    );
+    let find = |op: &str, threads: u64| -> Result<&Value, Failed> {
+        objects
+            .iter()
+            .find(|o| o["op"] == op && o["threads"].as_u64() == Some(threads))
+            .ok_or_else(|| format!("no {op} x{threads} line in {objects:?}").into())
+    };
+    for op in ["read", "write"] {
+        let one_ops_s = number(find(op, 1)?, "ops_per_s")?;
+        for threads in [1u64, 2] {
+            let line = find(op, threads)?;
+            ensure!(line["scenario"] == "threads", "{line}");
+            let ops = number(line, "ops")?;
+            let seconds = number(line, "seconds")?;
+            ensure!(ops > 0.0 && seconds >= 0.3, "{line}");
+            let ops_s = number(line, "ops_per_s")?;
+            ensure!(
+                (ops_s - ops / seconds).abs() <= 1e-6 * ops_s,
+                "ops/s: {line}"
+            );
+            let speedup = number(line, "speedup")?;
+            ensure!(
+                (speedup - ops_s / one_ops_s).abs() <= 1e-9 * speedup,
+                "speed-up against one thread: {line}"
+            );
+            let op_ns = number(line, "op_ns")?;
+            ensure!(
+                (op_ns * ops - threads as f64 * seconds * 1e9).abs() <= 1e-6 * op_ns * ops,
+                "thread time per op: {line}"
+            );
+            ensure!(
+                number(line, "lock_acquisitions_per_op")? >= 0.0
+                    && number(line, "lock_wait_ns_per_op")? >= 0.0,
+                "{line}"
+            );
+            let hold = number(line, "lock_hold_ns_per_op")?;
+            let share = number(line, "lock_share")?;
+            ensure!((share - hold / op_ns).abs() <= 1e-9, "hold share: {line}");
+            // One lock, held by one thread at a time: at most the run's
+            // wall time, shared among the threads.
+            ensure!(
+                (0.0..=1.0 / threads as f64 + 0.01).contains(&share),
+                "hold share {share}: {line}"
+            );
+            if share > 0.0 {
+                let ceiling = number(line, "amdahl_ceiling")?;
+                ensure!(
+                    (ceiling * share - 1.0).abs() < 1e-9,
+                    "ceiling {ceiling} is not 1 / {share}"
+                );
+            } else {
+                ensure!(line["amdahl_ceiling"].is_null(), "{line}");
+            }
+        }
+    }
+    let last = objects
+        .iter()
+        .find(|o| o.get("summary").is_some())
+        .ok_or("no summary line")?;
+    ensure!(
+        number(last, "cpus")? >= 1.0 && number(last, "region_bytes")? == (8 << 20) as f64,
+        "summary line {last}"
+    );
+    let summary = &last["summary"];
+    for op in ["read", "write"] {
+        ensure!(
+            summary[format!("{op}_speedup_1_to_2")] == find(op, 2)?["speedup"]
+                && summary[format!("{op}_amdahl_ceiling_1_thread")]
+                    == find(op, 1)?["amdahl_ceiling"],
+            "summary {summary} against the runs"
+        );
+    }
+    Ok(Completion::Completed)
+}
+
 fn bad_arguments() -> TestResult {
     let scratch = Scratch::new("bench-bad");
     let precious = scratch.join("precious.txt");
     std::fs::write(&precious, b"not a zdisk image")?;
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["--scenario", "sweep"], "--profile"),
+        (
+            vec!["--profile", "tiny", "--scenario", "threads"],
+            "give --memory or --image",
+        ),
+        (
+            vec!["--memory", "--scenario", "threads", "--threads", "0"],
+            "--threads",
+        ),
+        (
+            vec!["--memory", "--profile", "tiny", "--scenario", "threads"],
+            "cannot be used with",
+        ),
         (
             vec!["--profile", "no-such-drive", "--scenario", "sweep"],
             "no-such-drive",

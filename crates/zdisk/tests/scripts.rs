@@ -54,6 +54,11 @@ const TESTS: &[(&str, &str, TestFn)] = &[
         map_cache,
     ),
     ("ab.py", "ab_compares_two_builds_in_every_scenario", ab),
+    (
+        "mixed-rw.py",
+        "mixed_rw_measures_reads_alone_and_beside_a_writer_on_both_servers",
+        mixed_rw,
+    ),
     ("peers.py", "peers_against_nbdkit_memory", peers),
     (
         "os-install.py",
@@ -402,6 +407,69 @@ fn ab() -> TestResult {
         }
         if extra.contains(&"--nbdkit") {
             positive(&result["over_nbdkit"]["A"], "mb_s")?;
+        }
+    }
+    Ok(Completion::Completed)
+}
+
+/// One quick round on zdisk, a baseline (the same binary) and nbdkit:
+/// every figure present and positive, the percentiles in order, the
+/// writer's figure only where it ran, and the ratios those of the figures.
+fn mixed_rw() -> TestResult {
+    if let Some(skip) =
+        skip_unless(requires_python().and(require_tools(&["fio", "nbdcopy", "nbdkit"])))
+    {
+        return skip;
+    }
+    let zdisk = zdisk_bin();
+    let scratch = Scratch::new("script-mixed-rw");
+    let result = last_json(&script_zdisk(
+        "mixed-rw.py",
+        &[
+            "--quick",
+            "--baseline",
+            path_arg(&zdisk),
+            "--serve-flags",
+            "--recompress off",
+            "--dir",
+            path_arg(&scratch.path),
+        ],
+    )?)?;
+    let rounds = result["rounds"].as_array().ok_or("no rounds")?;
+    ensure!(rounds.len() == 1, "{} rounds: {result}", rounds.len());
+    let round = &rounds[0];
+    for server in ["zdisk", "baseline", "nbdkit"] {
+        for phase in ["reads", "mixed"] {
+            let figures = &round[server][phase];
+            positive(figures, "read_iops")?;
+            let (p50, p99, p999) = (
+                positive(figures, "read_p50_us")?,
+                positive(figures, "read_p99_us")?,
+                positive(figures, "read_p99_9_us")?,
+            );
+            ensure!(
+                p50 <= p99 && p99 <= p999,
+                "{server} {phase}: percentiles out of order: {figures}"
+            );
+            ensure!(
+                (phase == "mixed") == figures.get("write_mb_s").is_some(),
+                "{server} {phase}: the writer's figure where it did not run, or missing: {figures}"
+            );
+        }
+        positive(&round[server]["mixed"], "write_mb_s")?;
+    }
+    for (name, bottom) in [("zdisk/nbdkit", "nbdkit"), ("zdisk/baseline", "baseline")] {
+        let ratios = &result["ratios"][name]["rounds"][0];
+        let iops = positive(ratios, "mixed_iops")?;
+        let want = number(&round["zdisk"]["mixed"], "read_iops")?
+            / number(&round[bottom]["mixed"], "read_iops")?;
+        ensure!(
+            (iops - want).abs() < 1e-9 * want,
+            "{name} mixed IOPS ratio {iops}, the figures give {want}"
+        );
+        for key in ["reads_iops", "reads_p99", "mixed_p99", "write_mb_s"] {
+            positive(ratios, key)?;
+            positive(&result["ratios"][name]["median"], key)?;
         }
     }
     Ok(Completion::Completed)

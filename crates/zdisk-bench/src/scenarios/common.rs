@@ -38,6 +38,10 @@ pub struct Settings {
     pub spares: Vec<f64>,
     /// The file-copy scenario's source drive read rate (`None`: unlimited).
     pub copy_source_bytes_per_sec: Option<u64>,
+    /// The threads scenario: thread counts (empty: 1, 2, 4 … up to the
+    /// host's CPUs, and 4), and seconds per measurement.
+    pub threads: Vec<usize>,
+    pub seconds: f64,
     pub seed: u64,
 }
 

@@ -10,6 +10,7 @@ mod qd;
 mod restart;
 mod sparse_wal;
 mod sweep;
+mod threads;
 mod wa;
 
 pub use common::{Outcome, Settings};
@@ -20,4 +21,5 @@ pub use qd::queue_depths;
 pub use restart::restart;
 pub use sparse_wal::{layout_model_reduction, sparse_wal, COMMIT_SIZES, GROUP_COMMITS};
 pub use sweep::sweep;
+pub use threads::{default_thread_counts, threads};
 pub use wa::{greedy_theory, write_amplification};
