@@ -5,6 +5,11 @@
 //! connections lets one client at a deep queue keep every core busy while
 //! capping the number of threads however many clients connect.
 //!
+//! Jobs wait in two lanes ([`Lane`]). General workers take a quick job
+//! (a read) before a bulk one (a write); read workers take only quick
+//! jobs. So a read never queues behind writes, and never waits for a
+//! worker while a writer keeps all the general ones compressing.
+//!
 //! Invariants: a job is run exactly once; jobs queued before
 //! [`WorkerPool::shut_down`] still run before the workers exit; a panicking
 //! job does not take its worker down (jobs catch device panics themselves,
@@ -16,18 +21,29 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 
-use crate::transmission::{Dispatch, Job};
+use crate::transmission::{Dispatch, Job, Lane};
 
 #[derive(Default)]
 struct Queue {
-    jobs: VecDeque<Job>,
+    quick: VecDeque<Job>,
+    bulk: VecDeque<Job>,
     closed: bool,
 }
 
 #[derive(Default)]
 struct Shared {
     queue: Mutex<Queue>,
+    /// Any job queued: general workers wait on this.
     job_ready: Condvar,
+    /// A quick job queued: read workers wait on this.
+    quick_ready: Condvar,
+}
+
+/// Which jobs a worker takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    General,
+    Reads,
 }
 
 fn lock(shared: &Shared) -> MutexGuard<'_, Queue> {
@@ -50,18 +66,23 @@ pub(crate) struct PoolHandle {
 }
 
 impl WorkerPool {
-    pub fn new(thread_count: usize) -> io::Result<Self> {
+    /// `thread_count` general workers and `read_threads` that serve only
+    /// quick jobs.
+    pub fn new(thread_count: usize, read_threads: usize) -> io::Result<Self> {
         assert!(thread_count > 0, "a pool needs at least one thread");
         let shared = Arc::new(Shared::default());
         let mut pool = WorkerPool {
             shared,
             threads: Vec::with_capacity(thread_count),
         };
-        for index in 0..thread_count {
+        let roles = (0..thread_count)
+            .map(|index| (Role::General, format!("nbd-worker-{index}")))
+            .chain((0..read_threads).map(|index| (Role::Reads, format!("nbd-reader-{index}"))));
+        for (role, name) in roles {
             let shared = Arc::clone(&pool.shared);
             let spawned = thread::Builder::new()
-                .name(format!("nbd-worker-{index}"))
-                .spawn(move || work(&shared));
+                .name(name)
+                .spawn(move || work(&shared, role));
             match spawned {
                 Ok(handle) => pool.threads.push(handle),
                 Err(error) => {
@@ -83,6 +104,7 @@ impl WorkerPool {
     pub fn shut_down(&mut self) {
         lock(&self.shared).closed = true;
         self.shared.job_ready.notify_all();
+        self.shared.quick_ready.notify_all();
         for handle in self.threads.drain(..) {
             // Jobs never unwind out of work(), so a join error cannot happen;
             // if it somehow did there is nothing left to clean up.
@@ -98,27 +120,40 @@ impl Drop for WorkerPool {
 }
 
 impl Dispatch for PoolHandle {
-    fn dispatch(&self, job: Job) {
+    fn dispatch(&self, job: Job, lane: Lane) {
         let mut queue = lock(&self.shared);
         assert!(!queue.closed, "job submitted to a pool that was shut down");
-        queue.jobs.push_back(job);
+        match lane {
+            Lane::Quick => queue.quick.push_back(job),
+            Lane::Bulk => queue.bulk.push_back(job),
+        }
         drop(queue);
+        if lane == Lane::Quick {
+            self.shared.quick_ready.notify_one();
+        }
         self.shared.job_ready.notify_one();
     }
 }
 
-fn work(shared: &Shared) {
+fn work(shared: &Shared, role: Role) {
+    let ready = match role {
+        Role::General => &shared.job_ready,
+        Role::Reads => &shared.quick_ready,
+    };
     loop {
         let mut queue = lock(shared);
         let job = loop {
-            if let Some(job) = queue.jobs.pop_front() {
+            let next = match role {
+                Role::General => queue.quick.pop_front().or_else(|| queue.bulk.pop_front()),
+                Role::Reads => queue.quick.pop_front(),
+            };
+            if let Some(job) = next {
                 break job;
             }
             if queue.closed {
                 return;
             }
-            queue = shared
-                .job_ready
+            queue = ready
                 .wait(queue)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         };
@@ -140,7 +175,7 @@ mod tests {
 
     #[test]
     fn runs_every_job_concurrently_and_drains_on_shutdown() {
-        let mut pool = WorkerPool::new(2).unwrap();
+        let mut pool = WorkerPool::new(2, 1).unwrap();
         let handle = pool.handle();
         // Two jobs that can only finish together prove two threads run them.
         let barrier = Arc::new(Barrier::new(2));
@@ -148,19 +183,64 @@ mod tests {
         for _ in 0..2 {
             let barrier = Arc::clone(&barrier);
             let done = Arc::clone(&done);
-            handle.dispatch(Box::new(move || {
-                barrier.wait();
-                done.fetch_add(1, Ordering::SeqCst);
-            }));
+            handle.dispatch(
+                Box::new(move || {
+                    barrier.wait();
+                    done.fetch_add(1, Ordering::SeqCst);
+                }),
+                Lane::Bulk,
+            );
         }
         for _ in 0..100 {
             let done = Arc::clone(&done);
-            handle.dispatch(Box::new(move || {
-                done.fetch_add(1, Ordering::SeqCst);
-            }));
+            handle.dispatch(
+                Box::new(move || {
+                    done.fetch_add(1, Ordering::SeqCst);
+                }),
+                Lane::Quick,
+            );
         }
-        handle.dispatch(Box::new(|| panic!("a job that panics")));
+        handle.dispatch(Box::new(|| panic!("a job that panics")), Lane::Bulk);
         pool.shut_down();
         assert_eq!(done.load(Ordering::SeqCst), 102);
+    }
+
+    #[test]
+    fn a_read_is_served_while_every_general_worker_is_busy() {
+        let mut pool = WorkerPool::new(2, 1).unwrap();
+        let handle = pool.handle();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = Arc::new(Mutex::new(released));
+        let started = Arc::new(Barrier::new(3));
+        // Two writes that hold both general workers until the read is done,
+        // and a third queued behind them.
+        for _ in 0..3 {
+            let released = Arc::clone(&released);
+            let started = Arc::clone(&started);
+            handle.dispatch(
+                Box::new(move || {
+                    if thread::current().name().is_some_and(|n| n.starts_with("nbd-worker")) {
+                        started.wait();
+                    }
+                    let _ = released.lock().unwrap().recv();
+                }),
+                Lane::Bulk,
+            );
+        }
+        started.wait();
+        let (served, read_done) = std::sync::mpsc::channel();
+        handle.dispatch(
+            Box::new(move || {
+                let name = thread::current().name().map(String::from);
+                served.send(name).unwrap();
+            }),
+            Lane::Quick,
+        );
+        let worker = read_done.recv().unwrap().unwrap_or_default();
+        assert!(worker.starts_with("nbd-reader"), "served by {worker}");
+        for _ in 0..3 {
+            release.send(()).unwrap();
+        }
+        pool.shut_down();
     }
 }

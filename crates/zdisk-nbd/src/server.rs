@@ -84,6 +84,10 @@ pub struct ServerConfig {
     pub read_only: bool,
     /// Threads executing requests, shared by all connections.
     pub worker_threads: usize,
+    /// Further threads that execute only reads (and the other requests
+    /// that change nothing), so that reads never wait for a worker while
+    /// writers keep the others busy. 0: none.
+    pub read_threads: usize,
     /// Established sessions served at once; while this many are, a
     /// connection in its handshake is refused with a reason.
     pub max_connections: usize,
@@ -127,6 +131,7 @@ impl Default for ServerConfig {
             description: None,
             read_only: false,
             worker_threads: (2 * cpus).max(4),
+            read_threads: cpus.clamp(2, 8),
             max_connections: 128,
             max_handshakes: 1024,
             max_handshakes_per_address: 256,
@@ -503,7 +508,7 @@ impl Server {
         if self.started.swap(true, Ordering::SeqCst) {
             return Err(io::Error::other("Server::run may only be called once"));
         }
-        let mut pool = WorkerPool::new(self.config.worker_threads)?;
+        let mut pool = WorkerPool::new(self.config.worker_threads, self.config.read_threads)?;
         let context = Arc::new(Context {
             device: Arc::clone(&self.device),
             config: self.config.clone(),

@@ -47,9 +47,32 @@ const LOGGED_REJECTIONS: u64 = 5;
 /// A unit of work handed from a reader to whoever executes requests.
 pub(crate) type Job = Box<dyn FnOnce() + Send + 'static>;
 
+/// Which queue a job waits in. Reads must not wait behind writes: a
+/// streaming writer keeps every general worker compressing for a
+/// millisecond or more per request, so reads (and the other requests that
+/// only look) have workers of their own (`pool.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// READ, CACHE, BLOCK_STATUS: served by the read workers first.
+    Quick,
+    /// Everything that changes or syncs the device.
+    Bulk,
+}
+
+impl Lane {
+    pub(crate) fn of(command: &Command) -> Lane {
+        match command {
+            Command::Read { .. } | Command::Cache { .. } | Command::BlockStatus { .. } => {
+                Lane::Quick
+            }
+            _ => Lane::Bulk,
+        }
+    }
+}
+
 /// Executes jobs: the server's worker pool, or [`Inline`] for the fuzzer.
 pub(crate) trait Dispatch {
-    fn dispatch(&self, job: Job);
+    fn dispatch(&self, job: Job, lane: Lane);
 }
 
 /// Runs each job on the calling thread before returning.
@@ -58,7 +81,7 @@ pub(crate) struct Inline;
 
 #[cfg(any(test, feature = "testing"))]
 impl Dispatch for Inline {
-    fn dispatch(&self, job: Job) {
+    fn dispatch(&self, job: Job, _lane: Lane) {
         job();
     }
 }
@@ -421,7 +444,11 @@ fn handle_request<R: Read + ?Sized>(
                 _ => Vec::new(),
             };
             let cookie = header.cookie;
-            dispatch.dispatch(Box::new(move || permit.run(cookie, command, payload)));
+            let lane = Lane::of(&command);
+            dispatch.dispatch(
+                Box::new(move || permit.run(cookie, command, payload)),
+                lane,
+            );
         }
         Err(rejection) => {
             if header.command == NBD_CMD_WRITE {

@@ -254,10 +254,11 @@ impl Volume {
     /// records not yet on the medium, and lists the rest for reading.
     fn look_up(&self, first: Lba, out: &mut [u8]) -> Result<Lookup> {
         let count = (out.len() / BLOCK_SIZE) as u64;
+        // Allocated before the lock is taken, not under it.
         let mut lookup = Lookup {
-            wanted: Vec::new(),
+            wanted: Vec::with_capacity(count as usize),
             buffered: Vec::new(),
-            incarnations: Vec::new(),
+            incarnations: Vec::with_capacity(count.min(16) as usize),
         };
         // Records not on the medium yet, by where they start.
         let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();

@@ -24,7 +24,7 @@
 //! - A queued write stays here until it is on the medium, so a read of a
 //!   record in it is served from RAM (`State::read_buffered`).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::units::{PageIndex, SegmentId};
@@ -91,6 +91,9 @@ impl PageWrite {
 pub(crate) struct Outbound {
     queue: VecDeque<PageWrite>,
     queued_bytes: usize,
+    /// Queued data writes per segment, so that a read of a record in a
+    /// segment with none (almost every read) does not scan the queue.
+    data_writes: HashMap<SegmentId, u32>,
     /// The ticket of the last write queued (0: none ever).
     last_ticket: u64,
     /// Every write with a ticket up to this one is on the medium.
@@ -121,6 +124,9 @@ impl Outbound {
         );
         self.last_ticket += 1;
         self.queued_bytes += bytes.len();
+        if kind.is_segment_data() {
+            *self.data_writes.entry(segment).or_default() += 1;
+        }
         self.queue.push_back(PageWrite {
             ticket: self.last_ticket,
             kind,
@@ -159,6 +165,16 @@ impl Outbound {
         while self.queue.front().is_some_and(|w| w.ticket <= ticket) {
             let done = self.queue.pop_front().expect("checked above");
             self.queued_bytes -= done.bytes.len();
+            if done.kind.is_segment_data() {
+                let count = self
+                    .data_writes
+                    .get_mut(&done.segment)
+                    .expect("a queued data write is counted");
+                *count -= 1;
+                if *count == 0 {
+                    self.data_writes.remove(&done.segment);
+                }
+            }
         }
         self.written_through = self.written_through.max(ticket);
         self.busy = false;
@@ -179,8 +195,10 @@ impl Outbound {
 
     /// Queued writes of data into `segment`, in offset order.
     pub fn of_segment(&self, segment: SegmentId) -> impl Iterator<Item = &PageWrite> {
+        let any = self.data_writes.contains_key(&segment);
         self.queue
             .iter()
+            .take(if any { usize::MAX } else { 0 })
             .filter(move |w| w.segment == segment && w.kind.is_segment_data())
     }
 
@@ -194,6 +212,7 @@ impl Outbound {
     pub fn discard(&mut self) {
         self.queue.clear();
         self.queued_bytes = 0;
+        self.data_writes.clear();
         self.written_through = self.last_ticket;
         self.busy = false;
     }

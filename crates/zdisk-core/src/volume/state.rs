@@ -40,6 +40,7 @@ use crate::units::{Lba, PageIndex, SegmentId};
 use super::outbound::{Outbound, PageWrite, WriteKind};
 use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
 use super::staging::{Staged, StagingSlots};
+pub(crate) use super::tallies::Tally;
 use super::tallies::Tallies;
 
 /// Which writer a record goes through.
@@ -103,26 +104,6 @@ impl Buffered {
     }
 }
 
-/// Counter events outside the mutation methods (which count their own).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Tally {
-    /// A host WRITE request of this many bytes was served.
-    HostWrite(u64),
-    HostRead(u64),
-    HostTrim(u64),
-    HostZero(u64),
-    /// Bytes read from the medium for host reads.
-    MediaRead(u64),
-    /// Bytes the cleaner read from a victim.
-    GcRead(u64),
-    Flush,
-    /// A root of this many bytes was written to a metadata slot.
-    RootWritten(u64),
-    /// A checkpoint's dump of this many bytes was written.
-    DumpWritten(u64),
-    /// A read found a block damaged.
-    DamageFound,
-}
 
 /// The mutable half of a volume. See the module documentation.
 pub(crate) struct State {

@@ -11,7 +11,27 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::stats::Counters;
 
-use super::state::Tally;
+
+/// Counter events outside the mutation methods (which count their own).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Tally {
+    /// A host WRITE request of this many bytes was served.
+    HostWrite(u64),
+    HostRead(u64),
+    HostTrim(u64),
+    HostZero(u64),
+    /// Bytes read from the medium for host reads.
+    MediaRead(u64),
+    /// Bytes the cleaner read from a victim.
+    GcRead(u64),
+    Flush,
+    /// A root of this many bytes was written to a metadata slot.
+    RootWritten(u64),
+    /// A checkpoint's dump of this many bytes was written.
+    DumpWritten(u64),
+    /// A read found a block damaged.
+    DamageFound,
+}
 
 const SHARDS: usize = 8;
 
