@@ -15,7 +15,9 @@
 //! durable ([`Map::commit_pages`]) a leaf unchanged since is *clean*: the
 //! cache may evict it ([`Map::evict`]) down to [`Map::set_cache_bytes`],
 //! leaving a [`Leaf::Paged`] stub with its range, and [`Map::load`] reads
-//! it back before anything touches its blocks. Lookups and changes
+//! it back before anything touches its blocks (or, without the map
+//! borrowed while the page is read, [`Map::faults`] and [`Map::install`]:
+//! `fault.rs`). Lookups and changes
 //! require the leaves they touch to be in RAM (they panic otherwise): the
 //! engine loads a range before it reads or changes it; whole-map walks
 //! ([`Map::for_each_data`], [`Map::check_counts_with`]) read evicted pages
