@@ -15,7 +15,9 @@
 //! durable ([`Map::commit_pages`]) a leaf unchanged since is *clean*: the
 //! cache may evict it ([`Map::evict`]) down to [`Map::set_cache_bytes`],
 //! leaving a [`Leaf::Paged`] stub with its range, and [`Map::load`] reads
-//! it back before anything touches its blocks. Lookups and changes
+//! it back before anything touches its blocks (or, without the map
+//! borrowed while the page is read, [`Map::faults`] and [`Map::install`]:
+//! `fault.rs`). Lookups and changes
 //! require the leaves they touch to be in RAM (they panic otherwise): the
 //! engine loads a range before it reads or changes it; whole-map walks
 //! ([`Map::for_each_data`], [`Map::check_counts_with`]) read evicted pages
@@ -44,6 +46,7 @@
 
 mod column;
 mod entry;
+mod fault;
 mod leaf;
 mod page;
 #[cfg(test)]
@@ -53,8 +56,9 @@ mod tests;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::media::Media;
 use crate::units::Lba;
 use column::alloc_bytes;
@@ -67,6 +71,7 @@ pub(crate) use entry::{
     Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX,
 };
 use entry::{CHUNK_MASK, CHUNK_SHIFT};
+pub(crate) use fault::{Fault, FaultPin, ReadLeaf};
 use leaf::{
     chunk_positions, grow_sparse, shares_chunk, shrink_sparse, sparse_heap_bytes, sparse_part,
     Leaf, Piece, DENSE_FROM, DENSE_KEEP, MERGED_MAX, SPAN_MAX, SPARSE_MAX, SPARSE_MIN,
@@ -89,8 +94,9 @@ pub(crate) struct Map {
     /// durable. Every paged-out leaf is here with its page; a leaf that
     /// changes leaves (it is dirty).
     written: HashMap<u64, Option<PageLoc>>,
-    /// The dump pages are read back from.
-    store: Option<PageStore>,
+    /// The dump pages are read back from (shared with the faults that
+    /// read from it outside the lock).
+    store: Option<Arc<PageStore>>,
     /// Heap bytes of leaves in RAM beyond which clean ones are evicted.
     cache_bytes: u64,
     /// Clean leaves in RAM, oldest first: the eviction order (entries may
@@ -98,6 +104,8 @@ pub(crate) struct Map {
     clean_queue: VecDeque<u64>,
     paged_leaves: u64,
     cache: CacheCounts,
+    /// Ranges being faulted in outside the lock, and the dumps they read.
+    pins: fault::Pins,
 }
 
 /// What the map's page cache did since the volume opened.
@@ -158,6 +166,7 @@ impl Map {
             clean_queue: VecDeque::new(),
             paged_leaves: 0,
             cache: CacheCounts::default(),
+            pins: fault::Pins::default(),
         }
     }
 
@@ -211,7 +220,7 @@ impl Map {
     }
 
     pub(crate) fn store(&self) -> Option<&PageStore> {
-        self.store.as_ref()
+        self.store.as_deref()
     }
 
     /// Chunks that hold an entry (what a format 2 dump recorded; a page's
@@ -265,7 +274,7 @@ impl Map {
     /// True if a sparse leaf keeps `entry`: a hole at version 0 is what an
     /// absent entry means, and outside recovery no hole is kept.
     fn stores(&self, entry: Entry) -> bool {
-        entry != Entry::default() && (self.keep_tombstones || !entry.is_hole())
+        stores(entry, self.keep_tombstones)
     }
 
     // --- Leaves in and out of the tree, with the totals that follow them.
@@ -1142,25 +1151,7 @@ impl Map {
     /// The paged-out leaf at `start` read back from its page and checked
     /// against its stub and the leaves' invariants.
     fn read_leaf(&self, media: &dyn Media, start: u64, stub: &Leaf) -> Result<Leaf> {
-        let loc = self
-            .written
-            .get(&start)
-            .copied()
-            .flatten()
-            .expect("a paged-out leaf has its page");
-        let store = self.store.as_ref().expect("paged-out leaves have a store");
-        let leaf = page::read_page(media, store, start, loc)?;
-        if leaf.blocks() != stub.blocks() || leaf.chunk_items() != stub.chunk_items() {
-            return Err(Error::CorruptImage(format!(
-                "the map page of block {start} holds {} blocks in {} chunks, its directory says {} in {}",
-                leaf.blocks(),
-                leaf.chunk_items(),
-                stub.blocks(),
-                stub.chunk_items()
-            )));
-        }
-        self.check_leaf(start, &leaf).map_err(Error::CorruptImage)?;
-        Ok(leaf)
+        Ok(self.fault_at(start, stub).read(media)?.into_leaf())
     }
 
     // --- Paging.
@@ -1172,19 +1163,7 @@ impl Map {
             self.cache.hits += 1;
             return Ok(());
         }
-        let end = first.0.saturating_add(count);
-        let mut paged: Vec<u64> = Vec::new();
-        if let Some((start, leaf)) = self.leaf_at(first.0) {
-            if start < first.0 && !leaf.is_resident() {
-                paged.push(start);
-            }
-        }
-        paged.extend(
-            self.leaves
-                .range(first.0..end)
-                .filter(|(_, leaf)| !leaf.is_resident())
-                .map(|(&start, _)| start),
-        );
+        let paged = self.paged_in(first, count);
         if paged.is_empty() {
             self.cache.hits += 1;
         }
@@ -1216,19 +1195,45 @@ impl Map {
         self.leaf_heap_bytes > self.cache_bytes && !self.clean_queue.is_empty()
     }
 
+    /// The first block of every paged-out leaf holding a block of
+    /// `first..first+count`, in order.
+    fn paged_in(&self, first: Lba, count: u64) -> Vec<u64> {
+        let end = first.0.saturating_add(count);
+        let mut paged: Vec<u64> = Vec::new();
+        if let Some((start, leaf)) = self.leaf_at(first.0) {
+            if start < first.0 && !leaf.is_resident() {
+                paged.push(start);
+            }
+        }
+        paged.extend(
+            self.leaves
+                .range(first.0..end)
+                .filter(|(_, leaf)| !leaf.is_resident())
+                .map(|(&start, _)| start),
+        );
+        paged
+    }
+
     /// Evicts clean leaves, oldest first, until the leaves in RAM fit the
-    /// cache or none is clean. Nothing may rely on a leaf staying in RAM
-    /// across a call (the engine calls it as it releases the state lock).
+    /// cache or none is clean, sparing those of a range being faulted in
+    /// ([`Map::pin_faults`]). Nothing else may rely on a leaf staying in
+    /// RAM across a call (the engine calls it as it releases the state
+    /// lock).
     pub(crate) fn evict(&mut self) {
+        let mut spared = Vec::new();
         while self.leaf_heap_bytes > self.cache_bytes {
             let Some(start) = self.clean_queue.pop_front() else {
-                return;
+                break;
             };
             let clean = matches!(self.written.get(&start), Some(Some(_)));
             let Some(leaf) = self.leaves.get_mut(&start).filter(|_| clean) else {
                 continue;
             };
             if !leaf.is_resident() {
+                continue;
+            }
+            if self.pins.spares(start, leaf.blocks()) {
+                spared.push(start);
                 continue;
             }
             let stub = Leaf::Paged {
@@ -1240,6 +1245,7 @@ impl Map {
             self.paged_leaves += 1;
             self.cache.evictions += 1;
         }
+        self.clean_queue.extend(spared);
         if self.clean_queue.capacity() > 64
             && self.clean_queue.len() < self.clean_queue.capacity() / 4
         {
@@ -1284,7 +1290,7 @@ impl Map {
             }
         }
         self.cache.pages_written += placed.len() as u64;
-        self.store = Some(store);
+        self.store = Some(Arc::new(store));
         self.clean_queue.clear();
         for (&start, leaf) in &self.leaves {
             let page = self.written.get(&start).copied().flatten();
@@ -1338,7 +1344,7 @@ impl Map {
 
     /// Where paged-out leaves are read from (after a dump was loaded).
     pub(crate) fn set_store(&mut self, store: PageStore) {
-        self.store = Some(store);
+        self.store = Some(Arc::new(store));
     }
 
     /// Drops tombstones and switches to normal operation (end of recovery).
@@ -1420,7 +1426,7 @@ impl Map {
             if stub.is_resident() {
                 heap_bytes += leaf.heap_bytes();
             }
-            self.check_leaf(start, leaf)?;
+            check_leaf(start, leaf, self.keep_tombstones)?;
             let _ = leaf.visit(start, start, end, &mut |piece| {
                 match piece {
                     Piece::Gap(..) => {}
@@ -1450,71 +1456,80 @@ impl Map {
         }
         Ok(())
     }
+}
 
-    fn check_leaf(&self, start: u64, leaf: &Leaf) -> std::result::Result<(), String> {
-        let problem = match leaf {
-            Leaf::Paged { .. } => None,
-            Leaf::Run { entry, .. } => {
-                if entry.is_data() || !entry.is_well_formed() {
-                    Some(format!("holds {entry:?}"))
-                } else if !self.stores(*entry) {
-                    Some(format!("is a run of {:?} outside recovery", entry.slot()))
-                } else {
-                    None
-                }
+/// True if a sparse leaf keeps `entry`: a hole at version 0 is what an
+/// absent entry means, and outside recovery (`keep_tombstones` off) no
+/// hole is kept.
+fn stores(entry: Entry, keep_tombstones: bool) -> bool {
+    entry != Entry::default() && (keep_tombstones || !entry.is_hole())
+}
+
+/// Checks a leaf's own invariants (a leaf read from a page is checked
+/// before the map takes it).
+fn check_leaf(start: u64, leaf: &Leaf, keep_tombstones: bool) -> std::result::Result<(), String> {
+    let problem = match leaf {
+        Leaf::Paged { .. } => None,
+        Leaf::Run { entry, .. } => {
+            if entry.is_data() || !entry.is_well_formed() {
+                Some(format!("holds {entry:?}"))
+            } else if !stores(*entry, keep_tombstones) {
+                Some(format!("is a run of {:?} outside recovery", entry.slot()))
+            } else {
+                None
             }
-            Leaf::Dense { stored, column } => {
-                let count = column.entries().filter(|e| !e.is_hole()).count() as u32;
-                if column.len() != CHUNK_BLOCKS as usize || count != *stored {
-                    Some(format!(
-                        "has {} cells, {count} stored ({stored} counted)",
-                        column.len()
-                    ))
-                } else if !column.is_well_formed() {
-                    Some("has a cell out of its base's reach".into())
-                } else if !self.keep_tombstones && count < DENSE_KEEP {
-                    Some(format!("is dense with {count} blocks stored"))
-                } else {
-                    None
-                }
-            }
-            Leaf::Sparse {
-                blocks,
-                keys,
-                column,
-            } => {
-                let sorted = keys.windows(2).all(|pair| pair[0] < pair[1]);
-                let most_in_a_chunk = (0..keys.len())
-                    .map(|index| {
-                        let (low, high) = chunk_positions(keys, keys[index]);
-                        high - low
-                    })
-                    .max()
-                    .unwrap_or(0);
-                if keys.is_empty() || keys.len() > SPARSE_MAX || keys.len() != column.len() {
-                    Some(format!(
-                        "has {} keys and {} cells",
-                        keys.len(),
-                        column.len()
-                    ))
-                } else if !sorted || keys.last().is_some_and(|&key| key as u64 >= *blocks) {
-                    Some(format!("has keys out of order or beyond {blocks} blocks"))
-                } else if *blocks > SPAN_MAX || most_in_a_chunk >= DENSE_FROM {
-                    Some(format!(
-                        "spans {blocks} blocks, {most_in_a_chunk} in one chunk"
-                    ))
-                } else if !column.is_well_formed() {
-                    Some("has a cell out of its base's reach".into())
-                } else {
-                    let kept = column.entries().find(|e| !self.stores(*e));
-                    kept.map(|entry| format!("stores {entry:?}"))
-                }
-            }
-        };
-        match problem {
-            Some(problem) => Err(format!("map leaf at {start} {problem}")),
-            None => Ok(()),
         }
+        Leaf::Dense { stored, column } => {
+            let count = column.entries().filter(|e| !e.is_hole()).count() as u32;
+            if column.len() != CHUNK_BLOCKS as usize || count != *stored {
+                Some(format!(
+                    "has {} cells, {count} stored ({stored} counted)",
+                    column.len()
+                ))
+            } else if !column.is_well_formed() {
+                Some("has a cell out of its base's reach".into())
+            } else if !keep_tombstones && count < DENSE_KEEP {
+                Some(format!("is dense with {count} blocks stored"))
+            } else {
+                None
+            }
+        }
+        Leaf::Sparse {
+            blocks,
+            keys,
+            column,
+        } => {
+            let sorted = keys.windows(2).all(|pair| pair[0] < pair[1]);
+            let most_in_a_chunk = (0..keys.len())
+                .map(|index| {
+                    let (low, high) = chunk_positions(keys, keys[index]);
+                    high - low
+                })
+                .max()
+                .unwrap_or(0);
+            if keys.is_empty() || keys.len() > SPARSE_MAX || keys.len() != column.len() {
+                Some(format!(
+                    "has {} keys and {} cells",
+                    keys.len(),
+                    column.len()
+                ))
+            } else if !sorted || keys.last().is_some_and(|&key| key as u64 >= *blocks) {
+                Some(format!("has keys out of order or beyond {blocks} blocks"))
+            } else if *blocks > SPAN_MAX || most_in_a_chunk >= DENSE_FROM {
+                Some(format!(
+                    "spans {blocks} blocks, {most_in_a_chunk} in one chunk"
+                ))
+            } else if !column.is_well_formed() {
+                Some("has a cell out of its base's reach".into())
+            } else {
+                let kept = column.entries().find(|e| !stores(*e, keep_tombstones));
+                kept.map(|entry| format!("stores {entry:?}"))
+            }
+        }
+    };
+    match problem {
+        Some(problem) => Err(format!("map leaf at {start} {problem}")),
+        None => Ok(()),
     }
 }
 

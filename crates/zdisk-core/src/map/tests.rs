@@ -23,6 +23,7 @@ use rand::{Rng, SeedableRng};
 
 use super::entry::{LEN_MAX, SEGMENTS_MAX};
 use super::*;
+use crate::error::Error;
 use crate::units::SegmentId;
 
 /// A medium for walks over a map whose leaves are all in RAM.
@@ -1173,7 +1174,7 @@ fn random_pages_decode_or_fail_cleanly() {
         match page::decode_page(&payload, 1 << 20) {
             Ok(leaf) => {
                 decoded += 1;
-                if let Err(problem) = map.check_leaf(0, &leaf) {
+                if let Err(problem) = check_leaf(0, &leaf, false) {
                     panic!("round {round}: a decoded page gives a leaf that {problem}");
                 }
             }
@@ -1182,4 +1183,163 @@ fn random_pages_decode_or_fail_cleanly() {
     }
     assert!(decoded > 0, "no damaged page decoded: the check never ran");
     assert!(refused > 0, "every damaged page decoded");
+}
+
+// --- Faults: leaves read back without the map borrowed (`fault.rs`).
+
+/// A map of dense chunks and scattered blocks with its reference in RAM,
+/// checkpointed as generation 1 and then paged out whole.
+fn paged_map(media: &crate::media::MemMedia) -> (Map, Map, Vec<u64>) {
+    let mut rng = SmallRng::seed_from_u64(21);
+    let (mut map, mut reference) = (Map::new(false), Map::new(false));
+    let mut touched = Vec::new();
+    let mut version = 0;
+    for lba in (0..1024u64).chain((0..400).map(|_| rng.gen_range(1024..1u64 << 30))) {
+        version += 1;
+        map.set(Lba(lba), data(lba), version);
+        reference.set(Lba(lba), data(lba), version);
+        touched.push(lba);
+    }
+    checkpoint_pages(&mut map, media, 1);
+    map.set_cache_bytes(0);
+    map.evict();
+    let (leaves, paged) = map.leaf_counts();
+    assert_eq!(paged, leaves, "a cache of zero evicts every clean leaf");
+    assert!(leaves > 4, "only {leaves} leaves");
+    (map, reference, touched)
+}
+
+/// Faults list what `load` would read; installing what they read gives
+/// the same leaves with the same bookkeeping; a fault whose leaf another
+/// reader installed first, or whose page a checkpoint moved, is stale and
+/// installs nothing; a read that fails where the page still is is damage,
+/// and where the page moved (its segments reused) is not.
+#[test]
+fn faults_install_what_load_would_and_go_stale() {
+    let media = crate::media::MemMedia::with_size(4096, 256 * 1024, 64).unwrap();
+    let (mut map, reference, touched) = paged_map(&media);
+    let (leaves, _) = map.leaf_counts();
+
+    // Nothing paged out in the range: no fault (a hole past every leaf).
+    assert!(map.faults(Lba(1 << 40), 4096).is_empty());
+    // Every fault of a range, read and installed, in one round.
+    let faults = map.faults(Lba(100), 2000);
+    let starts: Vec<u64> = faults.iter().map(|f| f.start().0).collect();
+    assert_eq!(starts, map.paged_in(Lba(100), 2000));
+    assert!(faults.len() >= 4, "{} faults", faults.len());
+    let misses = map.cache_counts().misses;
+    for fault in &faults {
+        assert!(map.fault_is_current(fault));
+        let leaf = fault.read(&media).unwrap();
+        assert!(map.install(fault, leaf));
+    }
+    assert!(map.faults(Lba(100), 2000).is_empty());
+    assert_eq!(map.cache_counts().misses, misses + faults.len() as u64);
+    assert_eq!(map.leaf_counts(), (leaves, leaves - faults.len() as u64));
+    map.check_counts_with(Some(&media)).unwrap();
+    for lba in 100..2100 {
+        assert_eq!(map.get(Lba(lba)), reference.get(Lba(lba)), "block {lba}");
+    }
+    // Installed leaves are clean: they go again.
+    map.evict();
+    assert_eq!(map.leaf_counts(), (leaves, leaves));
+
+    // Installed first by another reader: stale, nothing changes.
+    let faults = map.faults(Lba(0), 1 << 30);
+    let read: Vec<ReadLeaf> = faults.iter().map(|f| f.read(&media).unwrap()).collect();
+    map.load(&media, Lba(0), 1).unwrap();
+    let (first, rest) = faults.split_first().unwrap();
+    let mut read = read.into_iter();
+    assert!(!map.fault_is_current(first));
+    assert!(!map.install(first, read.next().unwrap()));
+    map.check_counts_with(Some(&media)).unwrap();
+
+    // A checkpoint moved every page: the same leaf, no longer current.
+    checkpoint_pages(&mut map, &media, 2);
+    map.evict();
+    for (fault, leaf) in rest.iter().zip(read) {
+        assert!(!map.fault_is_current(fault), "leaf at {}", fault.start());
+        assert!(!map.install(fault, leaf));
+    }
+    assert_eq!(map.leaf_counts(), (leaves, leaves));
+    // The next checkpoint reuses generation 1's segments (this test
+    // medium alternates halves): a read of the old place fails, and is not
+    // current, so it is retried, not reported.
+    checkpoint_pages(&mut map, &media, 3);
+    let stale = rest.iter().find(|f| f.read(&media).is_err());
+    let stale = stale.expect("generation 1's pages were overwritten");
+    assert!(!map.fault_is_current(stale));
+    let again = map.faults(stale.start(), 1);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].generation(), 3);
+    let leaf = again[0].read(&media).unwrap();
+    assert!(map.install(&again[0], leaf));
+    assert_same(&mut map, &reference, &media, &touched);
+
+    // Damaged in both copies where it still is: the error is real.
+    map.evict();
+    let fault = map.faults(Lba(0), 1).pop().unwrap();
+    let loc = map.written[&0].unwrap();
+    let store = map.store().cloned().unwrap();
+    for copy in 0..2 {
+        let segment = store.copies[copy][loc.position as usize];
+        let mut bytes = vec![0u8; 256 * 1024];
+        media.read(segment, 0, &mut bytes).unwrap();
+        bytes[loc.offset as usize + loc.len as usize / 2] ^= 0x40;
+        media.erase_segment(segment).unwrap();
+        media
+            .write_pages(segment, crate::units::PageIndex(0), &bytes)
+            .unwrap();
+    }
+    let error = fault.read(&media).err().expect("a damaged page reads");
+    assert!(matches!(error, Error::CorruptImage(_)), "{error}");
+    assert!(
+        map.fault_is_current(&fault),
+        "damage where the page still is"
+    );
+}
+
+/// A pin spares its range's leaves from eviction and holds back the
+/// release of the dump its faults read, until the last pin on that dump
+/// goes; other dumps are released at once.
+#[test]
+fn pins_spare_their_leaves_and_hold_back_their_dump() {
+    let media = crate::media::MemMedia::with_size(4096, 256 * 1024, 64).unwrap();
+    let (mut map, _, _) = paged_map(&media);
+    let faults = map.faults(Lba(0), 1024);
+    assert_eq!(faults.len(), 4, "four dense chunks");
+    let pin = map.pin_faults(Lba(0), 1024, &faults);
+    let other_faults = map.faults(Lba(512), 1);
+    let other = map.pin_faults(Lba(512), 1, &other_faults);
+    for fault in &faults {
+        let leaf = fault.read(&media).unwrap();
+        assert!(map.install(fault, leaf));
+    }
+    map.load(&media, Lba(5000), 1 << 30).unwrap();
+    map.evict();
+    assert!(map.faults(Lba(0), 1024).is_empty(), "a pinned leaf evicted");
+    assert!(
+        !map.faults(Lba(5000), 1 << 30).is_empty(),
+        "nothing evicted"
+    );
+
+    let segments = [SegmentId(40), SegmentId(41)];
+    assert!(
+        !map.defer_dump_release(7, segments.into_iter()),
+        "an unpinned dump waits"
+    );
+    assert!(map.defer_dump_release(1, segments.into_iter()));
+    assert_eq!(map.deferred_dump_segments().collect::<Vec<_>>(), segments);
+    // The other pin reads generation 1 too: the dump waits for both.
+    assert_eq!(map.unpin_faults(pin), Vec::<SegmentId>::new());
+    assert_eq!(map.deferred_dump_segments().count(), 2);
+    assert_eq!(map.unpin_faults(other), segments);
+    assert_eq!(map.deferred_dump_segments().count(), 0);
+    // Unpinned, the range's leaves go again.
+    map.evict();
+    assert_eq!(map.faults(Lba(0), 1024).len(), 4);
+    // A pin of a range with no fault pins no dump.
+    let none = map.pin_faults(Lba(1 << 40), 1, &[]);
+    assert!(!map.defer_dump_release(1, segments.into_iter()));
+    assert!(map.unpin_faults(none).is_empty());
 }

@@ -333,6 +333,8 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
         .flatten()
         .filter_map(|root| root.dump.as_ref())
         .flat_map(|dump| dump.segments())
+        // A released dump a map fault still reads (`map/fault.rs`).
+        .chain(state.map().deferred_dump_segments())
         .collect();
     for &segment in &dump_segments {
         if table.get(segment).state != SegmentState::Dump {

@@ -19,6 +19,7 @@ mod checkpoint;
 mod clean;
 mod compressors;
 mod estimate;
+mod fault;
 mod guard;
 mod io;
 mod moves;

@@ -27,7 +27,9 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::map::{Location, Map, PageLoc, PageStore, RangeState, Slot, SnapshotPage};
+use crate::map::{
+    Fault, FaultPin, Location, Map, PageLoc, PageStore, RangeState, ReadLeaf, Slot, SnapshotPage,
+};
 use crate::media::{Media, MediaGeometry, SECTOR_BYTES};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
 use crate::record::{
@@ -404,6 +406,38 @@ impl State {
                 })
             })
             .collect()
+    }
+
+    // Faulting map leaves in without the lock held (`volume/fault.rs`;
+    // the race with checkpoints is in `map/fault.rs`). The faults
+    // themselves come from `map().faults(..)`.
+
+    /// Counts a map lookup that found every leaf it needed in RAM.
+    pub(crate) fn note_map_hit(&mut self) {
+        self.map.count_hit();
+    }
+
+    /// Pins a range being faulted in: its leaves stay in RAM and the dump
+    /// `faults` read from stays on the medium until `unpin_map_faults`.
+    pub(crate) fn pin_map_faults(&mut self, first: Lba, count: u64, faults: &[Fault]) -> FaultPin {
+        self.map.pin_faults(first, count, faults)
+    }
+
+    /// Installs a leaf a fault read, unless the fault went stale.
+    pub(crate) fn install_map_fault(&mut self, fault: &Fault, leaf: ReadLeaf) -> bool {
+        self.map.install(fault, leaf)
+    }
+
+    /// Gives a pin back, releasing a dump whose release waited for it (as
+    /// `release_dump_unless_retained` would have).
+    pub(crate) fn unpin_map_faults(&mut self, pin: FaultPin) {
+        let released = self.map.unpin_faults(pin);
+        if !released.is_empty() {
+            for segment in released {
+                self.space.release(segment);
+            }
+            self.report_freed();
+        }
     }
 
     // --- The mutation methods: map, live bytes and counters in step.
@@ -1128,7 +1162,13 @@ impl State {
                 .as_ref()
                 .is_some_and(|d| d.generation == dump.generation)
         });
-        if !still_used {
+        // A fault reading a page of the dump outside the lock has pinned
+        // it: its segments go when the last pin does (`map/fault.rs`).
+        if !still_used
+            && !self
+                .map
+                .defer_dump_release(dump.generation, dump.segments())
+        {
             for segment in dump.segments() {
                 self.space.release(segment);
             }
