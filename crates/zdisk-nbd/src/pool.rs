@@ -219,7 +219,10 @@ mod tests {
             let started = Arc::clone(&started);
             handle.dispatch(
                 Box::new(move || {
-                    if thread::current().name().is_some_and(|n| n.starts_with("nbd-worker")) {
+                    if thread::current()
+                        .name()
+                        .is_some_and(|n| n.starts_with("nbd-worker"))
+                    {
                         started.wait();
                     }
                     let _ = released.lock().unwrap().recv();

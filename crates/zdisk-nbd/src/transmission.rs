@@ -445,10 +445,7 @@ fn handle_request<R: Read + ?Sized>(
             };
             let cookie = header.cookie;
             let lane = Lane::of(&command);
-            dispatch.dispatch(
-                Box::new(move || permit.run(cookie, command, payload)),
-                lane,
-            );
+            dispatch.dispatch(Box::new(move || permit.run(cookie, command, payload)), lane);
         }
         Err(rejection) => {
             if header.command == NBD_CMD_WRITE {

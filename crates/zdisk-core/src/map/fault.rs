@@ -74,7 +74,6 @@ impl ReadLeaf {
 
 impl Fault {
     /// The leaf's first block.
-    #[cfg(test)]
     pub(crate) fn start(&self) -> Lba {
         Lba(self.start)
     }

@@ -226,7 +226,8 @@ impl Volume {
             return Ok(report);
         }
         for &lba in &report.damaged_blocks {
-            let (mut state, floor) = self.admit(Writer::Range, RANGE_RECORD_LEN, 1)?;
+            let (mut state, floor) =
+                self.admit(Writer::Range, (Lba(lba), 1), RANGE_RECORD_LEN, 1)?;
             state.apply_range(RecordKind::Trim, Lba(lba), 1, floor)?;
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);

@@ -26,12 +26,14 @@ use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
 use crate::media::ReadRange;
-use crate::record::{range_count, RecordKind};
+use crate::record::{range_count, RecordHeader, RecordKind};
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{apply, by_record, plan_recompress, plan_record, LiveExtent, Move};
+use super::moves::{
+    apply, by_record, moves_ranges, plan_recompress, plan_record, LiveExtent, Move,
+};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -263,12 +265,15 @@ impl Volume {
 
     /// The ladder, for the cleaner: `None` if even renewing the
     /// reservations and flushing leave no room to relocate.
+    /// The map leaves of `ranges`, the blocks relocation changes, are in
+    /// RAM then.
     fn room_to_relocate(
         &self,
         victim: SegmentId,
         extra_bytes: u64,
+        ranges: &[(Lba, u64)],
     ) -> Result<Option<StateGuard<'_>>> {
-        match self.make_room(Reach::Nested, |state| {
+        match self.make_room_resident(Reach::Nested, ranges, |state| {
             relocation_need(state, victim, extra_bytes)
         }) {
             Ok((state, _)) => Ok(Some(state)),
@@ -297,7 +302,7 @@ impl Volume {
                 pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes).unwrap_or(best)
             }
         };
-        let Some(state) = self.room_to_relocate(segment, 0)? else {
+        let Some(state) = self.room_to_relocate(segment, 0, &[])? else {
             return Ok(None);
         };
         Ok(Some(victim_of(&state, segment)))
@@ -326,7 +331,7 @@ impl Volume {
         };
         match choice {
             IdleChoice::Victim(segment) => {
-                let Some(state) = self.room_to_relocate(segment, 0)? else {
+                let Some(state) = self.room_to_relocate(segment, 0, &[])? else {
                     return Ok(false);
                 };
                 let mut victim = victim_of(&state, segment);
@@ -368,11 +373,20 @@ impl Volume {
     /// The live records of `segment`: (block, location, version), found
     /// through the segment summary, or a scan of the map if it has none.
     fn live_extents(&self, segment: SegmentId) -> Result<Vec<LiveExtent>> {
+        // The members' map leaves in RAM, read without the lock; the
+        // members may change while it is released, so until they hold still.
         let mut state = self.lock();
-        let members: Vec<u64> = state.space().table().members(segment);
-        for &lba in &members {
-            state.load_map(Lba(lba), 1)?;
-        }
+        let members = loop {
+            let members: Vec<u64> = state.space().table().members(segment);
+            let ranges: Vec<(Lba, u64)> = members.iter().map(|&lba| (Lba(lba), 1)).collect();
+            if ranges
+                .iter()
+                .all(|&(lba, count)| state.map().faults(lba, count).is_empty())
+            {
+                break members;
+            }
+            state = self.make_resident(state, &ranges)?;
+        };
         let (map, space) = (state.map(), state.space());
         let mut live = Vec::new();
         let mut live_bytes = 0;
@@ -479,7 +493,12 @@ impl Volume {
                     .filter(|r| r.header.kind.is_range())
                     .map(|r| r.header.record_len())
                     .sum();
-                let Some(mut state) = self.room_to_relocate(segment, range_bytes)? else {
+                let ranges: Vec<(Lba, u64)> = scan
+                    .records
+                    .iter()
+                    .map(|record| scanned_range(&record.header, &bytes[record.payload.clone()]))
+                    .collect();
+                let Some(mut state) = self.room_to_relocate(segment, range_bytes, &ranges)? else {
                     return Ok(None);
                 };
                 let before = state.counters().gc_write_bytes;
@@ -489,7 +508,8 @@ impl Volume {
                 (state, before)
             }
             Contents::Live { moves, read_bytes } => {
-                let Some(mut state) = self.room_to_relocate(segment, 0)? else {
+                let ranges = moves_ranges(&moves);
+                let Some(mut state) = self.room_to_relocate(segment, 0, &ranges)? else {
                     return Ok(None);
                 };
                 let before = state.counters().gc_write_bytes;
@@ -535,7 +555,8 @@ impl Volume {
                 )
             })
             .collect();
-        let mut state = self.lock();
+        let ranges = moves_ranges(&moves);
+        let mut state = self.make_resident(self.lock(), &ranges)?;
         apply(&mut state, moves)?;
         Ok(state)
     }
@@ -558,6 +579,16 @@ impl Volume {
         }
         Ok(())
     }
+}
+
+/// The blocks a scanned record names.
+fn scanned_range(header: &RecordHeader, payload: &[u8]) -> (Lba, u64) {
+    let count = match header.kind {
+        RecordKind::Unit => payload.first().copied().unwrap_or(1) as u64,
+        RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => range_count(payload),
+        _ => 1,
+    };
+    (Lba(header.lba), count.max(1))
 }
 
 /// Relocates, from a scanned victim, each data record the map still points

@@ -109,6 +109,9 @@ mod tests {
         assert!(name.unwrap_or_default().starts_with("zdisk-compress-"));
         assert_eq!(theirs, (mine + COMPRESS_NICE).min(19));
         let small = compressors.compress(1, |_| std::thread::current().name().map(String::from));
-        assert!(!small.unwrap_or_default().starts_with("zdisk-compress-"), "small writes stay home");
+        assert!(
+            !small.unwrap_or_default().starts_with("zdisk-compress-"),
+            "small writes stay home"
+        );
     }
 }

@@ -17,19 +17,18 @@
 //! is smaller (until the caller lets the lock go), so any range ends up
 //! resident whatever the cache; the cost is RAM for its leaves. A request
 //! (at most 32 MiB, 8,192 blocks: 32 chunks) touches at most 33 leaves of
-//! at most about 4 KiB each. A walk over a longer range (block status of
-//! a whole device) goes in pieces of [`RESIDENT_BLOCKS_MAX`].
+//! at most about 4 KiB each. A longer walk (block status of a whole
+//! device) holds its range's leaves in RAM until it lets the lock go, as
+//! loading them under the lock always did.
+
+use std::collections::HashSet;
 
 use crate::error::{Error, Result};
+use crate::map::Fault;
 use crate::units::Lba;
 
 use super::guard::StateGuard;
 use super::Volume;
-
-/// The longest range a walk should make resident at once (the largest
-/// request: 32 MiB of 4 KiB blocks).
-#[allow(dead_code)] // for the engine's walks, which move to lock_resident next
-pub(crate) const RESIDENT_BLOCKS_MAX: u64 = 8192;
 
 /// Rounds of faults after which `lock_resident` gives up. A round after
 /// the first only happens when a checkpoint moved a page while it was
@@ -38,24 +37,41 @@ pub(crate) const RESIDENT_BLOCKS_MAX: u64 = 8192;
 const FAULT_ROUNDS_MAX: u32 = 16;
 
 impl Volume {
-    /// The state lock, with every map leaf holding a block of
-    /// `first..first+count` in RAM until it is released. Paged-out leaves
-    /// are read and verified with the lock released; a page that fails
-    /// verification where it still is is an error (`CorruptImage`, or the
-    /// medium's `Io`).
-    #[allow(dead_code)] // the engine's call sites move to it next
+    /// The state lock, with every map leaf of blocks `first..first+count`
+    /// in RAM: pages are read without the lock (see the module docs).
     pub(crate) fn lock_resident(&self, first: Lba, count: u64) -> Result<StateGuard<'_>> {
-        let mut state = self.lock();
+        self.make_resident(self.lock(), &[(first, count)])
+    }
+
+    /// `state`, or the lock taken again, with every map leaf of each of
+    /// `ranges` in RAM. Pages are read with the lock released; whoever
+    /// goes on under the returned guard finds the leaves there, as leaves
+    /// are only evicted when a guard is dropped.
+    pub(crate) fn make_resident<'a>(
+        &'a self,
+        mut state: StateGuard<'a>,
+        ranges: &[(Lba, u64)],
+    ) -> Result<StateGuard<'a>> {
         let mut rounds = 0;
         loop {
-            let faults = state.map().faults(first, count);
-            if faults.is_empty() {
+            let mut seen = HashSet::new();
+            let wanted: Vec<(Lba, u64, Vec<Fault>)> = ranges
+                .iter()
+                .filter_map(|&(first, count)| {
+                    let mut faults = state.map().faults(first, count);
+                    // A leaf shared by two ranges is read once.
+                    faults.retain(|fault| seen.insert(fault.start()));
+                    (!faults.is_empty()).then_some((first, count, faults))
+                })
+                .collect();
+            if wanted.is_empty() {
                 if rounds == 0 {
                     state.note_map_hit();
                 }
                 return Ok(state);
             }
             if rounds == FAULT_ROUNDS_MAX {
+                let (first, count, _) = wanted[0];
                 return Err(Error::io(
                     format!("reading the map pages of blocks {first}+{count}"),
                     std::io::Error::other(format!(
@@ -64,24 +80,33 @@ impl Volume {
                 ));
             }
             rounds += 1;
-            let pin = state.pin_map_faults(first, count, &faults);
+            let pins: Vec<_> = wanted
+                .iter()
+                .map(|(first, count, faults)| state.pin_map_faults(*first, *count, faults))
+                .collect();
             drop(state);
-            let read: Vec<_> = faults.iter().map(|f| f.read(&*self.media)).collect();
+            let read: Vec<_> = wanted
+                .iter()
+                .flat_map(|(_, _, faults)| faults.iter())
+                .map(|fault| fault.read(&*self.media))
+                .collect();
             state = self.lock();
             let mut failure = None;
-            for (fault, leaf) in faults.iter().zip(read) {
+            let faults = wanted.iter().flat_map(|(_, _, faults)| faults.iter());
+            for (fault, leaf) in faults.zip(read) {
                 match leaf {
-                    // A stale fault is dropped; the next round looks again.
                     Ok(leaf) => drop(state.install_map_fault(fault, leaf)),
-                    // The page is where it was read: it is damaged.
+                    // A page that moved meanwhile is read again from its
+                    // new place; one still there is damaged.
                     Err(error) if state.map().fault_is_current(fault) => {
                         failure.get_or_insert(error);
                     }
-                    // A checkpoint moved it: read it again from there.
                     Err(_) => {}
                 }
             }
-            state.unpin_map_faults(pin);
+            for pin in pins {
+                state.unpin_map_faults(pin);
+            }
             if let Some(error) = failure {
                 return Err(error);
             }

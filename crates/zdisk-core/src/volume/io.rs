@@ -262,8 +262,7 @@ impl Volume {
         };
         // Records not on the medium yet, by where they start.
         let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
-        let mut state = self.lock();
-        state.load_map(first, count)?;
+        let state = self.lock_resident(first, count)?;
         let mut error = None;
         state.map().for_each_in(first, count, |lba, entry| {
             if error.is_some() {
@@ -456,8 +455,7 @@ impl Volume {
         let mut previous = None;
         for _ in 0..4 {
             let entry = {
-                let mut state = self.lock();
-                state.load_map(lba, 1)?;
+                let state = self.lock_resident(lba, 1)?;
                 state.map().get(lba)
             };
             if previous == Some(entry) {
@@ -603,6 +601,7 @@ impl Volume {
             Writer::Host {
                 blocks: count as u64,
             },
+            (first, count as u64),
             needed,
             count as u64,
         )?;
@@ -658,13 +657,16 @@ impl Volume {
     /// in this thread if needed (this is what throttles writers when space
     /// runs short). Returns the guard and the number of segments that must
     /// stay free.
+    /// The map leaves of blocks `first..first+count`, which the caller
+    /// changes, are in RAM then.
     pub(crate) fn admit(
         &self,
         writer: Writer,
+        (first, count): (Lba, u64),
         bytes: u64,
         versions: u64,
     ) -> Result<(StateGuard<'_>, u64)> {
-        self.make_room(Reach::All, |state| Need {
+        self.make_room_resident(Reach::All, &[(first, count)], |state| Need {
             writer,
             segments: state.segments_needed(StreamKind::Host, bytes),
             versions,
@@ -700,9 +702,11 @@ impl Volume {
                 Discard::Zero => RecordKind::Zero,
             };
             // Trims and zeroes free space, so they may use the cleaner's reserve.
-            let (mut state, floor) = self.admit(Writer::Range, RANGE_RECORD_LEN, 1)?;
             let first = Lba(first_full / BLOCK_SIZE_U64);
-            state.apply_range(kind, first, (end_full - first_full) / BLOCK_SIZE_U64, floor)?;
+            let count = (end_full - first_full) / BLOCK_SIZE_U64;
+            let (mut state, floor) =
+                self.admit(Writer::Range, (first, count), RANGE_RECORD_LEN, 1)?;
+            state.apply_range(kind, first, count, floor)?;
             drop(state);
             if zeroing && end_full < end {
                 self.modify_block_with(end_full, None, (end - end_full) as usize)?;

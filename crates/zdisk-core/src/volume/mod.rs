@@ -505,10 +505,10 @@ impl Volume {
     /// diagnosing simulation failures.
     #[doc(hidden)]
     pub fn describe_block(&self, lba: u64) -> String {
-        let mut state = self.lock();
-        if let Err(error) = state.load_map(Lba(lba), 1) {
-            return format!("block {lba}: its map page is unreadable: {error}");
-        }
+        let state = match self.lock_resident(Lba(lba), 1) {
+            Ok(state) => state,
+            Err(error) => return format!("block {lba}: its map page is unreadable: {error}"),
+        };
         let entry = state.map().get(Lba(lba));
         let segment = match entry.slot() {
             Slot::Data(loc) => format!("{:?}", state.space().segment(loc.segment)),
@@ -884,8 +884,7 @@ impl BlockDevice for Volume {
         let first = offset / BLOCK_SIZE_U64;
         let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
         let runs = {
-            let mut state = self.lock();
-            state.load_map(Lba(first), end - first)?;
+            let state = self.lock_resident(Lba(first), end - first)?;
             state
                 .map()
                 .runs(Lba(first), end - first, max_extents.max(1))

@@ -337,6 +337,33 @@ pub(crate) fn compress_run(
 }
 
 /// Carries out `moves` under the state lock. Returns the blocks moved.
+/// The blocks `moves` change, whose map leaves must be in RAM first.
+pub(crate) fn moves_ranges(moves: &[Move]) -> Vec<(Lba, u64)> {
+    let mut ranges = Vec::new();
+    for planned in moves {
+        match planned {
+            Move::Copy {
+                header, payload, ..
+            } => {
+                let blocks = match header.kind {
+                    RecordKind::Unit => payload.first().copied().unwrap_or(1) as u64,
+                    _ => 1,
+                };
+                ranges.push((Lba(header.lba), blocks.max(1)));
+            }
+            Move::Rewrite(records, _) => {
+                ranges.extend(
+                    records
+                        .iter()
+                        .map(|r| (r.first, r.versions.len().max(1) as u64)),
+                );
+            }
+            Move::Damaged(blocks) => ranges.extend(blocks.iter().map(|&(lba, _)| (lba, 1))),
+        }
+    }
+    ranges
+}
+
 pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
     let mut moved = 0;
     for plan in moves {

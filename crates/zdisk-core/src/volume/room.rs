@@ -9,6 +9,7 @@
 //! `space.rs`'s; this file only carries them out.
 
 use crate::error::{Error, Result};
+use crate::units::Lba;
 
 use super::clean::Cleaning;
 use super::guard::StateGuard;
@@ -28,6 +29,18 @@ impl Volume {
         reach: Reach,
         need_of: impl Fn(&State) -> Need,
     ) -> Result<(StateGuard<'_>, u64)> {
+        self.make_room_resident(reach, &[], need_of)
+    }
+
+    /// [`Volume::make_room`], returning the lock with the map leaves of
+    /// `ranges` in RAM, read without the lock (`fault.rs`): what the
+    /// caller changes under it never reads the medium.
+    pub(crate) fn make_room_resident(
+        &self,
+        reach: Reach,
+        ranges: &[(Lba, u64)],
+        need_of: impl Fn(&State) -> Need,
+    ) -> Result<(StateGuard<'_>, u64)> {
         let mut climbed = Climbed::default();
         // Rungs climbed while nothing changed anywhere: the bound that
         // stops a climb going round in circles. Under contention a writer
@@ -39,7 +52,7 @@ impl Volume {
         // Where space stood the last time this climb reached the top.
         let mut last_full = None;
         loop {
-            let state = self.lock();
+            let state = self.make_resident(self.lock(), ranges)?;
             state.check_writable()?;
             let mark = state.space().progress_mark();
             if last_mark != Some(mark) {

@@ -42,8 +42,8 @@ use crate::units::{Lba, PageIndex, SegmentId};
 use super::outbound::{Outbound, PageWrite, WriteKind};
 use super::space::{Climbed, Need, Outlook, Reach, Reservation, Rung, Space, Writer};
 use super::staging::{Staged, StagingSlots};
-pub(crate) use super::tallies::Tally;
 use super::tallies::Tallies;
+pub(crate) use super::tallies::Tally;
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,7 +105,6 @@ impl Buffered {
         (self.on_medium == 0).then_some(&self.bytes[..])
     }
 }
-
 
 /// The mutable half of a volume. See the module documentation.
 pub(crate) struct State {

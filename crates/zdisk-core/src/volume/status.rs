@@ -124,8 +124,7 @@ impl Volume {
         let mut next = from.0;
         let mut window_data = 0u64;
         let mut partial = Vec::new();
-        let mut state = self.lock();
-        state.load_map(from, end - from.0)?;
+        let state = self.lock_resident(from, end - from.0)?;
         state
             .map()
             .for_each_run(from, end - from.0, |lba, blocks, entry| {

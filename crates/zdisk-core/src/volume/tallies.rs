@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::stats::Counters;
 
-
 /// Counter events outside the mutation methods (which count their own).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Tally {
