@@ -533,3 +533,81 @@ impl Media for NandMedia {
         })
     }
 }
+
+/// The lock discipline (issue #23): reads take no lock a store write holds,
+/// and in debug builds any store I/O or modelled sleep under a marked lock
+/// panics.
+#[cfg(test)]
+mod tests {
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::profile::NandParams;
+
+    fn drive(clock: Clock) -> NandMedia {
+        let params = NandParams::named("tiny").expect("the tiny profile");
+        let drive = NandMedia::new_in_memory(params, clock).expect("a RAM drive");
+        for segment in 0..2 {
+            drive.erase_segment(SegmentId(segment)).expect("erase");
+        }
+        drive
+    }
+
+    fn page(fill: u8, drive: &NandMedia) -> Vec<u8> {
+        vec![fill; drive.geometry().page_size_bytes as usize]
+    }
+
+    #[test]
+    fn a_read_takes_no_lock_a_store_write_holds() {
+        let drive = Arc::new(drive(Clock::Virtual));
+        drive
+            .write_pages(SegmentId(1), PageIndex(0), &page(7, &drive))
+            .expect("program");
+        // As a program or erase of segment 1 holds it during its store I/O.
+        let order = drive.order(SegmentId(1)).expect("segment 1 exists");
+        let reader = drive.clone();
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let read = reader.read(SegmentId(1), 0, &mut buf).map(|()| buf);
+            let _ = done.send(read);
+        });
+        // Not a speed bound: a read that waited for the lock would never end.
+        let read = finished
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the read waited for segment 1's store writes")
+            .expect("the read succeeds");
+        assert!(read.iter().all(|&byte| byte == 7), "the programmed page");
+        drop(order);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a NAND store read while holding the nand lock")]
+    fn store_io_under_the_model_lock_panics() {
+        let drive = drive(Clock::Virtual);
+        let _inner = drive.lock();
+        let mut buf = vec![0u8; 512];
+        let _ = drive.store.read(0, 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a NAND store read while holding the state lock")]
+    fn a_read_under_a_callers_marked_lock_panics() {
+        let drive = drive(Clock::Virtual);
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; 512];
+        let _ = drive.read(SegmentId(0), 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a modelled wait while holding the state lock")]
+    fn a_real_time_wait_under_a_marked_lock_panics() {
+        let drive = drive(Clock::Real);
+        let _state = Held::mark("state");
+        drive.host_transfer(HostDirection::Read, 4096);
+    }
+}

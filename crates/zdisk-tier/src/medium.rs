@@ -2083,3 +2083,219 @@ impl Drop for TieredMedia {
         }
     }
 }
+
+/// The lock discipline (issue #23): a read goes on while the tier works on
+/// another segment's local bytes, and in debug builds any I/O under a
+/// marked lock panics. The tier runs over a RAM cache whose erases of one
+/// chosen segment wait at a gate the test opens, and an in-memory bucket.
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use zdisk_core::media::MemMedia;
+
+    use super::*;
+
+    const PAGE: u32 = 4096;
+
+    /// Erases of `closed` wait until it is opened; `waiting` says one does.
+    #[derive(Default)]
+    struct GateState {
+        closed: Option<u32>,
+        waiting: bool,
+    }
+
+    struct Gated {
+        inner: MemMedia,
+        gate: Mutex<GateState>,
+        changed: Condvar,
+    }
+
+    impl Gated {
+        fn close(&self, segment: u32) {
+            self.gate.lock().unwrap().closed = Some(segment);
+        }
+
+        fn open(&self) {
+            self.gate.lock().unwrap().closed = None;
+            self.changed.notify_all();
+        }
+
+        /// Whether an erase is held at the gate within a minute (the
+        /// bound only turns a hang into a failure).
+        fn wait_held(&self) -> bool {
+            let gate = self.gate.lock().unwrap();
+            let (gate, _) = self
+                .changed
+                .wait_timeout_while(gate, Duration::from_secs(60), |gate| !gate.waiting)
+                .unwrap();
+            gate.waiting
+        }
+    }
+
+    impl Media for Gated {
+        fn geometry(&self) -> MediaGeometry {
+            self.inner.geometry()
+        }
+        fn physical_size_bytes(&self) -> u64 {
+            self.inner.physical_size_bytes()
+        }
+        fn write_pages(&self, s: SegmentId, p: PageIndex, data: &[u8]) -> zdisk_core::Result<()> {
+            self.inner.write_pages(s, p, data)
+        }
+        fn read(&self, s: SegmentId, offset: u64, buf: &mut [u8]) -> zdisk_core::Result<()> {
+            self.inner.read(s, offset, buf)
+        }
+        fn erase_segment(&self, segment: SegmentId) -> zdisk_core::Result<()> {
+            let mut gate = self.gate.lock().unwrap();
+            if gate.closed == Some(segment.0) {
+                gate.waiting = true;
+                self.changed.notify_all();
+                while gate.closed == Some(segment.0) {
+                    gate = self.changed.wait(gate).unwrap();
+                }
+                gate.waiting = false;
+            }
+            drop(gate);
+            self.inner.erase_segment(segment)
+        }
+        fn sync(&self) -> zdisk_core::Result<()> {
+            self.inner.sync()
+        }
+        fn write_meta_slot(&self, slot: usize, data: &[u8]) -> zdisk_core::Result<()> {
+            self.inner.write_meta_slot(slot, data)
+        }
+        fn read_meta_slot(&self, slot: usize) -> zdisk_core::Result<Vec<u8>> {
+            self.inner.read_meta_slot(slot)
+        }
+        fn describe(&self) -> String {
+            "gated RAM".into()
+        }
+    }
+
+    /// A read-only tier (no uploader) over a gated RAM cache of 8 segments
+    /// of 64 KiB, with segments 0 and 1 written with 0x10 and 0x11.
+    fn tiered(name: &str) -> (Arc<TieredMedia>, Arc<Gated>) {
+        let gated = Arc::new(Gated {
+            inner: MemMedia::with_size(PAGE, 64 << 10, 8).expect("a RAM medium"),
+            gate: Mutex::new(GateState::default()),
+            changed: Condvar::new(),
+        });
+        let dir = std::env::temp_dir().join(format!("zdisk-tier-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        let sidecar_path = dir.join("a.img.tier");
+        let url = format!("memory://tier-unit-{name}-{}/v", std::process::id());
+        Sidecar::new(&url, [9; 16], 0, 1 << 30)
+            .store(&sidecar_path)
+            .expect("the state file");
+        let config = TierConfig {
+            read_only: true,
+            retry_timeout: Duration::from_secs(1),
+            ..TierConfig::default()
+        };
+        let media = TieredMedia::open(gated.clone(), sidecar_path, config).expect("the tier opens");
+        for segment in 0..2 {
+            media.prepare_segment(SegmentId(segment)).expect("prepare");
+            let data = vec![0x10 + segment as u8; 2 * PAGE as usize];
+            media
+                .write_pages(SegmentId(segment), PageIndex(0), &data)
+                .expect("write");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        (media, gated)
+    }
+
+    /// Reads segment `segment`'s first page on another thread; None if it
+    /// has not finished within a minute (it waits for something).
+    fn read_elsewhere(media: &Arc<TieredMedia>, segment: u32) -> Option<Vec<u8>> {
+        let media = media.clone();
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; PAGE as usize];
+            media
+                .read(SegmentId(segment), 0, &mut buf)
+                .expect("the read succeeds");
+            let _ = done.send(buf);
+        });
+        finished.recv_timeout(Duration::from_secs(60)).ok()
+    }
+
+    #[test]
+    fn reads_go_on_while_another_segment_is_dropped_or_prepared() {
+        let (media, gated) = tiered("gate");
+        // Freeing segment 1 drops its local bytes: the erase waits at the gate.
+        gated.close(1);
+        let freer = {
+            let media = media.clone();
+            std::thread::spawn(move || media.segment_freed(SegmentId(1)))
+        };
+        assert!(
+            gated.wait_held(),
+            "the freed segment's erase reached the gate"
+        );
+        let read = read_elsewhere(&media, 0).expect("a read waited for another segment's erase");
+        assert!(read.iter().all(|&byte| byte == 0x10), "segment 0's bytes");
+        gated.open();
+        freer.join().expect("the freeing thread");
+
+        // Preparing segment 1 again erases it (a RAM cache is flash-like).
+        gated.close(1);
+        let preparer = {
+            let media = media.clone();
+            std::thread::spawn(move || media.prepare_segment(SegmentId(1)))
+        };
+        assert!(
+            gated.wait_held(),
+            "the preparation's erase reached the gate"
+        );
+        let read = read_elsewhere(&media, 0).expect("a read waited for another segment's prepare");
+        assert!(read.iter().all(|&byte| byte == 0x10), "segment 0's bytes");
+        gated.open();
+        preparer
+            .join()
+            .expect("the preparing thread")
+            .expect("the preparation succeeds");
+        media.close().expect("close");
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    fn the_tier_locks_are_marked_while_held() {
+        let (media, _gated) = tiered("marks");
+        {
+            let _state = media.shared.lock();
+            assert_eq!(zdisk_core::held::held_lock(), Some("tier"));
+        }
+        {
+            let _fetched = media.shared.lock_fetched();
+            assert_eq!(zdisk_core::held::held_lock(), Some("tier fetch"));
+        }
+        assert_eq!(zdisk_core::held::held_lock(), None);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a medium read while holding the state lock")]
+    fn a_cache_read_under_a_marked_lock_panics() {
+        let (media, _gated) = tiered("cache-read");
+        // As if the engine read under its state lock: the cache is checked.
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; PAGE as usize];
+        let _ = media.read(SegmentId(0), 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "reading an evicted segment while holding the state lock")]
+    fn a_bucket_read_under_a_marked_lock_panics() {
+        let (media, _gated) = tiered("bucket-read");
+        media.shared.lock().segs[2] = Seg::Evicted {
+            seq32: 1,
+            writer: media.shared.writer,
+            len: 64 << 10,
+        };
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; PAGE as usize];
+        let _ = media.read(SegmentId(2), 0, &mut buf);
+    }
+}
