@@ -1209,10 +1209,12 @@ impl Shared {
             Seg::Local(local) if local.seq32 == Some(seq32) && local.writer == writer);
         if stored.is_err() || !current {
             // Freed meanwhile (its bytes stay until it is prepared), or not
-            // recorded: the record goes again.
+            // recorded: the record goes again. Another thread's write may
+            // have stored it, so the file is stale either way (`renew`
+            // stores it before the segment is written again).
             let record = (segment, seq32, writer, there);
             state.sidecar.evicted.retain(|entry| *entry != record);
-            state.sidecar_dirty |= stored.is_ok();
+            state.sidecar_dirty = true;
             state.busy.remove(&segment);
             return stored;
         }
@@ -1777,6 +1779,9 @@ impl Shared {
             }
             Seg::Empty => {}
         }
+        // A record removed lazily (a freed evicted segment) must be gone
+        // from the file before the segment holds new bytes.
+        unrecord |= state.sidecar_dirty;
         drop(state);
         let stashed = to_stash.map(|(seq32, len)| {
             let mut buf = vec![0u8; len as usize];
@@ -1819,8 +1824,9 @@ impl Shared {
         Ok(())
     }
 
-    /// A renewal's I/O, without the lock: the eviction record's removal
-    /// made durable, then the local segment erased or prepared.
+    /// A renewal's I/O, without the lock: the state file made current (an
+    /// eviction record's removal durable), then the local segment erased
+    /// or prepared.
     fn renew_io(&self, segment: SegmentId, erase: bool, unrecord: bool) -> zdisk_core::Result<()> {
         if unrecord {
             self.store_sidecar()?;
@@ -1997,8 +2003,9 @@ impl Media for TieredMedia {
                 shared.lock().busy.remove(&segment.0);
             }
             Seg::Evicted { .. } => {
-                // Stored by the uploader soon: until then a reopened image
-                // finds it evicted, and the engine frees it again at open.
+                // Stored by the uploader soon, and at the latest before the
+                // segment is prepared again (`renew`): until then a reopened
+                // image finds it evicted, and the engine frees it again at open.
                 state.segs[index] = Seg::Empty;
                 state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
                 state.sidecar_dirty = true;
