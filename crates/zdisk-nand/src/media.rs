@@ -6,12 +6,24 @@
 //! moves the current operation's cursor there (virtual time). The model
 //! and the virtual clock share one mutex; the real clock never sleeps
 //! while holding it.
+//!
+//! Locks (issue #23: reads never wait behind I/O). `inner` (marked
+//! "nand") is taken by every call, reads included, and guards only the
+//! model's arithmetic: no store I/O and no sleep ever runs under it (debug
+//! builds panic otherwise). The per-segment `segment_order` locks keep a
+//! segment's erase, programs and staged page reaching the store in the
+//! order the model saw them; they are taken before `inner`, held during
+//! that segment's store writes, and never taken by a read. The RAM store's
+//! per-segment locks guard a memory copy of that segment's bytes (see
+//! `store.rs`).
 
 use std::cell::Cell;
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use zdisk_core::held::{assert_none_held, Held};
 use zdisk_core::media::{HostDirection, Media, MediaGeometry, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_core::{Error, Result};
@@ -44,6 +56,26 @@ struct Inner {
     time: VirtualTime,
 }
 
+/// `inner` held, and marked held for the debug check that no I/O or
+/// sleep runs under it (`zdisk_core::held`).
+struct Locked<'a> {
+    guard: MutexGuard<'a, Inner>,
+    _held: Held,
+}
+
+impl Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
 /// An emulated NAND drive. See the crate documentation for the model.
 pub struct NandMedia {
     params: NandParams,
@@ -51,6 +83,9 @@ pub struct NandMedia {
     clock: Clock,
     epoch: Instant,
     inner: Mutex<Inner>,
+    /// Per segment: held from before its model step until its store
+    /// writes are done, by erases, programs and staging (never by reads).
+    segment_order: Vec<Mutex<()>>,
     store: Store,
 }
 
@@ -112,7 +147,11 @@ impl NandMedia {
         for (segment, page, data) in staged {
             model.restore_staged(segment, page, data);
         }
+        let segment_order = (0..params.profile.segment_count())
+            .map(|_| Mutex::new(()))
+            .collect();
         NandMedia {
+            segment_order,
             geometry: params.profile.geometry(),
             params,
             clock,
@@ -199,8 +238,20 @@ impl NandMedia {
         assert_eq!(self.clock, Clock::Virtual, "{what} needs the virtual clock");
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().expect("NAND model lock poisoned")
+    fn lock(&self) -> Locked<'_> {
+        let guard = self.inner.lock().expect("NAND model lock poisoned");
+        Locked {
+            guard,
+            _held: Held::mark("nand"),
+        }
+    }
+
+    /// Orders `segment`'s store writes (see the module's note on locks).
+    /// None for a segment past the medium: the model refuses it.
+    fn order(&self, segment: SegmentId) -> Option<MutexGuard<'_, ()>> {
+        self.segment_order
+            .get(segment.index())
+            .map(|order| order.lock().expect("NAND segment order lock poisoned"))
     }
 
     fn real_now_ns(&self) -> u64 {
@@ -218,7 +269,7 @@ impl NandMedia {
 
     /// Lets the caller continue at `done_ns`: moves the virtual cursor, or
     /// returns the real-time deadline to sleep until once the lock is gone.
-    fn settle(&self, mut inner: MutexGuard<'_, Inner>, done_ns: u64) -> Option<u64> {
+    fn settle(&self, mut inner: Locked<'_>, done_ns: u64) -> Option<u64> {
         match self.clock {
             Clock::Virtual => {
                 if inner.time.in_op {
@@ -234,6 +285,7 @@ impl NandMedia {
         let Some(deadline_ns) = deadline_ns else {
             return;
         };
+        assert_none_held("a modelled wait");
         thread_local! {
             static FINE_SLACK: Cell<bool> = const { Cell::new(false) };
         }
@@ -288,6 +340,7 @@ impl Media for NandMedia {
     }
 
     fn write_pages(&self, segment: SegmentId, first_page: PageIndex, data: &[u8]) -> Result<()> {
+        let order = self.order(segment);
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
         if self.clock == Clock::Real {
@@ -302,6 +355,7 @@ impl Media for NandMedia {
         if programmed.unstaged {
             self.store.unstage(segment.0)?;
         }
+        drop(order);
         self.wait(deadline);
         Ok(())
     }
@@ -372,18 +426,21 @@ impl Media for NandMedia {
     }
 
     fn erase_segment(&self, segment: SegmentId) -> Result<()> {
+        // The segment's order lock is held until the store is erased, so
+        // no program of the fresh segment can reach the store before the
+        // erase does; reads go on meanwhile.
+        let order = self.order(segment);
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
         let dropped_staged = inner.model.erase(start, segment.0);
         let counts = inner.model.erase_counts_of(segment.0).to_vec();
-        // The store is erased under the lock, so no program of the fresh
-        // segment can reach the store before the erase does.
+        let deadline = self.settle(inner, start);
         self.store.erase(segment.0)?;
         self.store.save_erase_counts(segment.0, &counts)?;
         if dropped_staged {
             self.store.unstage(segment.0)?;
         }
-        let deadline = self.settle(inner, start);
+        drop(order);
         self.wait(deadline);
         Ok(())
     }
@@ -448,9 +505,10 @@ impl Media for NandMedia {
                 self.params.profile.name
             )));
         }
-        let mut inner = self.lock();
-        inner.model.stage(segment.0, page.0, data);
-        // Persisted under the lock so an erase cannot interleave.
+        // Persisted under the segment's order lock (not the model's), so
+        // an erase or a program of the segment cannot interleave.
+        let _order = self.order(segment);
+        self.lock().model.stage(segment.0, page.0, data);
         self.store.stage(segment.0, page.0, data)
     }
 
@@ -473,5 +531,83 @@ impl Media for NandMedia {
             erase_count_max: stats.erase_count_max,
             erase_count_mean: stats.erase_count_mean,
         })
+    }
+}
+
+/// The lock discipline (issue #23): reads take no lock a store write holds,
+/// and in debug builds any store I/O or modelled sleep under a marked lock
+/// panics.
+#[cfg(test)]
+mod tests {
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::profile::NandParams;
+
+    fn drive(clock: Clock) -> NandMedia {
+        let params = NandParams::named("tiny").expect("the tiny profile");
+        let drive = NandMedia::new_in_memory(params, clock).expect("a RAM drive");
+        for segment in 0..2 {
+            drive.erase_segment(SegmentId(segment)).expect("erase");
+        }
+        drive
+    }
+
+    fn page(fill: u8, drive: &NandMedia) -> Vec<u8> {
+        vec![fill; drive.geometry().page_size_bytes as usize]
+    }
+
+    #[test]
+    fn a_read_takes_no_lock_a_store_write_holds() {
+        let drive = Arc::new(drive(Clock::Virtual));
+        drive
+            .write_pages(SegmentId(1), PageIndex(0), &page(7, &drive))
+            .expect("program");
+        // As a program or erase of segment 1 holds it during its store I/O.
+        let order = drive.order(SegmentId(1)).expect("segment 1 exists");
+        let reader = drive.clone();
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let read = reader.read(SegmentId(1), 0, &mut buf).map(|()| buf);
+            let _ = done.send(read);
+        });
+        // Not a speed bound: a read that waited for the lock would never end.
+        let read = finished
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the read waited for segment 1's store writes")
+            .expect("the read succeeds");
+        assert!(read.iter().all(|&byte| byte == 7), "the programmed page");
+        drop(order);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a NAND store read while holding the nand lock")]
+    fn store_io_under_the_model_lock_panics() {
+        let drive = drive(Clock::Virtual);
+        let _inner = drive.lock();
+        let mut buf = vec![0u8; 512];
+        let _ = drive.store.read(0, 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a NAND store read while holding the state lock")]
+    fn a_read_under_a_callers_marked_lock_panics() {
+        let drive = drive(Clock::Virtual);
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; 512];
+        let _ = drive.read(SegmentId(0), 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a modelled wait while holding the state lock")]
+    fn a_real_time_wait_under_a_marked_lock_panics() {
+        let drive = drive(Clock::Real);
+        let _state = Held::mark("state");
+        drive.host_transfer(HostDirection::Read, 4096);
     }
 }

@@ -1,7 +1,9 @@
 //! Where page contents live: RAM (sparse) or an image file (sparse).
 //!
 //! Both back-ends return 0xFF for pages never programmed since their last
-//! erase, as erased flash reads. The RAM store keeps each segment as the
+//! erase, as erased flash reads. Every store call is I/O as far as the
+//! medium's locks go: it never runs under the model lock (debug builds
+//! check it). The RAM store keeps each segment as the
 //! bytes programmed so far (pages are programmed in order, so everything
 //! past that is erased). The file store keeps the bitwise complement of
 //! each page, so a hole — never written, or punched by an erase — reads
@@ -26,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 
 use zdisk_core::bytes::{ByteReader, ByteWriter};
+use zdisk_core::held::{assert_none_held, Held};
 use zdisk_core::media::lock_file;
 use zdisk_core::{Error, Result};
 
@@ -175,7 +178,11 @@ pub(crate) enum Store {
 }
 
 pub(crate) struct RamStore {
-    /// Per segment, the bytes programmed since its last erase.
+    /// Per segment, the bytes programmed since its last erase. A read
+    /// holds its segment's lock only to copy bytes out of RAM, a program
+    /// only to append its pages (memory copies of at most one call's data,
+    /// no I/O), so a read waits at most for one such copy of the same
+    /// segment; marked "nand segment" while held.
     segments: Vec<RwLock<Vec<u8>>>,
     segment_size_bytes: u64,
     meta: Mutex<[Vec<u8>; 2]>,
@@ -329,11 +336,13 @@ impl Store {
 
     /// Stores programmed pages; `offset` is a page boundary of `segment`.
     pub fn write(&self, segment: u32, offset: u64, data: &[u8]) -> Result<()> {
+        assert_none_held("a NAND store write");
         match self {
             Store::Ram(store) => {
                 let mut bytes = store.segments[segment as usize]
                     .write()
                     .expect("segment lock");
+                let _held = Held::mark("nand segment");
                 // Pages are programmed in order from page 0 after an erase
                 // (the model asserted it), so the data always extends the end.
                 assert_eq!(
@@ -360,11 +369,13 @@ impl Store {
 
     /// Reads bytes of a segment; unprogrammed bytes read as 0xFF.
     pub fn read(&self, segment: u32, offset: u64, buf: &mut [u8]) -> Result<()> {
+        assert_none_held("a NAND store read");
         match self {
             Store::Ram(store) => {
                 let bytes = store.segments[segment as usize]
                     .read()
                     .expect("segment lock");
+                let _held = Held::mark("nand segment");
                 let start = offset as usize;
                 let have = bytes.len().saturating_sub(start).min(buf.len());
                 if have > 0 {
@@ -385,11 +396,16 @@ impl Store {
     }
 
     pub fn erase(&self, segment: u32) -> Result<()> {
+        assert_none_held("a NAND store erase");
         match self {
             Store::Ram(store) => {
-                *store.segments[segment as usize]
-                    .write()
-                    .expect("segment lock") = Vec::new();
+                let erased = std::mem::take(
+                    &mut *store.segments[segment as usize]
+                        .write()
+                        .expect("segment lock"),
+                );
+                // Freed after the lock is released.
+                drop(erased);
                 Ok(())
             }
             Store::File(store) => store.erase(segment),
@@ -397,6 +413,7 @@ impl Store {
     }
 
     pub fn write_meta(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert_none_held("a NAND metadata slot write");
         match self {
             Store::Ram(store) => {
                 store.meta.lock().expect("meta lock")[slot] = data.to_vec();
@@ -413,6 +430,7 @@ impl Store {
     }
 
     pub fn read_meta(&self, slot: usize) -> Result<Vec<u8>> {
+        assert_none_held("a NAND metadata slot read");
         let mut bytes = vec![0u8; META_SLOT_SIZE_BYTES as usize];
         match self {
             Store::Ram(store) => {
@@ -432,6 +450,7 @@ impl Store {
 
     /// Persists a staged page (the RAM store keeps it in the model only).
     pub fn stage(&self, segment: u32, page: u32, data: &[u8]) -> Result<()> {
+        assert_none_held("staging a page in the NAND store");
         let Store::File(store) = self else {
             return Ok(());
         };
@@ -450,6 +469,7 @@ impl Store {
     }
 
     pub fn unstage(&self, segment: u32) -> Result<()> {
+        assert_none_held("dropping a staged page from the NAND store");
         let Store::File(store) = self else {
             return Ok(());
         };
@@ -468,6 +488,7 @@ impl Store {
     }
 
     pub fn save_erase_counts(&self, segment: u32, counts: &[u32]) -> Result<()> {
+        assert_none_held("saving NAND erase counts");
         let Store::File(store) = self else {
             return Ok(());
         };
@@ -484,6 +505,7 @@ impl Store {
 
     /// Makes the backing store durable (a no-op in RAM).
     pub fn sync(&self) -> Result<()> {
+        assert_none_held("a NAND store sync");
         match self {
             Store::Ram(_) => Ok(()),
             Store::File(store) => store

@@ -31,11 +31,28 @@
 //!
 //! Invariants: a segment is read from the bucket exactly when it is
 //! `Evicted`; an `Evicted` segment's object holds at least the bytes its
-//! incarnation was sealed with; the uploader never reads a segment while
-//! the engine prepares it (`busy`), and never evicts one being read
-//! (`readers`).
+//! incarnation was sealed with; one thread at a time reads, writes or
+//! drops a segment's local bytes (`busy`), and none drops them while they
+//! are being read (`readers`).
+//!
+//! Locks (issue #23: reads never wait behind I/O). A host read takes the
+//! state lock (`state`, marked "tier") and, for an evicted segment, the
+//! fetch lock (`fetched`, marked "tier fetch"); neither is ever held
+//! during I/O: no object-store call, no read, write, erase or sync of the
+//! local cache, no write of the `.tier` file and no sleep happens under
+//! them (debug builds panic otherwise: every such call is preceded by
+//! `assert_none_held`, and the local cache is wrapped in `LockChecked`).
+//! Work on a segment's local bytes is claimed under the state lock
+//! (`busy`), done without it, and its outcome applied under it again
+//! after re-checking the segment's incarnation. Order: the state file's
+//! own lock (`sidecar_file`, held while it is written, never taken by a
+//! read) before the state lock; the state and fetch locks are never held
+//! together; waits (for room in the cache, for a fetch, for a root to be
+//! published) are condition-variable waits that release their lock.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -46,7 +63,8 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
-use zdisk_core::media::{HostDirection, Media, MediaGeometry, MediaStat};
+use zdisk_core::held::{assert_none_held, Held};
+use zdisk_core::media::{HostDirection, LockChecked, Media, MediaGeometry, MediaStat};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 use crate::cause::StoreCause;
@@ -176,8 +194,6 @@ struct LocalSeg {
     sealed: Option<u64>,
     /// Bytes the local file holds for the segment, this incarnation or older.
     footprint: u64,
-    /// The uploader is reading it.
-    busy: bool,
     /// Reads under way.
     readers: u32,
     last_use: u64,
@@ -195,6 +211,10 @@ struct Target {
 
 struct TierState {
     segs: Vec<Seg>,
+    /// Segments whose local bytes a thread reads, writes or drops without
+    /// the lock (an upload, an eviction, a write-back, a renewal, a freed
+    /// segment's erase): nobody else starts on them until it is done.
+    busy: HashSet<u32>,
     /// Bytes in the bucket per incarnation (segment, seq32).
     in_bucket: HashMap<Incarnation, u64>,
     /// Old incarnations of reused segments waiting for upload.
@@ -280,6 +300,9 @@ struct Shared {
     runtime: tokio::runtime::Runtime,
     config: TierConfig,
     sidecar_path: PathBuf,
+    /// Held while the state file is written, so writes land in the order
+    /// their snapshots were taken. Taken before `state`, never by a read.
+    sidecar_file: Mutex<()>,
     writer_id: [u8; 16],
     /// `writer_id` as object names carry it.
     writer: u64,
@@ -291,6 +314,50 @@ struct Shared {
     fetched: Mutex<FetchCache>,
     /// Signalled when a fetch of a granule ends.
     fetch_done: Condvar,
+}
+
+/// One of the tier's mutexes held, and marked held for the debug check
+/// that no I/O runs under it (`zdisk_core::held`).
+struct Locked<'a, T> {
+    guard: MutexGuard<'a, T>,
+    _held: Held,
+}
+
+impl<'a, T> Locked<'a, T> {
+    fn take(mutex: &'a Mutex<T>, name: &'static str) -> Locked<'a, T> {
+        let guard = mutex.lock().expect(name);
+        Locked {
+            guard,
+            _held: Held::mark(name),
+        }
+    }
+
+    /// Waits on `changed`, which releases the lock meanwhile (the mark
+    /// stays: the thread does nothing else while it waits).
+    fn wait(self, changed: &Condvar) -> Locked<'a, T> {
+        let Locked { guard, _held } = self;
+        let guard = changed.wait(guard).expect("tier lock");
+        Locked { guard, _held }
+    }
+
+    fn wait_timeout(self, changed: &Condvar, timeout: Duration) -> Locked<'a, T> {
+        let Locked { guard, _held } = self;
+        let (guard, _) = changed.wait_timeout(guard, timeout).expect("tier lock");
+        Locked { guard, _held }
+    }
+}
+
+impl<T> Deref for Locked<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> DerefMut for Locked<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
 }
 
 /// A medium whose sealed segments live in an object store.
@@ -308,6 +375,9 @@ impl TieredMedia {
         sidecar_path: PathBuf,
         config: TierConfig,
     ) -> Result<Arc<TieredMedia>> {
+        // Debug builds check that the tier never touches its cache while
+        // holding a lock a read takes.
+        let inner = LockChecked::wrap(inner);
         let mut sidecar = Sidecar::load(&sidecar_path)?;
         let writer_id = sidecar.writer_id()?;
         let location = Location::parse(&sidecar.url)?;
@@ -391,7 +461,6 @@ impl TieredMedia {
                     written,
                     sealed: Some(written),
                     footprint: segment_size,
-                    busy: false,
                     readers: 0,
                     last_use: 0,
                 });
@@ -413,6 +482,7 @@ impl TieredMedia {
             .collect();
         let state = TierState {
             segs,
+            busy: HashSet::new(),
             in_bucket: listing.segments,
             stash: VecDeque::new(),
             stash_bytes: 0,
@@ -443,6 +513,7 @@ impl TieredMedia {
             runtime,
             config,
             sidecar_path,
+            sidecar_file: Mutex::new(()),
             writer_id,
             writer,
             geometry,
@@ -611,7 +682,15 @@ pub(crate) fn store_error(
 
 /// Work the uploader found under the lock.
 enum Job {
-    Upload { segment: u32, seq32: u32, len: u64 },
+    /// The state file lags the state.
+    StoreSidecar,
+    /// The cache is over its bound: drop this segment's local bytes.
+    Evict(Eviction),
+    Upload {
+        segment: u32,
+        seq32: u32,
+        len: u64,
+    },
     UploadStash,
     Publish(RootObject, u64, u64),
     Collect,
@@ -619,9 +698,47 @@ enum Job {
     Done,
 }
 
+/// A segment chosen for eviction: its incarnation, bytes in the bucket and
+/// local footprint.
+struct Eviction {
+    segment: u32,
+    seq32: u32,
+    writer: u64,
+    there: u64,
+    footprint: u64,
+}
+
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, TierState> {
-        self.state.lock().expect("tier state lock")
+    fn lock(&self) -> Locked<'_, TierState> {
+        Locked::take(&self.state, "tier")
+    }
+
+    fn lock_fetched(&self) -> Locked<'_, FetchCache> {
+        Locked::take(&self.fetched, "tier fetch")
+    }
+
+    /// Runs an object-store call to completion; never under a tier lock.
+    #[track_caller]
+    fn block_on<F: Future>(&self, what: &str, call: F) -> F::Output {
+        assert_none_held(what);
+        self.runtime.block_on(call)
+    }
+
+    /// Writes the state file as the state holds it now. The snapshot is
+    /// taken under the state lock and written after it is released; the
+    /// file's own lock makes the last snapshot taken the last written.
+    fn store_sidecar(&self) -> Result<()> {
+        let _file = self.sidecar_file.lock().expect("tier state file lock");
+        let sidecar = {
+            let mut state = self.lock();
+            state.sidecar_dirty = false;
+            state.sidecar.clone()
+        };
+        let stored = sidecar.store(&self.sidecar_path);
+        if stored.is_err() {
+            self.lock().sidecar_dirty = true;
+        }
+        stored
     }
 
     /// Bytes of the incarnation `key` the bucket holds.
@@ -698,6 +815,9 @@ impl Shared {
     fn upload_loop(self: Arc<Self>) {
         let mut backoff = Duration::from_millis(200);
         let mut closing_since: Option<Instant> = None;
+        // Cleared when storing the state file or an eviction failed: the
+        // next try waits for the next wake-up instead of spinning.
+        let mut retry_local = true;
         loop {
             let job = {
                 let mut state = self.lock();
@@ -718,19 +838,38 @@ impl Shared {
                             ));
                         }
                     }
-                    self.evict_over_bound(&mut state);
+                    if retry_local && state.sidecar_dirty {
+                        break Job::StoreSidecar;
+                    }
+                    if retry_local {
+                        if let Some(eviction) = self.eviction_candidate(&mut state) {
+                            break Job::Evict(eviction);
+                        }
+                    }
                     if let Some(job) = self.next_job(&mut state) {
                         break job;
                     }
-                    let (next, _) = self
-                        .changed
-                        .wait_timeout(state, Duration::from_millis(250))
-                        .expect("tier state lock");
-                    state = next;
+                    state = state.wait_timeout(&self.changed, Duration::from_millis(250));
+                    retry_local = true;
                 }
             };
             let outcome = match job {
                 Job::Done => return,
+                Job::StoreSidecar => {
+                    if let Err(error) = self.store_sidecar() {
+                        log::warn!("tier: {error}");
+                        retry_local = false;
+                    }
+                    continue;
+                }
+                Job::Evict(eviction) => {
+                    if let Err(error) = self.evict(eviction) {
+                        log::warn!("tier: cannot evict: {error}");
+                        retry_local = false;
+                    }
+                    self.changed.notify_all();
+                    continue;
+                }
                 Job::Upload {
                     segment,
                     seq32,
@@ -750,6 +889,7 @@ impl Shared {
                 }
                 Err(error) => {
                     log::warn!("tier: {error}; retrying in {} ms", backoff.as_millis());
+                    assert_none_held("the uploader's backoff");
                     std::thread::sleep(backoff);
                     // Never longer than a retry timeout, so a close notices
                     // the bucket is back well before it would give up.
@@ -764,12 +904,6 @@ impl Shared {
 
     /// The next upload or publication, if any.
     fn next_job(&self, state: &mut TierState) -> Option<Job> {
-        if state.sidecar_dirty {
-            match state.sidecar.store(&self.sidecar_path) {
-                Ok(()) => state.sidecar_dirty = false,
-                Err(error) => log::warn!("tier: {error}"),
-            }
-        }
         if state.failed.is_some() {
             return state.closing.then_some(Job::Done);
         }
@@ -786,7 +920,7 @@ impl Shared {
         for (index, seg) in state.segs.iter().enumerate() {
             let Seg::Local(local) = seg else { continue };
             let Some(seq32) = local.seq32 else { continue };
-            if local.busy || local.writer != self.writer {
+            if state.busy.contains(&(index as u32)) || local.writer != self.writer {
                 continue;
             }
             let key = (index as u32, seq32, self.writer);
@@ -950,10 +1084,10 @@ impl Shared {
             None => return Ok(()),
         };
         for number in unknown {
-            let names = match self
-                .runtime
-                .block_on(get_root(&self.store, &self.location, number))
-            {
+            let names = match self.block_on(
+                "reading an old root object",
+                get_root(&self.store, &self.location, number),
+            ) {
                 Ok(root) => root
                     .segments
                     .iter()
@@ -992,87 +1126,132 @@ impl Shared {
     }
 
     fn delete(&self, key: &ObjectPath, what: &str) -> Result<()> {
-        match self.runtime.block_on(self.store.delete(key)) {
+        match self.block_on(what, self.store.delete(key)) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(error) => Err(store_error(&self.location, what, error)),
         }
     }
 
-    /// Drops the least recently used segments that are wholly in the bucket
-    /// until the cache is within its bound.
-    fn evict_over_bound(&self, state: &mut TierState) {
-        let mut resident_bytes = resident(state);
-        while resident_bytes > state.sidecar.cache_bytes {
-            let candidate = state
-                .segs
-                .iter()
-                .enumerate()
-                .filter_map(|(index, seg)| match seg {
-                    Seg::Local(local) if !local.busy && local.readers == 0 => {
-                        let seq32 = local.seq32?;
-                        let fill = local.sealed?;
-                        let there = state
-                            .in_bucket
-                            .get(&(index as u32, seq32, local.writer))
-                            .copied()?;
-                        (local.written >= fill && there >= fill).then_some((
-                            local.last_use,
-                            index,
-                            seq32,
-                            local.writer,
-                            there,
-                            local.footprint,
-                        ))
-                    }
-                    _ => None,
-                })
-                .min();
-            let Some((_, index, seq32, writer, there, footprint)) = candidate else {
-                return;
-            };
-            state
-                .sidecar
-                .evicted
-                .push((index as u32, seq32, writer, there));
-            if let Err(error) = state.sidecar.store(&self.sidecar_path) {
-                state.sidecar.evicted.pop();
-                log::warn!("tier: cannot evict: {error}");
-                return;
-            }
-            state.segs[index] = Seg::Evicted {
-                seq32,
-                writer,
-                len: there,
-            };
-            state.remote_reads.remove(&(index as u32));
-            if let Err(error) = self.inner.erase_segment(SegmentId(index as u32)) {
-                // The bytes stay; reads go to the bucket all the same.
-                log::warn!("tier: dropping segment {index} from the cache: {error}");
-            }
-            self.counters
-                .evicted_bytes
-                .fetch_add(footprint, Ordering::Relaxed);
-            resident_bytes -= footprint;
+    /// If the cache is over its bound, the least recently used segment
+    /// that is wholly in the bucket, claimed (`busy`) and its eviction
+    /// recorded in the state; [`Shared::evict`] does the rest without the
+    /// lock.
+    fn eviction_candidate(&self, state: &mut TierState) -> Option<Eviction> {
+        if resident(state) <= state.sidecar.cache_bytes {
+            return None;
         }
+        let (_, eviction) = state
+            .segs
+            .iter()
+            .enumerate()
+            .filter_map(|(index, seg)| match seg {
+                Seg::Local(local)
+                    if !state.busy.contains(&(index as u32)) && local.readers == 0 =>
+                {
+                    let seq32 = local.seq32?;
+                    let fill = local.sealed?;
+                    let there = state
+                        .in_bucket
+                        .get(&(index as u32, seq32, local.writer))
+                        .copied()?;
+                    (local.written >= fill && there >= fill).then_some((
+                        local.last_use,
+                        index,
+                        seq32,
+                        local.writer,
+                        there,
+                        local.footprint,
+                    ))
+                }
+                _ => None,
+            })
+            .min()
+            .map(|(last_use, index, seq32, writer, there, footprint)| {
+                let eviction = Eviction {
+                    segment: index as u32,
+                    seq32,
+                    writer,
+                    there,
+                    footprint,
+                };
+                (last_use, eviction)
+            })?;
+        state.busy.insert(eviction.segment);
+        state.sidecar.evicted.push((
+            eviction.segment,
+            eviction.seq32,
+            eviction.writer,
+            eviction.there,
+        ));
+        Some(eviction)
+    }
+
+    /// Evicts a segment [`Shared::eviction_candidate`] chose: records the
+    /// eviction durably, then (once no read of its local bytes is under
+    /// way, and if it still holds the same incarnation) serves it from
+    /// the bucket, and only then drops its local bytes. An error leaves it
+    /// local.
+    fn evict(&self, eviction: Eviction) -> Result<()> {
+        let Eviction {
+            segment,
+            seq32,
+            writer,
+            there,
+            footprint,
+        } = eviction;
+        let stored = self.store_sidecar();
+        let mut state = self.lock();
+        // Reads under way finish on the local bytes.
+        while matches!(&state.segs[segment as usize], Seg::Local(local) if local.readers > 0) {
+            state = state.wait(&self.changed);
+        }
+        let current = matches!(&state.segs[segment as usize],
+            Seg::Local(local) if local.seq32 == Some(seq32) && local.writer == writer);
+        if stored.is_err() || !current {
+            // Freed meanwhile (its bytes stay until it is prepared), or not
+            // recorded: the record goes again. Another thread's write may
+            // have stored it, so the file is stale either way (`renew`
+            // stores it before the segment is written again).
+            let record = (segment, seq32, writer, there);
+            state.sidecar.evicted.retain(|entry| *entry != record);
+            state.sidecar_dirty = true;
+            state.busy.remove(&segment);
+            return stored;
+        }
+        state.segs[segment as usize] = Seg::Evicted {
+            seq32,
+            writer,
+            len: there,
+        };
+        state.remote_reads.remove(&segment);
+        drop(state);
+        // Reads go to the bucket now; the segment stays busy until its
+        // local bytes are gone, so it is not prepared again before that.
+        if let Err(error) = self.inner.erase_segment(SegmentId(segment)) {
+            // The bytes stay; reads go to the bucket all the same.
+            log::warn!("tier: dropping segment {segment} from the cache: {error}");
+        }
+        self.counters
+            .evicted_bytes
+            .fetch_add(footprint, Ordering::Relaxed);
+        self.lock().busy.remove(&segment);
+        Ok(())
     }
 
     fn upload_segment(&self, segment: u32, seq32: u32, len: u64) -> Result<()> {
         {
             let mut state = self.lock();
-            match &mut state.segs[segment as usize] {
-                Seg::Local(local) if local.seq32 == Some(seq32) && !local.busy => local.busy = true,
-                _ => return Ok(()), // reused meanwhile: its bytes went to the stash
+            let current = matches!(&state.segs[segment as usize],
+                Seg::Local(local) if local.seq32 == Some(seq32));
+            if !current || state.busy.contains(&segment) {
+                return Ok(()); // reused meanwhile: its bytes went to the stash
             }
+            state.busy.insert(segment);
         }
         let mut buf = vec![0u8; len as usize];
         let read = self.inner.read(SegmentId(segment), 0, &mut buf);
-        {
-            let mut state = self.lock();
-            if let Seg::Local(local) = &mut state.segs[segment as usize] {
-                local.busy = false;
-            }
-            self.changed.notify_all();
-        }
+        self.lock().busy.remove(&segment);
+        self.changed.notify_all();
         read.map_err(|e| TierError::Local(format!("reading segment {segment} to upload: {e}")))?;
         self.put_segment(segment, seq32, Bytes::from(buf))
     }
@@ -1092,9 +1271,11 @@ impl Shared {
         let len = bytes.len() as u64;
         let incarnation = (segment, seq32, self.writer);
         let key = ObjectPath::from(objects::segment_key(&self.location.prefix, incarnation));
-        self.runtime
-            .block_on(self.store.put(&key, PutPayload::from(bytes)))
-            .map_err(|e| store_error(&self.location, "uploading a segment", e))?;
+        self.block_on(
+            "uploading a segment",
+            self.store.put(&key, PutPayload::from(bytes)),
+        )
+        .map_err(|e| store_error(&self.location, "uploading a segment", e))?;
         self.counters
             .uploaded_bytes
             .fetch_add(len, Ordering::Relaxed);
@@ -1116,17 +1297,18 @@ impl Shared {
             mode: PutMode::Create,
             ..PutOptions::default()
         };
-        let put = self.runtime.block_on(self.store.put_opts(
-            &key,
-            PutPayload::from(root.encode()),
-            options,
-        ));
+        let put = self.block_on(
+            "publishing a root object",
+            self.store
+                .put_opts(&key, PutPayload::from(root.encode()), options),
+        );
         match put {
             Ok(_) => {}
             Err(object_store::Error::AlreadyExists { .. }) => {
-                let theirs =
-                    self.runtime
-                        .block_on(get_root(&self.store, &self.location, number))?;
+                let theirs = self.block_on(
+                    "reading a root object",
+                    get_root(&self.store, &self.location, number),
+                )?;
                 if theirs.writer_id != self.writer_id {
                     self.refuse_other_writer(number);
                     return Ok(());
@@ -1197,7 +1379,8 @@ impl Shared {
             },
         );
         state.published_entries = entries;
-        if let Err(error) = state.sidecar.store(&self.sidecar_path) {
+        drop(state);
+        if let Err(error) = self.store_sidecar() {
             // The next open finds the root by its writer id.
             log::warn!("tier: {error}");
         }
@@ -1245,7 +1428,7 @@ impl Shared {
         missed: &mut bool,
     ) -> zdisk_core::Result<Bytes> {
         let key = (incarnation, granule);
-        let mut cache = self.fetched.lock().expect("fetch cache lock");
+        let mut cache = self.lock_fetched();
         let mut waited = false;
         loop {
             cache.tick += 1;
@@ -1267,7 +1450,7 @@ impl Shared {
             }
             *missed = true;
             waited = true;
-            cache = self.fetch_done.wait(cache).expect("fetch cache lock");
+            cache = cache.wait(&self.fetch_done);
         }
         drop(cache);
         *missed = true;
@@ -1278,7 +1461,7 @@ impl Shared {
         } else {
             self.fetch_range(incarnation, start..stop)
         };
-        let mut cache = self.fetched.lock().expect("fetch cache lock");
+        let mut cache = self.lock_fetched();
         cache.in_flight.remove(&key);
         self.fetch_done.notify_all();
         let bytes = fetched?;
@@ -1316,10 +1499,10 @@ impl Shared {
         let deadline = Instant::now() + self.config.retry_timeout;
         let mut backoff = Duration::from_millis(50);
         loop {
-            match self
-                .runtime
-                .block_on(self.store.get_range(&object, range.clone()))
-            {
+            match self.block_on(
+                "reading an evicted segment",
+                self.store.get_range(&object, range.clone()),
+            ) {
                 Ok(bytes) => return Ok(bytes),
                 Err(error) if Instant::now() + backoff >= deadline => {
                     return Err(
@@ -1328,6 +1511,7 @@ impl Shared {
                 }
                 Err(error) => {
                     log::debug!("tier: {error}; retrying in {} ms", backoff.as_millis());
+                    assert_none_held("a fetch's backoff");
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
@@ -1375,11 +1559,18 @@ impl Shared {
             let start = (granule * GRANULE_BYTES) as usize;
             data[start..start + bytes.len()].copy_from_slice(&bytes);
         }
-        let mut state = self.lock();
-        let unchanged = matches!(state.segs[segment as usize],
-            Seg::Evicted { seq32, writer, .. } if (segment, seq32, writer) == incarnation);
-        if !unchanged {
-            return Ok(());
+        let (_, seq32, writer) = incarnation;
+        let unchanged = |state: &TierState| {
+            matches!(state.segs[segment as usize],
+                Seg::Evicted { seq32: s, writer: w, .. } if (s, w) == (seq32, writer))
+        };
+        {
+            let mut state = self.lock();
+            if !unchanged(&state) || state.busy.contains(&segment) {
+                return Ok(()); // being prepared for reuse, or freed
+            }
+            // Reads go on from the bucket while the bytes are written.
+            state.busy.insert(segment);
         }
         let local_error = |e: zdisk_core::Error| {
             TierError::Local(format!(
@@ -1387,40 +1578,79 @@ impl Shared {
             ))
         };
         // The segment's file range was punched at eviction: write it whole.
-        self.inner
+        let written = self
+            .inner
             .prepare_segment(SegmentId(segment))
             .and_then(|()| {
                 self.inner
                     .write_pages(SegmentId(segment), PageIndex(0), &data)
             })
             .and_then(|()| self.inner.sync())
-            .map_err(local_error)?;
-        let (_, seq32, writer) = incarnation;
-        state.sidecar.evicted.retain(|entry| entry.0 != segment);
-        state
-            .sidecar
-            .written_back
-            .retain(|entry| entry.0 != segment);
-        if writer != self.writer {
-            state.sidecar.written_back.push((segment, seq32, writer));
+            .map_err(local_error);
+        if let Err(error) = written {
+            self.lock().busy.remove(&segment);
+            self.changed.notify_all();
+            return Err(error);
         }
-        state.sidecar.store(&self.sidecar_path)?;
-        state.tick += 1;
-        state.segs[segment as usize] = Seg::Local(LocalSeg {
-            seq32: Some(seq32),
-            writer,
-            written: len,
-            sealed: Some(len),
-            footprint: padded,
-            busy: false,
-            readers: 0,
-            last_use: state.tick,
-        });
-        state.remote_reads.remove(&segment);
-        self.counters
-            .written_back_bytes
-            .fetch_add(padded, Ordering::Relaxed);
-        Ok(())
+        let record = (segment, seq32, writer, len);
+        let stored = {
+            let mut state = self.lock();
+            if unchanged(&state) {
+                state.sidecar.evicted.retain(|entry| entry.0 != segment);
+                state
+                    .sidecar
+                    .written_back
+                    .retain(|entry| entry.0 != segment);
+                if writer != self.writer {
+                    state.sidecar.written_back.push((segment, seq32, writer));
+                }
+                drop(state);
+                // The bytes are durable: the eviction record may go.
+                Some(self.store_sidecar())
+            } else {
+                None
+            }
+        };
+        let mut state = self.lock();
+        match stored {
+            Some(Ok(())) if unchanged(&state) => {
+                state.tick += 1;
+                let tick = state.tick;
+                state.segs[segment as usize] = Seg::Local(LocalSeg {
+                    seq32: Some(seq32),
+                    writer,
+                    written: len,
+                    sealed: Some(len),
+                    footprint: padded,
+                    readers: 0,
+                    last_use: tick,
+                });
+                state.remote_reads.remove(&segment);
+                state.busy.remove(&segment);
+                self.counters
+                    .written_back_bytes
+                    .fetch_add(padded, Ordering::Relaxed);
+                self.changed.notify_all();
+                return Ok(());
+            }
+            Some(Err(error)) if unchanged(&state) => {
+                // Still evicted: its record stays.
+                state.sidecar.evicted.push(record);
+                state.sidecar_dirty = true;
+                state.busy.remove(&segment);
+                self.changed.notify_all();
+                return Err(error);
+            }
+            _ => {}
+        }
+        // Freed while it was written back: its new local bytes go again.
+        drop(state);
+        if let Err(error) = self.inner.erase_segment(SegmentId(segment)) {
+            log::warn!("tier: dropping freed segment {segment} from the cache: {error}");
+        }
+        self.lock().busy.remove(&segment);
+        self.changed.notify_all();
+        stored.unwrap_or(Ok(()))
     }
 
     /// The cache's bound holds while uploads lag: a host write waits,
@@ -1432,6 +1662,8 @@ impl Shared {
     /// writes slow to the upload rate, or stop while the bucket is out of
     /// reach, instead of filling the local disk; reads go on meanwhile.
     fn wait_for_room(&self) {
+        // A writer waiting here must hold no lock a read takes.
+        assert_none_held("waiting for room in the tier's cache");
         let segment_size = self.geometry.segment_size_bytes;
         let mut state = self.lock();
         let mut waiting_since: Option<Instant> = None;
@@ -1472,11 +1704,7 @@ impl Shared {
                 );
             }
             self.changed.notify_all();
-            state = self
-                .changed
-                .wait_timeout(state, Duration::from_millis(100))
-                .expect("tier state lock")
-                .0;
+            state = state.wait_timeout(&self.changed, Duration::from_millis(100));
         }
     }
 
@@ -1484,6 +1712,7 @@ impl Shared {
     /// written so far is in the bucket. Fails if the bucket takes nothing
     /// for the retry timeout (what was synced is still durable locally).
     fn wait_published(&self) -> zdisk_core::Result<()> {
+        assert_none_held("waiting for a root object to be published");
         let mut state = self.lock();
         state.sync_requests += 1;
         let ticket = state.sync_requests;
@@ -1502,25 +1731,26 @@ impl Shared {
                 ))
                 .into());
             }
-            state = self
-                .changed
-                .wait_timeout(state, Duration::from_millis(100))
-                .expect("tier state lock")
-                .0;
+            state = state.wait_timeout(&self.changed, Duration::from_millis(100));
         }
         Ok(())
     }
 
     /// Readies `segment` for a new incarnation (or erases it): its old
     /// bytes not yet uploaded go to the stash, its eviction record is
-    /// removed durably, and it is local again.
+    /// removed durably, and it is local again. Decided under the lock,
+    /// done without it while the segment is `busy`, applied under it.
     fn renew(&self, segment: SegmentId, erase: bool) -> zdisk_core::Result<()> {
         let index = segment.index();
         let mut state = self.lock();
-        while matches!(&state.segs[index], Seg::Local(local) if local.busy) {
-            state = self.changed.wait(state).expect("tier state lock");
+        while state.busy.contains(&segment.0) {
+            state = state.wait(&self.changed);
         }
+        state.busy.insert(segment.0);
         let mut footprint = 0;
+        // Bytes of the old incarnation to copy to the stash: (seq32, length).
+        let mut to_stash = None;
+        let mut unrecord = false;
         match state.segs[index].clone() {
             Seg::Local(local) => {
                 footprint = local.footprint;
@@ -1534,10 +1764,9 @@ impl Shared {
                                 state.stash_bytes
                             );
                         } else {
-                            let mut buf = vec![0u8; local.written as usize];
-                            self.inner.read(segment, 0, &mut buf)?;
+                            // Counted now, so two renewals cannot both fit.
                             state.stash_bytes += local.written;
-                            state.stash.push_back((segment.0, seq32, Bytes::from(buf)));
+                            to_stash = Some((seq32, local.written));
                         }
                     }
                 }
@@ -1546,29 +1775,67 @@ impl Shared {
                 let before = state.sidecar.evicted.len();
                 state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
                 debug_assert!(state.sidecar.evicted.len() < before);
-                state.sidecar.store(&self.sidecar_path)?;
+                unrecord = true;
             }
             Seg::Empty => {}
         }
+        // A record removed lazily (a freed evicted segment) must be gone
+        // from the file before the segment holds new bytes.
+        unrecord |= state.sidecar_dirty;
+        drop(state);
+        let stashed = to_stash.map(|(seq32, len)| {
+            let mut buf = vec![0u8; len as usize];
+            let read = self.inner.read(segment, 0, &mut buf);
+            (seq32, len, read.map(|()| Bytes::from(buf)))
+        });
+        let renewed = match &stashed {
+            // Nothing more is done: the read's error is returned below.
+            Some((_, _, Err(_))) => Ok(()),
+            _ => self.renew_io(segment, erase, unrecord),
+        };
+        let mut state = self.lock();
+        state.busy.remove(&segment.0);
+        self.changed.notify_all();
+        if let Some((seq32, len, read)) = stashed {
+            match read {
+                Ok(bytes) => state.stash.push_back((segment.0, seq32, bytes)),
+                Err(error) => {
+                    state.stash_bytes -= len;
+                    return Err(error);
+                }
+            }
+        }
+        renewed?;
         if erase {
-            self.inner.erase_segment(segment)?;
             state.segs[index] = Seg::Empty;
         } else {
-            self.inner.prepare_segment(segment)?;
             state.tick += 1;
+            let tick = state.tick;
             state.segs[index] = Seg::Local(LocalSeg {
                 seq32: None,
                 writer: self.writer,
                 written: 0,
                 sealed: None,
                 footprint,
-                busy: false,
                 readers: 0,
-                last_use: state.tick,
+                last_use: tick,
             });
         }
-        self.changed.notify_all();
         Ok(())
+    }
+
+    /// A renewal's I/O, without the lock: the state file made current (an
+    /// eviction record's removal durable), then the local segment erased
+    /// or prepared.
+    fn renew_io(&self, segment: SegmentId, erase: bool, unrecord: bool) -> zdisk_core::Result<()> {
+        if unrecord {
+            self.store_sidecar()?;
+        }
+        if erase {
+            self.inner.erase_segment(segment)
+        } else {
+            self.inner.prepare_segment(segment)
+        }
     }
 }
 
@@ -1637,8 +1904,14 @@ impl Media for TieredMedia {
             None => {
                 let result = shared.inner.read(segment, offset_bytes, buf);
                 let mut state = shared.lock();
+                let mut drained = false;
                 if let Seg::Local(local) = &mut state.segs[segment.index()] {
                     local.readers = local.readers.saturating_sub(1);
+                    drained = local.readers == 0;
+                }
+                if drained && state.busy.contains(&segment.0) {
+                    // An eviction waits for the reads of its local bytes.
+                    shared.changed.notify_all();
                 }
                 shared.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
                 result
@@ -1709,8 +1982,9 @@ impl Media for TieredMedia {
         let mut state = shared.lock();
         let index = segment.index();
         state.remote_reads.remove(&segment.0);
+        let busy = state.busy.contains(&segment.0);
         match &mut state.segs[index] {
-            Seg::Local(local) if local.busy || local.readers > 0 => {
+            Seg::Local(local) if busy || local.readers > 0 => {
                 // Its bytes are being read: forget the incarnation, keep the
                 // bytes until the segment is prepared again.
                 local.seq32 = None;
@@ -1719,13 +1993,19 @@ impl Media for TieredMedia {
             }
             Seg::Local(_) => {
                 state.segs[index] = Seg::Empty;
+                // Dropped without the lock; busy meanwhile, so the segment
+                // is not prepared again before its old bytes are gone.
+                state.busy.insert(segment.0);
+                drop(state);
                 if let Err(error) = shared.inner.erase_segment(segment) {
                     log::warn!("tier: dropping freed segment {segment} from the cache: {error}");
                 }
+                shared.lock().busy.remove(&segment.0);
             }
             Seg::Evicted { .. } => {
-                // Stored by the uploader soon: until then a reopened image
-                // finds it evicted, and the engine frees it again at open.
+                // Stored by the uploader soon, and at the latest before the
+                // segment is prepared again (`renew`): until then a reopened
+                // image finds it evicted, and the engine frees it again at open.
                 state.segs[index] = Seg::Empty;
                 state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
                 state.sidecar_dirty = true;
@@ -1808,5 +2088,221 @@ impl Drop for TieredMedia {
         if let Some(handle) = self.uploader.lock().expect("uploader lock").take() {
             let _ = handle.join();
         }
+    }
+}
+
+/// The lock discipline (issue #23): a read goes on while the tier works on
+/// another segment's local bytes, and in debug builds any I/O under a
+/// marked lock panics. The tier runs over a RAM cache whose erases of one
+/// chosen segment wait at a gate the test opens, and an in-memory bucket.
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use zdisk_core::media::MemMedia;
+
+    use super::*;
+
+    const PAGE: u32 = 4096;
+
+    /// Erases of `closed` wait until it is opened; `waiting` says one does.
+    #[derive(Default)]
+    struct GateState {
+        closed: Option<u32>,
+        waiting: bool,
+    }
+
+    struct Gated {
+        inner: MemMedia,
+        gate: Mutex<GateState>,
+        changed: Condvar,
+    }
+
+    impl Gated {
+        fn close(&self, segment: u32) {
+            self.gate.lock().unwrap().closed = Some(segment);
+        }
+
+        fn open(&self) {
+            self.gate.lock().unwrap().closed = None;
+            self.changed.notify_all();
+        }
+
+        /// Whether an erase is held at the gate within a minute (the
+        /// bound only turns a hang into a failure).
+        fn wait_held(&self) -> bool {
+            let gate = self.gate.lock().unwrap();
+            let (gate, _) = self
+                .changed
+                .wait_timeout_while(gate, Duration::from_secs(60), |gate| !gate.waiting)
+                .unwrap();
+            gate.waiting
+        }
+    }
+
+    impl Media for Gated {
+        fn geometry(&self) -> MediaGeometry {
+            self.inner.geometry()
+        }
+        fn physical_size_bytes(&self) -> u64 {
+            self.inner.physical_size_bytes()
+        }
+        fn write_pages(&self, s: SegmentId, p: PageIndex, data: &[u8]) -> zdisk_core::Result<()> {
+            self.inner.write_pages(s, p, data)
+        }
+        fn read(&self, s: SegmentId, offset: u64, buf: &mut [u8]) -> zdisk_core::Result<()> {
+            self.inner.read(s, offset, buf)
+        }
+        fn erase_segment(&self, segment: SegmentId) -> zdisk_core::Result<()> {
+            let mut gate = self.gate.lock().unwrap();
+            if gate.closed == Some(segment.0) {
+                gate.waiting = true;
+                self.changed.notify_all();
+                while gate.closed == Some(segment.0) {
+                    gate = self.changed.wait(gate).unwrap();
+                }
+                gate.waiting = false;
+            }
+            drop(gate);
+            self.inner.erase_segment(segment)
+        }
+        fn sync(&self) -> zdisk_core::Result<()> {
+            self.inner.sync()
+        }
+        fn write_meta_slot(&self, slot: usize, data: &[u8]) -> zdisk_core::Result<()> {
+            self.inner.write_meta_slot(slot, data)
+        }
+        fn read_meta_slot(&self, slot: usize) -> zdisk_core::Result<Vec<u8>> {
+            self.inner.read_meta_slot(slot)
+        }
+        fn describe(&self) -> String {
+            "gated RAM".into()
+        }
+    }
+
+    /// A read-only tier (no uploader) over a gated RAM cache of 8 segments
+    /// of 64 KiB, with segments 0 and 1 written with 0x10 and 0x11.
+    fn tiered(name: &str) -> (Arc<TieredMedia>, Arc<Gated>) {
+        let gated = Arc::new(Gated {
+            inner: MemMedia::with_size(PAGE, 64 << 10, 8).expect("a RAM medium"),
+            gate: Mutex::new(GateState::default()),
+            changed: Condvar::new(),
+        });
+        let dir = std::env::temp_dir().join(format!("zdisk-tier-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        let sidecar_path = dir.join("a.img.tier");
+        let url = format!("memory://tier-unit-{name}-{}/v", std::process::id());
+        Sidecar::new(&url, [9; 16], 0, 1 << 30)
+            .store(&sidecar_path)
+            .expect("the state file");
+        let config = TierConfig {
+            read_only: true,
+            retry_timeout: Duration::from_secs(1),
+            ..TierConfig::default()
+        };
+        let media = TieredMedia::open(gated.clone(), sidecar_path, config).expect("the tier opens");
+        for segment in 0..2 {
+            media.prepare_segment(SegmentId(segment)).expect("prepare");
+            let data = vec![0x10 + segment as u8; 2 * PAGE as usize];
+            media
+                .write_pages(SegmentId(segment), PageIndex(0), &data)
+                .expect("write");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        (media, gated)
+    }
+
+    /// Reads segment `segment`'s first page on another thread; None if it
+    /// has not finished within a minute (it waits for something).
+    fn read_elsewhere(media: &Arc<TieredMedia>, segment: u32) -> Option<Vec<u8>> {
+        let media = media.clone();
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; PAGE as usize];
+            media
+                .read(SegmentId(segment), 0, &mut buf)
+                .expect("the read succeeds");
+            let _ = done.send(buf);
+        });
+        finished.recv_timeout(Duration::from_secs(60)).ok()
+    }
+
+    #[test]
+    fn reads_go_on_while_another_segment_is_dropped_or_prepared() {
+        let (media, gated) = tiered("gate");
+        // Freeing segment 1 drops its local bytes: the erase waits at the gate.
+        gated.close(1);
+        let freer = {
+            let media = media.clone();
+            std::thread::spawn(move || media.segment_freed(SegmentId(1)))
+        };
+        assert!(
+            gated.wait_held(),
+            "the freed segment's erase reached the gate"
+        );
+        let read = read_elsewhere(&media, 0).expect("a read waited for another segment's erase");
+        assert!(read.iter().all(|&byte| byte == 0x10), "segment 0's bytes");
+        gated.open();
+        freer.join().expect("the freeing thread");
+
+        // Preparing segment 1 again erases it (a RAM cache is flash-like).
+        gated.close(1);
+        let preparer = {
+            let media = media.clone();
+            std::thread::spawn(move || media.prepare_segment(SegmentId(1)))
+        };
+        assert!(
+            gated.wait_held(),
+            "the preparation's erase reached the gate"
+        );
+        let read = read_elsewhere(&media, 0).expect("a read waited for another segment's prepare");
+        assert!(read.iter().all(|&byte| byte == 0x10), "segment 0's bytes");
+        gated.open();
+        preparer
+            .join()
+            .expect("the preparing thread")
+            .expect("the preparation succeeds");
+        media.close().expect("close");
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    fn the_tier_locks_are_marked_while_held() {
+        let (media, _gated) = tiered("marks");
+        {
+            let _state = media.shared.lock();
+            assert_eq!(zdisk_core::held::held_lock(), Some("tier"));
+        }
+        {
+            let _fetched = media.shared.lock_fetched();
+            assert_eq!(zdisk_core::held::held_lock(), Some("tier fetch"));
+        }
+        assert_eq!(zdisk_core::held::held_lock(), None);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a medium read while holding the state lock")]
+    fn a_cache_read_under_a_marked_lock_panics() {
+        let (media, _gated) = tiered("cache-read");
+        // As if the engine read under its state lock: the cache is checked.
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; PAGE as usize];
+        let _ = media.read(SegmentId(0), 0, &mut buf);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "reading an evicted segment while holding the state lock")]
+    fn a_bucket_read_under_a_marked_lock_panics() {
+        let (media, _gated) = tiered("bucket-read");
+        media.shared.lock().segs[2] = Seg::Evicted {
+            seq32: 1,
+            writer: media.shared.writer,
+            len: 64 << 10,
+        };
+        let _state = Held::mark("state");
+        let mut buf = vec![0u8; PAGE as usize];
+        let _ = media.read(SegmentId(2), 0, &mut buf);
     }
 }

@@ -102,6 +102,8 @@ impl Sidecar {
     /// Writes the state durably (temporary file, sync, rename, sync of the directory).
     pub fn store(&self, path: &Path) -> Result<()> {
         use std::io::Write;
+        // Synced file I/O: never under a lock a read takes.
+        zdisk_core::held::assert_none_held("writing the tier state file");
         let fail = |e: std::io::Error| {
             TierError::Local(format!(
                 "cannot write the tier state {}: {e}",
