@@ -251,7 +251,8 @@ mod tests {
         // Every leaf is clean now, and went as the checkpoint let go of
         // the lock; the map as written, read back the old way.
         let expected: Vec<(u64, Entry)> = {
-            let mut state = volume.lock();
+            // Under the checker's lock, which may read under it.
+            let mut state = volume.lock_frozen();
             let total = 310_000;
             state.load_map(Lba(0), total).unwrap();
             (0..total)
