@@ -2,17 +2,20 @@
 //! checkpoints and recovery together behind [`BlockDevice`].
 //!
 //! Concurrency: one mutex guards [`State`] (map, free space, stream
-//! buffers). Compression, decompression and medium reads happen outside
-//! it; appending records and updating the map happen inside, through
-//! `State`'s mutation methods. Syncs are group-committed under their own
+//! buffers). No medium I/O happens under it (debug builds check, see
+//! `held.rs`): compression, decompression, medium reads and map page
+//! faults happen outside it (`fault.rs`), and what the medium must do is
+//! queued under it and done by the log writer after it (`guard.rs`,
+//! `outbound.rs`); appending records and updating the map happen inside,
+//! through `State`'s mutation methods. Syncs are group-committed under their own
 //! lock, so one `fdatasync` covers every flush waiting for it. The cleaner
 //! and checkpoints are serialised by a maintenance lock and run on a
 //! background thread, or in the writer's thread when a write finds no room
 //! (which is how writes are throttled): every caller short of space climbs
 //! one ladder, decided in `space.rs` and climbed in `room.rs`.
 //!
-//! Lock order: maintenance → sync → state. The stripe locks of
-//! read-modify-write come before all three.
+//! Lock order: maintenance → sync → state → the medium's own locks. The
+//! stripe locks of read-modify-write come before all of them.
 
 mod check;
 mod checkpoint;
