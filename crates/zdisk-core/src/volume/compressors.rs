@@ -11,7 +11,7 @@
 //!
 //! Reads come first when both want the cores: every large write (from
 //! `PARALLEL_MIN_BLOCKS` blocks) compresses on the pool, whose threads run
-//! at a lower CPU priority (`COMPRESS_NICE`), so that a streaming writer
+//! at a lower CPU priority (`COMPRESS_NICE`, +5), so that a streaming writer
 //! that keeps every core compressing no longer makes a 4 KiB read wait a
 //! whole time slice for one. Small writes compress on their own thread at
 //! normal priority: a hand-off would cost them more than they gain. The
@@ -25,8 +25,10 @@ use std::sync::OnceLock;
 pub(crate) const PARALLEL_MIN_BLOCKS: usize = 32;
 
 /// The nice value the compression threads add to the process's: CFS then
-/// gives a runnable reader about ten times their share of a core.
-pub(crate) const COMPRESS_NICE: i32 = 10;
+/// gives a runnable reader about three times their share of a core. In
+/// one A/B run of `scripts/mixed-rw.py` (issue #23), +10 gave reads more
+/// but cost a streaming writer 28%; +5 cost it 13%.
+pub(crate) const COMPRESS_NICE: i32 = 5;
 
 /// The pool large requests compress on, one thread per CPU (up to 8).
 fn pool() -> &'static rayon::ThreadPool {
