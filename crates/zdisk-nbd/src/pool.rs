@@ -28,6 +28,12 @@ struct Queue {
     quick: VecDeque<Job>,
     bulk: VecDeque<Job>,
     closed: bool,
+    /// Read workers waiting for a job, and how many of them were woken and
+    /// have not yet run: a quick job wakes a read worker that is not
+    /// already on its way to another job, else a general worker (one
+    /// wake-up per job, not two).
+    idle_readers: usize,
+    readers_woken: usize,
 }
 
 #[derive(Default)]
@@ -127,11 +133,16 @@ impl Dispatch for PoolHandle {
             Lane::Quick => queue.quick.push_back(job),
             Lane::Bulk => queue.bulk.push_back(job),
         }
-        drop(queue);
-        if lane == Lane::Quick {
-            self.shared.quick_ready.notify_one();
+        let reader_waits = lane == Lane::Quick && queue.idle_readers > queue.readers_woken;
+        if reader_waits {
+            queue.readers_woken += 1;
         }
-        self.shared.job_ready.notify_one();
+        drop(queue);
+        if reader_waits {
+            self.shared.quick_ready.notify_one();
+        } else {
+            self.shared.job_ready.notify_one();
+        }
     }
 }
 
@@ -153,9 +164,16 @@ fn work(shared: &Shared, role: Role) {
             if queue.closed {
                 return;
             }
+            if role == Role::Reads {
+                queue.idle_readers += 1;
+            }
             queue = ready
                 .wait(queue)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if role == Role::Reads {
+                queue.idle_readers -= 1;
+                queue.readers_woken = queue.readers_woken.saturating_sub(1);
+            }
         };
         drop(queue);
         if catch_unwind(AssertUnwindSafe(job)).is_err() {
@@ -214,15 +232,13 @@ mod tests {
         let started = Arc::new(Barrier::new(3));
         // Two writes that hold both general workers until the read is done,
         // and a third queued behind them.
-        for _ in 0..3 {
+        for index in 0..3 {
             let released = Arc::clone(&released);
             let started = Arc::clone(&started);
             handle.dispatch(
                 Box::new(move || {
-                    if thread::current()
-                        .name()
-                        .is_some_and(|n| n.starts_with("nbd-worker"))
-                    {
+                    // The first two run at once, one on each general worker.
+                    if index < 2 {
                         started.wait();
                     }
                     let _ = released.lock().unwrap().recv();
