@@ -279,6 +279,17 @@ impl Volume {
         (through, None)
     }
 
+    /// Performs `writes`, the claim `locked` just made, with the lock
+    /// released; retires them and returns the lock taken again.
+    fn perform_claim<'a>(&'a self, locked: Locked<'a>, writes: &[PageWrite]) -> Locked<'a> {
+        drop(locked);
+        let (through, failure) = self.perform(writes);
+        let mut locked = self.raw_lock();
+        locked.page_writes_done(through, failure.as_ref());
+        self.page_written.notify_all();
+        locked
+    }
+
     /// Claims and performs queued work while there is any (if `claim`),
     /// and while the queue is over its bound waits for whoever writes it
     /// to shrink it. Failures are recorded in the state (later writes and
@@ -287,11 +298,7 @@ impl Volume {
         loop {
             if claim {
                 if let Some(writes) = locked.claim_page_writes() {
-                    drop(locked);
-                    let (through, failure) = self.perform(&writes);
-                    locked = self.raw_lock();
-                    locked.page_writes_done(through, failure.as_ref());
-                    self.page_written.notify_all();
+                    locked = self.perform_claim(locked, &writes);
                     continue;
                 }
             }
@@ -311,11 +318,7 @@ impl Volume {
         let mut locked = self.raw_lock();
         while locked.pages_written_through() < ticket {
             if let Some(writes) = locked.claim_page_writes() {
-                drop(locked);
-                let (through, failure) = self.perform(&writes);
-                locked = self.raw_lock();
-                locked.page_writes_done(through, failure.as_ref());
-                self.page_written.notify_all();
+                locked = self.perform_claim(locked, &writes);
             } else {
                 locked = locked.wait(&self.page_written);
             }
@@ -385,11 +388,7 @@ fn log_writer_loop(volume: Weak<Volume>) {
         let mut locked = volume_ref.raw_lock();
         loop {
             if let Some(writes) = locked.claim_page_writes() {
-                drop(locked);
-                let (through, failure) = volume_ref.perform(&writes);
-                locked = volume_ref.raw_lock();
-                locked.page_writes_done(through, failure.as_ref());
-                volume_ref.page_written.notify_all();
+                locked = volume_ref.perform_claim(locked, &writes);
                 continue;
             }
             if volume_ref.stop.load(Ordering::SeqCst) {
