@@ -824,7 +824,7 @@ impl State {
         Ok(())
     }
 
-    // --- The page writer (driven by `volume/guard.rs`).
+    // --- The log writer's queue (driven by `volume/guard.rs`).
 
     /// Queued page writes nobody is writing yet.
     pub(crate) fn page_writes_unclaimed(&self) -> bool {
@@ -836,12 +836,12 @@ impl State {
         self.outbound.over_limit()
     }
 
-    /// Makes the caller the page writer, with everything queued now.
+    /// Makes the caller the log writer, with everything queued now.
     pub(crate) fn claim_page_writes(&mut self) -> Option<Vec<PageWrite>> {
         self.outbound.claim()
     }
 
-    /// The page writer wrote through `ticket`; `failure`, if the next
+    /// The log writer performed through `ticket`; `failure`, if the next
     /// write failed (the log may then have a hole: writing stops).
     pub(crate) fn page_writes_done(&mut self, ticket: u64, failure: Option<&Error>) {
         self.outbound.written(ticket);
