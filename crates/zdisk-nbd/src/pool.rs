@@ -34,6 +34,10 @@ struct Queue {
     /// wake-up per job, not two).
     idle_readers: usize,
     readers_woken: usize,
+    /// General workers waiting for a job. One woken for a write may take
+    /// a read queued meanwhile (quick first); it then passes the wake-up
+    /// on, or the write would wait for that read to finish.
+    idle_general: usize,
 }
 
 #[derive(Default)]
@@ -159,20 +163,28 @@ fn work(shared: &Shared, role: Role) {
                 Role::Reads => queue.quick.pop_front(),
             };
             if let Some(job) = next {
+                let unclaimed = !queue.bulk.is_empty() || queue.quick.len() > queue.readers_woken;
+                if role == Role::General && unclaimed && queue.idle_general > 0 {
+                    shared.job_ready.notify_one();
+                }
                 break job;
             }
             if queue.closed {
                 return;
             }
-            if role == Role::Reads {
-                queue.idle_readers += 1;
+            match role {
+                Role::Reads => queue.idle_readers += 1,
+                Role::General => queue.idle_general += 1,
             }
             queue = ready
                 .wait(queue)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if role == Role::Reads {
-                queue.idle_readers -= 1;
-                queue.readers_woken = queue.readers_woken.saturating_sub(1);
+            match role {
+                Role::Reads => {
+                    queue.idle_readers -= 1;
+                    queue.readers_woken = queue.readers_woken.saturating_sub(1);
+                }
+                Role::General => queue.idle_general -= 1,
             }
         };
         drop(queue);
@@ -259,6 +271,34 @@ mod tests {
         assert!(worker.starts_with("nbd-reader"), "served by {worker}");
         for _ in 0..3 {
             release.send(()).unwrap();
+        }
+        pool.shut_down();
+    }
+
+    /// A general worker woken for a write may take a read queued just
+    /// after it (quick jobs first); the write must then wake another idle
+    /// worker, not wait for the read to finish. Each read here waits for
+    /// its write to start. A race, so tried many times.
+    #[test]
+    fn a_write_is_not_stranded_when_its_worker_takes_a_read() {
+        let mut pool = WorkerPool::new(2, 1).unwrap();
+        let handle = pool.handle();
+        let (done, finished) = std::sync::mpsc::channel();
+        for round in 0..2000 {
+            let (started, write_started) = std::sync::mpsc::channel();
+            handle.dispatch(Box::new(move || started.send(()).unwrap()), Lane::Bulk);
+            let done = done.clone();
+            handle.dispatch(
+                Box::new(move || {
+                    let waited = write_started.recv_timeout(std::time::Duration::from_secs(10));
+                    done.send(waited.is_ok()).unwrap();
+                }),
+                Lane::Quick,
+            );
+            assert!(
+                finished.recv().unwrap(),
+                "round {round}: the write never started while the read waited for it"
+            );
         }
         pool.shut_down();
     }

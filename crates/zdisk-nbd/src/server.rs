@@ -86,9 +86,8 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// Further threads that execute only reads (and the other requests
     /// that change nothing), so that reads never wait for a worker while
-    /// writers keep the others busy. 0: none, the default until a hang
-    /// with read workers (zdisk-nbd's server test
-    /// `requests_on_one_connection_run_in_parallel`) is understood.
+    /// writers keep the others busy. 0: none. The default is one per
+    /// core, at least 2 and at most 8: they sleep unless reads wait.
     pub read_threads: usize,
     /// Established sessions served at once; while this many are, a
     /// connection in its handshake is refused with a reason.
@@ -133,7 +132,7 @@ impl Default for ServerConfig {
             description: None,
             read_only: false,
             worker_threads: (2 * cpus).max(4),
-            read_threads: 0,
+            read_threads: cpus.clamp(2, 8),
             max_connections: 128,
             max_handshakes: 1024,
             max_handshakes_per_address: 256,
