@@ -338,6 +338,22 @@ pub struct SimStats {
     pub map_pages_read: u64,
 }
 
+impl SimStats {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &SimStats) {
+        self.operations += other.operations;
+        self.crashes += other.crashes;
+        self.cleaned += other.cleaned;
+        self.idle_steps += other.idle_steps;
+        self.checkpoints += other.checkpoints;
+        self.no_space += other.no_space;
+        self.partial += other.partial;
+        self.mid_operation_crashes += other.mid_operation_crashes;
+        self.staged_sectors += other.staged_sectors;
+        self.map_pages_read += other.map_pages_read;
+    }
+}
+
 /// Where a run's choices came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Origin {
@@ -924,25 +940,48 @@ mod tests {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(1);
+        // Seeds are independent: spread them over the host's cores, each
+        // thread taking the next seed; a failure reports the lowest seed
+        // that failed, so the message does not depend on scheduling.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let next = std::sync::atomic::AtomicU64::new(first);
+        let results: Vec<(SimStats, u64, Option<(u64, String)>)> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut totals = SimStats::default();
+                        let mut in_place = 0;
+                        let mut failed: Option<(u64, String)> = None;
+                        loop {
+                            let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if seed >= first + count || failed.is_some() {
+                                break;
+                            }
+                            in_place += SimConfig::for_seed(seed).reuse_in_place as u64;
+                            match run_seed(seed) {
+                                Ok(stats) => totals.add(&stats),
+                                Err(failure) => failed = Some((seed, failure.to_string())),
+                            }
+                        }
+                        (totals, in_place, failed)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|worker| worker.join().expect("a simulation thread panicked"))
+                .collect()
+        });
         let mut totals = SimStats::default();
         let mut in_place = 0;
-        for seed in first..first + count {
-            in_place += SimConfig::for_seed(seed).reuse_in_place as u64;
-            match run_seed(seed) {
-                Ok(stats) => {
-                    totals.operations += stats.operations;
-                    totals.crashes += stats.crashes;
-                    totals.cleaned += stats.cleaned;
-                    totals.idle_steps += stats.idle_steps;
-                    totals.checkpoints += stats.checkpoints;
-                    totals.no_space += stats.no_space;
-                    totals.partial += stats.partial;
-                    totals.mid_operation_crashes += stats.mid_operation_crashes;
-                    totals.staged_sectors += stats.staged_sectors;
-                    totals.map_pages_read += stats.map_pages_read;
-                }
-                Err(failure) => panic!("{failure}"),
-            }
+        let mut failures: Vec<(u64, String)> = Vec::new();
+        for (stats, reusing, failed) in results {
+            totals.add(&stats);
+            in_place += reusing;
+            failures.extend(failed);
+        }
+        if let Some((_, failure)) = failures.into_iter().min_by_key(|(seed, _)| *seed) {
+            panic!("{failure}");
         }
         let assertions = if cfg!(debug_assertions) { "on" } else { "off" };
         println!(

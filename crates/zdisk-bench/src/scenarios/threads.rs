@@ -11,12 +11,13 @@
 //! come before writes, so every read run sees the same volume.
 //!
 //! For each run, from `Volume::lock_profile` taken before and after (the
-//! volume's own background work included): lock acquisitions and hold
-//! nanoseconds per operation, the wait to take it per operation, and the
-//! hold's share of an operation's time, where an operation's time is
-//! thread-time per operation (T × seconds / ops). With that share s of
-//! every operation serialised, Amdahl's law caps the speed-up at 1 / s
-//! however many threads run. The measured speed-up is ops/s against the
+//! volume's own background work included): exclusive and shared lock
+//! acquisitions, hold and wait nanoseconds per operation, and the
+//! exclusive hold's share of an operation's time, where an operation's
+//! time is thread-time per operation (T × seconds / ops). Exclusive holds
+//! serialise everything; shared ones (reads whose map leaves are in RAM)
+//! overlap one another. With a share s of every operation serialised,
+//! Amdahl's law caps the speed-up at 1 / s however many threads run. The measured speed-up is ops/s against the
 //! one-thread run of the same kind, in the same run of the benchmark.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -213,11 +214,7 @@ fn measure(
     Ok(Run {
         ops,
         seconds: elapsed,
-        lock: LockProfile {
-            acquisitions: after.acquisitions - before.acquisitions,
-            hold_nanos: after.hold_nanos - before.hold_nanos,
-            wait_nanos: after.wait_nanos - before.wait_nanos,
-        },
+        lock: after.since(&before),
     })
 }
 
@@ -237,6 +234,7 @@ fn figures(
     }
     let op_ns = threads as f64 * run.seconds * 1e9 / ops;
     let hold_ns_per_op = run.lock.hold_nanos as f64 / ops;
+    // Only exclusive holds serialise; shared ones overlap one another.
     let share = hold_ns_per_op / op_ns;
     json!({
         "scenario": "threads",
@@ -252,6 +250,9 @@ fn figures(
         "lock_acquisitions_per_op": run.lock.acquisitions as f64 / ops,
         "lock_hold_ns_per_op": hold_ns_per_op,
         "lock_wait_ns_per_op": run.lock.wait_nanos as f64 / ops,
+        "shared_lock_acquisitions_per_op": run.lock.shared_acquisitions as f64 / ops,
+        "shared_lock_hold_ns_per_op": run.lock.shared_hold_nanos as f64 / ops,
+        "shared_lock_wait_ns_per_op": run.lock.shared_wait_nanos as f64 / ops,
         "lock_share": share,
         "amdahl_ceiling": (share > 0.0).then(|| 1.0 / share),
     })
@@ -263,11 +264,14 @@ fn table(lines: &[Value]) -> Vec<Vec<String>> {
         "threads",
         "ops/s",
         "speed-up",
-        "lock/op",
-        "hold ns/op",
-        "wait ns/op",
+        "excl/op",
+        "hold ns",
+        "wait ns",
+        "shared/op",
+        "hold ns",
+        "wait ns",
         "op ns",
-        "hold share",
+        "excl share",
         "ceiling",
     ];
     let mut rows = vec![header.iter().map(|s| s.to_string()).collect::<Vec<_>>()];
@@ -289,11 +293,18 @@ fn table(lines: &[Value]) -> Vec<Vec<String>> {
             format!("{:.2}", float("lock_acquisitions_per_op")),
             format!("{:.0}", float("lock_hold_ns_per_op")),
             format!("{:.0}", float("lock_wait_ns_per_op")),
+            format!("{:.2}", float("shared_lock_acquisitions_per_op")),
+            format!("{:.0}", float("shared_lock_hold_ns_per_op")),
+            format!("{:.0}", float("shared_lock_wait_ns_per_op")),
             format!("{:.0}", float("op_ns")),
             format!("{:.1}%", float("lock_share") * 100.0),
-            line["amdahl_ceiling"]
-                .as_f64()
-                .map_or("-".into(), |v| format!("{v:.1}x")),
+            line["amdahl_ceiling"].as_f64().map_or("-".into(), |v| {
+                if v >= 1000.0 {
+                    ">999x".into()
+                } else {
+                    format!("{v:.1}x")
+                }
+            }),
         ]);
     }
     rows
@@ -344,6 +355,9 @@ mod tests {
                 acquisitions: 1_000,
                 hold_nanos: 50_000_000,
                 wait_nanos: 0,
+                shared_acquisitions: 1_000,
+                shared_hold_nanos: 400_000_000,
+                shared_wait_nanos: 0,
             },
         };
         let mut one = None;
@@ -352,6 +366,8 @@ mod tests {
         assert_eq!(line["op_ns"].as_f64(), Some(1e6));
         assert_eq!(line["lock_share"].as_f64(), Some(0.05));
         assert_eq!(line["amdahl_ceiling"].as_f64(), Some(20.0));
+        // Shared holds are shown, but do not count towards the share.
+        assert_eq!(line["shared_lock_hold_ns_per_op"].as_f64(), Some(400_000.0));
         assert_eq!(line["speedup"].as_f64(), Some(1.0));
         let two = figures(OpKind::Read, 2, 2, &run, &mut one);
         assert_eq!(two["speedup"].as_f64(), Some(1.0));

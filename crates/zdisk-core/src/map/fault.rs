@@ -184,6 +184,17 @@ impl Map {
         self.cache.hits += 1;
     }
 
+    /// True if every leaf holding a block of `first..first+count` is in RAM.
+    pub(crate) fn is_resident(&self, first: Lba, count: u64) -> bool {
+        self.paged_leaves == 0 || self.paged_in(first, count).is_empty()
+    }
+
+    /// [`Map::count_hit`] for a lookup under the shared lock.
+    pub(crate) fn count_hit_shared(&self) {
+        self.shared_hits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Pins `first..first+count`, whose paged-out leaves are `faults`: its
     /// leaves are not evicted, and the dump the faults read from is not
     /// released, until the pin is given back.

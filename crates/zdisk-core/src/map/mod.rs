@@ -104,6 +104,8 @@ pub(crate) struct Map {
     clean_queue: VecDeque<u64>,
     paged_leaves: u64,
     cache: CacheCounts,
+    /// Hits of lookups made under the shared lock (`count_hit_shared`).
+    shared_hits: std::sync::atomic::AtomicU64,
     /// Ranges being faulted in outside the lock, and the dumps they read.
     pins: fault::Pins,
 }
@@ -166,6 +168,7 @@ impl Map {
             clean_queue: VecDeque::new(),
             paged_leaves: 0,
             cache: CacheCounts::default(),
+            shared_hits: Default::default(),
             pins: fault::Pins::default(),
         }
     }
@@ -200,7 +203,10 @@ impl Map {
     }
 
     pub(crate) fn cache_counts(&self) -> CacheCounts {
-        self.cache
+        CacheCounts {
+            hits: self.cache.hits + self.shared_hits.load(std::sync::atomic::Ordering::Relaxed),
+            ..self.cache
+        }
     }
 
     /// Leaves (a checkpoint writes a page for each: `Space` sizes the

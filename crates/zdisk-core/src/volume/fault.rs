@@ -153,7 +153,7 @@ mod tests {
             self.reads.fetch_add(1, Ordering::Relaxed);
             if self.watching.load(Ordering::Relaxed) {
                 let volume = self.volume.get().and_then(Weak::upgrade);
-                if volume.is_some_and(|volume| volume.state.try_lock().is_err()) {
+                if volume.is_some_and(|volume| volume.state.try_write().is_err()) {
                     self.reads_under_lock.fetch_add(1, Ordering::Relaxed);
                 }
             }

@@ -20,12 +20,19 @@
 //! is): [`Volume::sync_media`] before a sync, [`Volume::wait_written`]
 //! before the cleaner, the checker or a checkpoint's dump.
 //!
+//! The lock is a reader-writer lock. Everything that changes the state
+//! holds it exclusively ([`StateGuard`]); a read whose map leaves are in
+//! RAM only looks, and holds it shared ([`SharedState`]), beside other
+//! reads. Waits for the log writer use a [`Signal`] (a generation and its
+//! own condition variable), since a condition variable cannot release a
+//! reader-writer lock.
+//!
 //! Every hold is marked for the debug-build check (`held.rs`) and timed
 //! ([`LockProfile`]).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, MutexGuard, Weak};
+use std::sync::{Condvar, Mutex, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
@@ -42,12 +49,34 @@ const LOG_WRITER_IDLE: Duration = Duration::from_millis(100);
 /// How much the state lock was used since the volume opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LockProfile {
-    /// Times the lock was taken.
+    /// Times the lock was taken exclusively.
     pub acquisitions: u64,
-    /// Nanoseconds it was held, in total (waits on a condition excluded).
+    /// Nanoseconds it was held exclusively, in total (waits on a condition
+    /// excluded): the time nobody else could hold it.
     pub hold_nanos: u64,
-    /// Nanoseconds threads waited to take it, in total.
+    /// Nanoseconds threads waited to take it exclusively, in total.
     pub wait_nanos: u64,
+    /// Times a read took it shared.
+    pub shared_acquisitions: u64,
+    /// Nanoseconds it was held shared, summed over the holders (shared
+    /// holds overlap: they keep out only exclusive ones).
+    pub shared_hold_nanos: u64,
+    /// Nanoseconds reads waited to take it shared, in total.
+    pub shared_wait_nanos: u64,
+}
+
+impl LockProfile {
+    /// What was used between `before` and this profile.
+    pub fn since(&self, before: &LockProfile) -> LockProfile {
+        LockProfile {
+            acquisitions: self.acquisitions - before.acquisitions,
+            hold_nanos: self.hold_nanos - before.hold_nanos,
+            wait_nanos: self.wait_nanos - before.wait_nanos,
+            shared_acquisitions: self.shared_acquisitions - before.shared_acquisitions,
+            shared_hold_nanos: self.shared_hold_nanos - before.shared_hold_nanos,
+            shared_wait_nanos: self.shared_wait_nanos - before.shared_wait_nanos,
+        }
+    }
 }
 
 /// The lock's counters, each on its own cache line.
@@ -56,6 +85,9 @@ pub(crate) struct LockStats {
     acquisitions: Padded,
     hold_nanos: Padded,
     wait_nanos: Padded,
+    shared_acquisitions: Padded,
+    shared_hold_nanos: Padded,
+    shared_wait_nanos: Padded,
 }
 
 #[derive(Debug, Default)]
@@ -68,13 +100,62 @@ impl LockStats {
             acquisitions: self.acquisitions.0.load(Ordering::Relaxed),
             hold_nanos: self.hold_nanos.0.load(Ordering::Relaxed),
             wait_nanos: self.wait_nanos.0.load(Ordering::Relaxed),
+            shared_acquisitions: self.shared_acquisitions.0.load(Ordering::Relaxed),
+            shared_hold_nanos: self.shared_hold_nanos.0.load(Ordering::Relaxed),
+            shared_wait_nanos: self.shared_wait_nanos.0.load(Ordering::Relaxed),
         }
     }
 }
 
-/// The state mutex, held: marked for the debug check and timed.
+/// A condition the state lock's holders wait for: a generation bumped by
+/// every [`Signal::notify`]. A waiter reads the generation while it holds
+/// the state lock, releases the lock, and sleeps until the generation
+/// moves; a notifier changes the state under the lock before it bumps, so
+/// no wake-up falls between a waiter's check and its sleep.
+#[derive(Debug, Default)]
+pub(crate) struct Signal {
+    generation: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Signal {
+    /// Wakes every waiter.
+    pub(crate) fn notify(&self) {
+        *self.generation.lock().expect("signal lock poisoned") += 1;
+        self.changed.notify_all();
+    }
+
+    fn generation(&self) -> u64 {
+        *self.generation.lock().expect("signal lock poisoned")
+    }
+
+    /// Sleeps until the generation is past `seen`, or `timeout` passed;
+    /// true if it timed out.
+    fn wait_past(&self, seen: u64, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let mut generation = self.generation.lock().expect("signal lock poisoned");
+        while *generation == seen {
+            generation = match deadline {
+                None => self.changed.wait(generation).expect("signal lock poisoned"),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return true;
+                    }
+                    self.changed
+                        .wait_timeout(generation, deadline - now)
+                        .expect("signal lock poisoned")
+                        .0
+                }
+            };
+        }
+        false
+    }
+}
+
+/// The state lock, held exclusively: marked for the debug check and timed.
 pub(crate) struct Locked<'a> {
-    guard: Option<MutexGuard<'a, State>>,
+    guard: Option<RwLockWriteGuard<'a, State>>,
     stats: &'a LockStats,
     since: Instant,
     _held: Option<Held>,
@@ -88,12 +169,12 @@ impl<'a> Locked<'a> {
     fn take_marked(volume: &'a Volume, marked: bool) -> Locked<'a> {
         let stats = &volume.lock_stats;
         // Uncontended, the lock costs no clock reading to take.
-        let (guard, since) = match volume.state.try_lock() {
+        let (guard, since) = match volume.state.try_write() {
             Ok(guard) => (guard, Instant::now()),
             Err(std::sync::TryLockError::Poisoned(_)) => panic!("volume state lock poisoned"),
             Err(std::sync::TryLockError::WouldBlock) => {
                 let asked = Instant::now();
-                let guard = volume.state.lock().expect("volume state lock poisoned");
+                let guard = volume.state.write().expect("volume state lock poisoned");
                 let since = Instant::now();
                 stats
                     .wait_nanos
@@ -118,25 +199,24 @@ impl<'a> Locked<'a> {
             .fetch_add(self.since.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
-    /// Waits on `condvar` (which releases the lock meanwhile).
-    fn wait(mut self, condvar: &Condvar) -> Locked<'a> {
-        self.add_hold();
-        let guard = self.guard.take().expect("a live guard");
-        self.guard = Some(condvar.wait(guard).expect("volume state lock poisoned"));
-        self.since = Instant::now();
-        self
+    /// Waits for `signal` with the lock released.
+    fn wait(self, volume: &'a Volume, signal: &Signal) -> Locked<'a> {
+        self.wait_timeout(volume, signal, None).0
     }
 
-    /// Waits on `condvar` for at most `timeout`; true if it timed out.
-    fn wait_timeout(mut self, condvar: &Condvar, timeout: Duration) -> (Locked<'a>, bool) {
-        self.add_hold();
-        let guard = self.guard.take().expect("a live guard");
-        let (guard, result) = condvar
-            .wait_timeout(guard, timeout)
-            .expect("volume state lock poisoned");
-        self.guard = Some(guard);
-        self.since = Instant::now();
-        (self, result.timed_out())
+    /// Waits for `signal`, for at most `timeout`, with the lock released,
+    /// and takes it again; true if it timed out.
+    fn wait_timeout(
+        self,
+        volume: &'a Volume,
+        signal: &Signal,
+        timeout: Option<Duration>,
+    ) -> (Locked<'a>, bool) {
+        let seen = signal.generation();
+        let marked = self._held.is_some();
+        drop(self);
+        let timed_out = signal.wait_past(seen, timeout);
+        (Locked::take_marked(volume, marked), timed_out)
     }
 }
 
@@ -162,7 +242,34 @@ impl Drop for Locked<'_> {
     }
 }
 
-/// The state lock, held. Dereferences to [`State`].
+/// The state lock, held shared by a read that only looks: beside other
+/// such reads, never beside a change. Dereferences to [`State`]. Nothing
+/// is evicted or queued under it, so dropping it does nothing more.
+pub(crate) struct SharedState<'a> {
+    guard: RwLockReadGuard<'a, State>,
+    stats: &'a LockStats,
+    since: Instant,
+    _held: Held,
+}
+
+impl Deref for SharedState<'_> {
+    type Target = State;
+
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl Drop for SharedState<'_> {
+    fn drop(&mut self) {
+        self.stats
+            .shared_hold_nanos
+            .0
+            .fetch_add(self.since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The state lock, held exclusively. Dereferences to [`State`].
 pub(crate) struct StateGuard<'a> {
     volume: &'a Volume,
     locked: Option<Locked<'a>>,
@@ -196,7 +303,7 @@ impl Drop for StateGuard<'_> {
         let volume = self.volume;
         if locked.page_writes_unclaimed() {
             if volume.log_writer_running.load(Ordering::Acquire) {
-                volume.log_work.notify_one();
+                volume.log_work.notify();
             } else if queued {
                 volume.write_out(locked, true);
                 return;
@@ -217,6 +324,33 @@ impl Volume {
             volume: self,
             locked: Some(locked),
             queued_from,
+        }
+    }
+
+    /// The state lock, shared with other readers: for a read that finds
+    /// its map leaves in RAM and changes nothing.
+    pub(crate) fn lock_shared(&self) -> SharedState<'_> {
+        let stats = &self.lock_stats;
+        let (guard, since) = match self.state.try_read() {
+            Ok(guard) => (guard, Instant::now()),
+            Err(std::sync::TryLockError::Poisoned(_)) => panic!("volume state lock poisoned"),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                let asked = Instant::now();
+                let guard = self.state.read().expect("volume state lock poisoned");
+                let since = Instant::now();
+                stats
+                    .shared_wait_nanos
+                    .0
+                    .fetch_add((since - asked).as_nanos() as u64, Ordering::Relaxed);
+                (guard, since)
+            }
+        };
+        stats.shared_acquisitions.0.fetch_add(1, Ordering::Relaxed);
+        SharedState {
+            guard,
+            stats,
+            since,
+            _held: Held::mark("state"),
         }
     }
 
@@ -286,7 +420,7 @@ impl Volume {
         let (through, failure) = self.perform(writes);
         let mut locked = self.raw_lock();
         locked.page_writes_done(through, failure.as_ref());
-        self.page_written.notify_all();
+        self.page_written.notify();
         locked
     }
 
@@ -305,7 +439,7 @@ impl Volume {
             if locked.page_writes_over_limit()
                 && (locked.page_writer_busy() || locked.page_writes_unclaimed())
             {
-                locked = locked.wait(&self.page_written);
+                locked = locked.wait(self, &self.page_written);
                 continue;
             }
             return;
@@ -320,7 +454,7 @@ impl Volume {
             if let Some(writes) = locked.claim_page_writes() {
                 locked = self.perform_claim(locked, &writes);
             } else {
-                locked = locked.wait(&self.page_written);
+                locked = locked.wait(self, &self.page_written);
             }
         }
     }
@@ -367,7 +501,7 @@ impl Volume {
     pub(crate) fn stop_log_writer(&self) {
         {
             let _locked = self.raw_lock();
-            self.log_work.notify_all();
+            self.log_work.notify();
         }
         let handle = self.log_writer.lock().expect("log writer lock").take();
         if let Some(handle) = handle {
@@ -399,7 +533,8 @@ fn log_writer_loop(volume: Weak<Volume>) {
                     .store(false, Ordering::Release);
                 return;
             }
-            let (relocked, timed_out) = locked.wait_timeout(&volume_ref.log_work, LOG_WRITER_IDLE);
+            let (relocked, timed_out) =
+                locked.wait_timeout(volume_ref, &volume_ref.log_work, Some(LOG_WRITER_IDLE));
             locked = relocked;
             if timed_out {
                 break;

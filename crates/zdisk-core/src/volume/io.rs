@@ -35,7 +35,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::guard::StateGuard;
 use super::space::{Need, Reach, Writer};
-use super::state::{Buffered, StreamKind, Tally};
+use super::state::{Buffered, State, StreamKind, Tally};
 use super::Volume;
 
 /// Adjacent extents are read from the medium in one request up to this size.
@@ -252,6 +252,9 @@ impl Volume {
 
     /// Under the state lock: fills holes and zeros in `out`, copies
     /// records not yet on the medium, and lists the rest for reading.
+    /// The lock is taken shared when the range's map leaves are in RAM
+    /// (the common case, beside other reads); else exclusively, to fault
+    /// them in (`lock_resident`).
     fn look_up(&self, first: Lba, out: &mut [u8]) -> Result<Lookup> {
         let count = (out.len() / BLOCK_SIZE) as u64;
         // Allocated before the lock is taken, not under it.
@@ -260,55 +263,17 @@ impl Volume {
             buffered: Vec::new(),
             incarnations: Vec::with_capacity(count.min(16) as usize),
         };
-        // Records not on the medium yet, by where they start.
-        let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
-        let state = self.lock_resident(first, count)?;
-        let mut error = None;
-        state.map().for_each_in(first, count, |lba, entry| {
-            if error.is_some() {
-                return;
+        {
+            let state = self.lock_shared();
+            if state.map().is_resident(first, count) {
+                state.map().count_hit_shared();
+                look_up_in(&state, first, out, &mut lookup)?;
+                return Ok(lookup);
             }
-            let index = (lba.0 - first.0) as usize;
-            match entry.slot() {
-                Slot::Hole | Slot::Zero => block_mut(out, index).fill(0),
-                Slot::Damaged => {
-                    error = Some(damaged_earlier(
-                        lba,
-                        "its data was found damaged earlier; rewrite the block to clear",
-                    ))
-                }
-                Slot::Data(loc) => {
-                    let wanted = Wanted {
-                        index,
-                        loc,
-                        version: entry.version(),
-                    };
-                    if let Some(&at) = copied.get(&loc.record_key()) {
-                        lookup.buffered[at].1.push(wanted);
-                        return;
-                    }
-                    match state.read_buffered(loc) {
-                        Ok(Some(bytes)) => {
-                            copied.insert(loc.record_key(), lookup.buffered.len());
-                            lookup.buffered.push((bytes, vec![wanted]));
-                        }
-                        Ok(None) => {
-                            lookup.wanted.push(wanted);
-                            let segment = loc.segment;
-                            if !lookup.incarnations.iter().any(|&(s, _)| s == segment) {
-                                let seq = state.space().segment(segment).seq;
-                                lookup.incarnations.push((segment, seq));
-                            }
-                        }
-                        Err(e) => error = Some(e),
-                    }
-                }
-            }
-        });
-        match error {
-            Some(error) => Err(error),
-            None => Ok(lookup),
         }
+        let state = self.lock_resident(first, count)?;
+        look_up_in(&state, first, out, &mut lookup)?;
+        Ok(lookup)
     }
 
     /// Reads every run in one batch (a drive with many dies serves them in
@@ -739,6 +704,59 @@ fn read_failed(first: Lba, wanted: &Wanted, error: &Error) -> Error {
         format!("reading block {lba}"),
         std::io::Error::other(error.to_string()),
     )
+}
+
+/// The lookup [`Volume::look_up`] makes under the lock, shared or not.
+fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) -> Result<()> {
+    let count = (out.len() / BLOCK_SIZE) as u64;
+    // Records not on the medium yet, by where they start.
+    let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
+    let mut error = None;
+    state.map().for_each_in(first, count, |lba, entry| {
+        if error.is_some() {
+            return;
+        }
+        let index = (lba.0 - first.0) as usize;
+        match entry.slot() {
+            Slot::Hole | Slot::Zero => block_mut(out, index).fill(0),
+            Slot::Damaged => {
+                error = Some(damaged_earlier(
+                    lba,
+                    "its data was found damaged earlier; rewrite the block to clear",
+                ))
+            }
+            Slot::Data(loc) => {
+                let wanted = Wanted {
+                    index,
+                    loc,
+                    version: entry.version(),
+                };
+                if let Some(&at) = copied.get(&loc.record_key()) {
+                    lookup.buffered[at].1.push(wanted);
+                    return;
+                }
+                match state.read_buffered(loc) {
+                    Ok(Some(bytes)) => {
+                        copied.insert(loc.record_key(), lookup.buffered.len());
+                        lookup.buffered.push((bytes, vec![wanted]));
+                    }
+                    Ok(None) => {
+                        lookup.wanted.push(wanted);
+                        let segment = loc.segment;
+                        if !lookup.incarnations.iter().any(|&(s, _)| s == segment) {
+                            let seq = state.space().segment(segment).seq;
+                            lookup.incarnations.push((segment, seq));
+                        }
+                    }
+                    Err(e) => error = Some(e),
+                }
+            }
+        }
+    });
+    match error {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
 }
 
 /// What a read finds under the lock.

@@ -50,7 +50,7 @@ pub use options::{
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -80,7 +80,7 @@ pub struct Volume {
     settings: Settings,
     options: OpenOptions,
     read_only: bool,
-    state: Mutex<State>,
+    state: RwLock<State>,
     /// Highest barrier generation made durable; its lock serialises syncs.
     synced: Mutex<u64>,
     maintenance: Mutex<()>,
@@ -88,10 +88,10 @@ pub struct Volume {
     wake: Condvar,
     wake_lock: Mutex<bool>,
     /// Signalled (with the state lock) when queued pages were written.
-    page_written: Condvar,
+    page_written: guard::Signal,
     /// Signalled (with the state lock) when work is queued for the log
     /// writer thread (`guard.rs`).
-    log_work: Condvar,
+    log_work: guard::Signal,
     /// True while the log writer thread runs; changed under the state lock.
     log_writer_running: AtomicBool,
     log_writer: Mutex<Option<JoinHandle<()>>>,
@@ -312,14 +312,14 @@ impl Volume {
             superblock: root.superblock,
             settings: root.settings,
             read_only,
-            state: Mutex::new(state),
+            state: RwLock::new(state),
             synced: Mutex::new(0),
             maintenance: Mutex::new(()),
             stripes: (0..RMW_STRIPES).map(|_| Mutex::new(())).collect(),
             wake: Condvar::new(),
             wake_lock: Mutex::new(false),
-            page_written: Condvar::new(),
-            log_work: Condvar::new(),
+            page_written: guard::Signal::default(),
+            log_work: guard::Signal::default(),
             log_writer_running: AtomicBool::new(false),
             log_writer: Mutex::new(None),
             lock_stats: guard::LockStats::default(),

@@ -423,3 +423,61 @@ fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
         assert_eq!(read[..8], lba.to_le_bytes());
     }
 }
+
+/// A read whose map leaf is in RAM takes the state lock shared, never
+/// exclusively (issue #23); one whose leaf is paged out takes it
+/// exclusively to fault the leaf in, and shared again once it is there.
+#[test]
+fn a_read_takes_the_lock_exclusively_only_to_fault_its_map_leaf_in() {
+    let cache = 64 * 1024;
+    let media = Arc::new(MemMedia::with_size(4096, 4 * MIB, 64).unwrap());
+    let options = OpenOptions {
+        background: false,
+        map_cache_bytes: Some(cache),
+        ..OpenOptions::default()
+    };
+    let volume = Volume::create(
+        media as Arc<dyn Media>,
+        CreateOptions::new(1 << 40),
+        options,
+    )
+    .unwrap();
+    let block = vec![7u8; BLOCK_SIZE];
+    let mut read = vec![0u8; BLOCK_SIZE];
+    volume.write(0, &block, false).unwrap();
+    let before = volume.lock_profile();
+    volume.read(0, &mut read).unwrap();
+    let used = volume.lock_profile().since(&before);
+    assert_eq!(read, block);
+    assert_eq!((used.acquisitions, used.shared_acquisitions), (0, 1));
+
+    // A leaf per write, until checkpoints page the oldest (block 0's) out.
+    let mut lba = 257u64;
+    while volume.stats().map_paged_leaves == 0 {
+        for _ in 0..64 {
+            volume
+                .write(lba * BLOCK_SIZE as u64, &block, false)
+                .unwrap();
+            lba += 257;
+        }
+        while volume.maintenance_tick().unwrap() {}
+    }
+    let misses = volume.stats().map_cache_misses;
+    let before = volume.lock_profile();
+    volume.read(0, &mut read).unwrap();
+    let used = volume.lock_profile().since(&before);
+    assert_eq!(read, block);
+    assert_eq!(
+        volume.stats().map_cache_misses,
+        misses + 1,
+        "block 0's leaf was paged out"
+    );
+    assert!(
+        used.acquisitions >= 1,
+        "the fault takes the lock exclusively"
+    );
+    let before = volume.lock_profile();
+    volume.read(0, &mut read).unwrap();
+    let used = volume.lock_profile().since(&before);
+    assert_eq!((used.acquisitions, used.shared_acquisitions), (0, 1));
+}
