@@ -172,8 +172,8 @@ start() {
     # One cluster at a time: the monitor's port is fixed. The lock is held
     # by a sleeping child whose PID joins the others, so stop releases it.
     exec 9>/run/zdisk-test-ceph.lock
-    if ! flock -w 300 9; then
-        echo "another test cluster held /run/zdisk-test-ceph.lock for 300 s" >&2
+    if ! flock -w 900 9; then
+        echo "another test cluster held /run/zdisk-test-ceph.lock for 900 s" >&2
         exit 1
     fi
     : >"$dir/pids"
