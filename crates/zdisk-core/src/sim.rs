@@ -928,6 +928,10 @@ mod tests {
     /// cargo's `OPT_LEVEL` on): "0" in a plain debug build.
     const OPT_LEVEL: &str = env!("ZDISK_OPT_LEVEL");
 
+    /// One simulation thread's totals, how many of its seeds reused
+    /// segments in place, and its failing seed with the failure, if any.
+    type ThreadResult = (SimStats, u64, Option<(u64, String)>);
+
     /// Runs many seeds: 2000 in any optimised build, 40 in an unoptimised
     /// one (where 2000 take hours); ZDISK_SIM_SEEDS overrides. CI runs the
     /// 2000 with `--profile ci` (release plus debug assertions and overflow
@@ -945,7 +949,7 @@ mod tests {
         // that failed, so the message does not depend on scheduling.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let next = std::sync::atomic::AtomicU64::new(first);
-        let results: Vec<(SimStats, u64, Option<(u64, String)>)> = std::thread::scope(|scope| {
+        let results: Vec<ThreadResult> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..threads)
                 .map(|_| {
                     scope.spawn(|| {
