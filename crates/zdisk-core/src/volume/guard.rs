@@ -153,6 +153,29 @@ impl Signal {
     }
 }
 
+/// A guard from `tried`, else from `block`, which waits for it (that
+/// wait added to `wait_nanos`); with the moment the hold began.
+/// Uncontended, taking the lock costs no clock reading for the wait.
+fn take_timed<G>(
+    tried: std::sync::TryLockResult<G>,
+    block: impl FnOnce() -> std::sync::LockResult<G>,
+    wait_nanos: &Padded,
+) -> (G, Instant) {
+    match tried {
+        Ok(guard) => (guard, Instant::now()),
+        Err(std::sync::TryLockError::Poisoned(_)) => panic!("volume state lock poisoned"),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            let asked = Instant::now();
+            let guard = block().expect("volume state lock poisoned");
+            let since = Instant::now();
+            wait_nanos
+                .0
+                .fetch_add((since - asked).as_nanos() as u64, Ordering::Relaxed);
+            (guard, since)
+        }
+    }
+}
+
 /// The state lock, held exclusively: marked for the debug check and timed.
 pub(crate) struct Locked<'a> {
     guard: Option<RwLockWriteGuard<'a, State>>,
@@ -168,21 +191,11 @@ impl<'a> Locked<'a> {
 
     fn take_marked(volume: &'a Volume, marked: bool) -> Locked<'a> {
         let stats = &volume.lock_stats;
-        // Uncontended, the lock costs no clock reading to take.
-        let (guard, since) = match volume.state.try_write() {
-            Ok(guard) => (guard, Instant::now()),
-            Err(std::sync::TryLockError::Poisoned(_)) => panic!("volume state lock poisoned"),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                let asked = Instant::now();
-                let guard = volume.state.write().expect("volume state lock poisoned");
-                let since = Instant::now();
-                stats
-                    .wait_nanos
-                    .0
-                    .fetch_add((since - asked).as_nanos() as u64, Ordering::Relaxed);
-                (guard, since)
-            }
-        };
+        let (guard, since) = take_timed(
+            volume.state.try_write(),
+            || volume.state.write(),
+            &stats.wait_nanos,
+        );
         stats.acquisitions.0.fetch_add(1, Ordering::Relaxed);
         Locked {
             guard: Some(guard),
@@ -331,20 +344,11 @@ impl Volume {
     /// its map leaves in RAM and changes nothing.
     pub(crate) fn lock_shared(&self) -> SharedState<'_> {
         let stats = &self.lock_stats;
-        let (guard, since) = match self.state.try_read() {
-            Ok(guard) => (guard, Instant::now()),
-            Err(std::sync::TryLockError::Poisoned(_)) => panic!("volume state lock poisoned"),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                let asked = Instant::now();
-                let guard = self.state.read().expect("volume state lock poisoned");
-                let since = Instant::now();
-                stats
-                    .shared_wait_nanos
-                    .0
-                    .fetch_add((since - asked).as_nanos() as u64, Ordering::Relaxed);
-                (guard, since)
-            }
-        };
+        let (guard, since) = take_timed(
+            self.state.try_read(),
+            || self.state.read(),
+            &stats.shared_wait_nanos,
+        );
         stats.shared_acquisitions.0.fetch_add(1, Ordering::Relaxed);
         SharedState {
             guard,

@@ -373,23 +373,29 @@ proptest::proptest! {
     }
 }
 
-#[test]
-fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
-    // One block in every 257: every write lands in a leaf of its own, so
-    // the map grows by a sparse leaf per write, all of them dirty.
-    let cache = 64 * 1024;
+/// A 1 TiB thin volume on 256 MiB of RAM, without background work,
+/// whose map may keep `cache` bytes of leaves in RAM.
+fn small_map_cache_volume(cache: u64) -> Arc<Volume> {
     let media = Arc::new(MemMedia::with_size(4096, 4 * MIB, 64).unwrap());
     let options = OpenOptions {
         background: false,
         map_cache_bytes: Some(cache),
         ..OpenOptions::default()
     };
-    let volume = Volume::create(
+    Volume::create(
         media as Arc<dyn Media>,
         CreateOptions::new(1 << 40),
         options,
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
+    // One block in every 257: every write lands in a leaf of its own, so
+    // the map grows by a sparse leaf per write, all of them dirty.
+    let cache = 64 * 1024;
+    let volume = small_map_cache_volume(cache);
     let bound = (2 * cache).max(cache + MIB);
     let mut block = vec![7u8; BLOCK_SIZE];
     let mut lba = 0u64;
@@ -430,18 +436,7 @@ fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
 #[test]
 fn a_read_takes_the_lock_exclusively_only_to_fault_its_map_leaf_in() {
     let cache = 64 * 1024;
-    let media = Arc::new(MemMedia::with_size(4096, 4 * MIB, 64).unwrap());
-    let options = OpenOptions {
-        background: false,
-        map_cache_bytes: Some(cache),
-        ..OpenOptions::default()
-    };
-    let volume = Volume::create(
-        media as Arc<dyn Media>,
-        CreateOptions::new(1 << 40),
-        options,
-    )
-    .unwrap();
+    let volume = small_map_cache_volume(cache);
     let block = vec![7u8; BLOCK_SIZE];
     let mut read = vec![0u8; BLOCK_SIZE];
     volume.write(0, &block, false).unwrap();
