@@ -14,9 +14,11 @@ One image (16 TiB logical by default), served on a Unix socket with
               RAM), a restart with that cache and a timed 4 KiB random read
               of the written blocks (same LFSR sequence), after a warm-up
               pass; each as a ratio of the 100% case's IOPS in the same
-              round, with the cache's hits and misses. With --rounds N the
-              three caches are measured N times, interleaved (a shared
-              host's speed drifts), and the median ratio is printed.
+              round, with the cache's hits, misses (pages read back) and
+              peeks (of those, pages read for one lookup, their leaves
+              not kept). With --rounds N the three caches are measured
+              N times, interleaved (a shared host's speed drifts), and
+              the median ratio is printed.
               --reads-only measures the reads on the image a previous run
               left in --dir.
 The idle pass is off (--recompress off). Needs fio with the nbd engine.
@@ -101,6 +103,7 @@ def measure_reads(volume, result):
                 "iops": run["jobs"][0]["read"]["iops"],
                 "hits": after["map_cache_hits"] - before["map_cache_hits"],
                 "misses": after["map_cache_misses"] - before["map_cache_misses"],
+                "peeks": after["map_cache_peeks"] - before["map_cache_peeks"],
                 "rss_bytes": rss,
             })
     for percent in PERCENTS:
@@ -122,11 +125,13 @@ def report(result, reads, map_bytes, cache):
               f"{result['verified_blocks']} blocks verified in {result['verify_seconds']:.0f} s, "
               f"RSS {result['verify_rss_bytes'] / mib:.1f} MiB")
     print(f"map {map_bytes / mib:.1f} MiB; 4 KiB random reads by map cache:")
-    print(f"{'cache':>8} {'MiB':>8} {'round':>5} {'IOPS':>10} {'ratio':>6} {'hits':>10} {'misses':>10}")
+    print(f"{'cache':>8} {'MiB':>8} {'round':>5} {'IOPS':>10} {'ratio':>6} {'hits':>10} {'misses':>10} "
+          f"{'peeks':>10}")
     for percent, runs in reads.items():
         for n, r in enumerate(runs):
             print(f"{percent:>7}% {min(r['cache_bytes'], map_bytes) / mib:>8.1f} {n + 1:>5} "
-                  f"{r['iops']:>10.0f} {r['ratio']:>6.2f} {r['hits']:>10} {r['misses']:>10}")
+                  f"{r['iops']:>10.0f} {r['ratio']:>6.2f} {r['hits']:>10} {r['misses']:>10} "
+                  f"{r['peeks']:>10}")
         print(f"{percent:>7}% median ratio {harness.median([r['ratio'] for r in runs]):.2f}")
 
 

@@ -67,19 +67,31 @@ impl<'a> ByteReader<'a> {
 
     pub fn take(&mut self, len: usize) -> Result<&'a [u8], String> {
         if self.remaining() < len {
-            return Err(format!(
-                "truncated: wanted {len} bytes at offset {}, only {} left",
-                self.pos,
-                self.remaining()
-            ));
+            return Err(self.truncated(len));
         }
         let slice = &self.bytes[self.pos..self.pos + len];
         self.pos += len;
         Ok(slice)
     }
 
+    #[cold]
+    fn truncated(&self, len: usize) -> String {
+        format!(
+            "truncated: wanted {len} bytes at offset {}, only {} left",
+            self.pos,
+            self.remaining()
+        )
+    }
+
+    #[inline]
     pub fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
+        match self.bytes.get(self.pos) {
+            Some(&byte) => {
+                self.pos += 1;
+                Ok(byte)
+            }
+            None => Err(self.truncated(1)),
+        }
     }
     pub fn u16(&mut self) -> Result<u16, String> {
         Ok(u16::from_le_bytes(
@@ -102,7 +114,13 @@ impl<'a> ByteReader<'a> {
         ))
     }
     /// A LEB128 varint of at most 64 bits.
+    #[inline]
     pub fn varint(&mut self) -> Result<u64, String> {
+        // Most varints a map page holds are one byte.
+        if let Some(&byte) = self.bytes.get(self.pos).filter(|&&byte| byte < 0x80) {
+            self.pos += 1;
+            return Ok(byte as u64);
+        }
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
             let byte = self.u8()?;
@@ -114,6 +132,7 @@ impl<'a> ByteReader<'a> {
         Err("varint longer than 64 bits".into())
     }
     /// A zigzag varint.
+    #[inline]
     pub fn zigzag(&mut self) -> Result<i64, String> {
         let value = self.varint()?;
         Ok(((value >> 1) as i64) ^ -((value & 1) as i64))

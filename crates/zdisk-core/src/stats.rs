@@ -178,10 +178,12 @@ pub struct Stats {
     pub map_leaves: u64,
     pub map_paged_leaves: u64,
     /// Since the volume opened: map lookups that found every leaf they
-    /// needed in RAM, leaves read back from their pages, and pages
-    /// checkpoints wrote (a page per leaf per checkpoint).
+    /// needed in RAM, pages read back (leaves faulted in, and lookups
+    /// that read a page without keeping its leaf), those lookups alone,
+    /// and pages checkpoints wrote (a page per leaf per checkpoint).
     pub map_cache_hits: u64,
     pub map_cache_misses: u64,
+    pub map_cache_peeks: u64,
     pub map_pages_written: u64,
     /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
     pub segments_by_state: SegmentCounts,
@@ -323,8 +325,13 @@ impl Stats {
         );
         counter(
             "map_cache_misses_total",
-            "Map leaves read back from their pages, since the volume opened.",
+            "Map pages read back, since the volume opened.",
             self.map_cache_misses,
+        );
+        counter(
+            "map_cache_peeks_total",
+            "Map pages read back for one lookup, their leaves not kept in the cache, since the volume opened.",
+            self.map_cache_peeks,
         );
         counter(
             "map_pages_written_total",

@@ -66,6 +66,7 @@ pub const FIELDS: &[Field] = &[
     field("map_paged_leaves", "leaves", "leaves paged out: on the medium only, read back on demand"),
     field("map_cache_hits", "loads", "map range loads that found their leaves in RAM, since the volume opened"),
     field("map_cache_misses", "pages", "map pages read back from the medium, since the volume opened"),
+    field("map_cache_peeks", "pages", "of those, pages read for one lookup with the cache full, their leaves not kept (a leaf looked up again soon is kept)"),
     field("map_pages_written", "pages", "map pages checkpoints wrote, since the volume opened"),
     field("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
     field("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
@@ -285,7 +286,7 @@ mod tests {
         let map = serde_json::json!({
             "map_cache_bytes": 64u64 << 20, "map_resident_bytes": 1000, "map_leaves": 3,
             "map_paged_leaves": 0, "map_cache_hits": 10, "map_cache_misses": 0,
-            "map_pages_written": 3,
+            "map_cache_peeks": 0, "map_pages_written": 3,
         });
         if let (Some(all), Some(map)) = (json.as_object_mut(), map.as_object()) {
             all.extend(map.clone());

@@ -20,11 +20,14 @@
 //!   its generation ([`Map::defer_dump_release`], [`Map::unpin_faults`]).
 //!   A page read under a pin is never overwritten meanwhile, so a failed
 //!   verification is the medium's damage, not the race.
-//! - Detection. A leaf is installed only if it is still paged out and its
-//!   page is still where the fault read it (the same dump generation and
-//!   place); otherwise the fault is stale (another thread installed the
-//!   leaf first, or a checkpoint moved its page) and is dropped, and the
-//!   caller looks again. After a failed read, [`Map::fault_is_current`]
+//! - Detection. A leaf is installed only if it is still paged out and
+//!   either its page is still where the fault read it (the same dump
+//!   generation and place) or a pin covers it ([`Map::install`]): a leaf
+//!   changes only in RAM, and a leaf installed under a pin is not evicted
+//!   until the pin goes, so one still paged out under a pin is unchanged
+//!   and only its page moved. Otherwise the fault is stale (another
+//!   thread installed the leaf first) and is dropped, and the caller
+//!   looks again. After a failed read, [`Map::fault_is_current`]
 //!   tells damage (the page is still there: report it) from a page that
 //!   moved (read it again from its new place); a page that moved is never
 //!   reported as damage.
@@ -42,15 +45,22 @@
 //! with a cache of zero). A range may so take the leaves in RAM past the
 //! cache by its own leaves, for as long as it is pinned.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::media::Media;
 use crate::units::{Lba, SegmentId};
 
+use super::column::alloc_bytes;
+use super::entry::{Entry, CHUNK_SHIFT};
 use super::leaf::Leaf;
 use super::page::{self, PageLoc, PageStore};
 use super::{check_leaf, Map};
+
+/// Room a leaf faulted in takes at most (a full dense or sparse leaf
+/// holds about 4 KiB): with less free in the cache, a lookup peeks.
+const PEEK_ROOM_BYTES: u64 = 8192;
 
 /// A paged-out leaf to read back with no lock held: its range, where its
 /// page is, and what verifying it needs.
@@ -100,6 +110,93 @@ impl Fault {
         }
         check_leaf(self.start, &leaf, self.keep_tombstones).map_err(Error::CorruptImage)?;
         Ok(ReadLeaf(leaf))
+    }
+
+    /// The entries of blocks `first..first+count`, all in this fault's
+    /// leaf, read from its page without building the leaf (see
+    /// [`Map::peek_fault`]). They are current only if the fault still is
+    /// once the caller holds the state lock again
+    /// ([`Map::fault_is_current`]). No pin is needed: a page read from a
+    /// dump released and overwritten meanwhile fails its record check
+    /// (first block and generation under the checksum), and the caller
+    /// then faults the leaf in as usual, which tells a moved page from a
+    /// damaged one.
+    pub(crate) fn peek(&self, media: &dyn Media, first: Lba, count: u64) -> Result<Vec<Entry>> {
+        let payload = page::read_page_payload(media, &self.store, self.start, self.loc)?;
+        let offset = first.0.checked_sub(self.start).unwrap_or(u64::MAX);
+        page::decode_page_range(
+            &payload,
+            self.store.segment_count,
+            self.blocks,
+            offset,
+            count,
+        )
+        .map_err(|problem| {
+            Error::CorruptImage(format!(
+                "the map page of block {} is malformed: {problem}",
+                self.start
+            ))
+        })
+    }
+}
+
+/// Leaves recently looked up without being kept ([`Map::peek_fault`]),
+/// one slot per hash of a leaf's start: a direct-mapped ghost list, as
+/// ARC keeps for what it evicted. A leaf peeked again while its slot
+/// still names it is taken into the cache; one a lookup meets only once
+/// in the cache's turnover is not, so a random read over a map many
+/// times the cache reads each page without building its leaf and
+/// evicting another for it. Atomic, for lookups under the shared lock.
+pub(super) struct Ghosts {
+    slots: Box<[AtomicU64]>,
+    shift: u32,
+}
+
+impl Ghosts {
+    /// About one slot per leaf the cache holds (a leaf holds about 4 KiB
+    /// when full), 64 to 65,536.
+    pub(super) fn for_cache(cache_bytes: u64) -> Ghosts {
+        if cache_bytes == u64::MAX {
+            // No bound, no peeks (the cache is never full): no slots.
+            return Ghosts {
+                slots: Box::new([]),
+                shift: 0,
+            };
+        }
+        let slots = (cache_bytes / 4096).clamp(64, 1 << 16).next_power_of_two();
+        Ghosts {
+            slots: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            shift: 64 - slots.trailing_zeros(),
+        }
+    }
+
+    /// True if the leaf at `start` was peeked since its slot last changed
+    /// (the slot is cleared); else the slot names it and false is returned.
+    fn seen_again(&self, start: u64) -> bool {
+        if self.slots.is_empty() {
+            return true;
+        }
+        let hash = (start >> CHUNK_SHIFT).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
+        let slot = &self.slots[hash as usize];
+        // Starts are chunk-aligned, so start + 1 is never 0 (an empty slot).
+        let tag = start + 1;
+        if slot.load(Ordering::Relaxed) == tag {
+            slot.store(0, Ordering::Relaxed);
+            true
+        } else {
+            slot.store(tag, Ordering::Relaxed);
+            false
+        }
+    }
+}
+
+impl Ghosts {
+    /// Heap bytes of its slots.
+    pub(super) fn heap_bytes(&self) -> u64 {
+        match self.slots.len() {
+            0 => 0,
+            slots => alloc_bytes(slots * size_of::<AtomicU64>()),
+        }
     }
 }
 
@@ -184,15 +281,38 @@ impl Map {
         self.cache.hits += 1;
     }
 
+    /// A fault to read the entries of `first..first+count` from
+    /// ([`Fault::peek`]) rather than take the leaf into the cache, or None
+    /// to fault it in: Some only if the range lies in one paged-out leaf,
+    /// the cache is full, and the leaf was not peeked lately ([`Ghosts`]).
+    /// Counts nothing; [`Map::count_peek`] counts a peek that served a
+    /// lookup.
+    pub(crate) fn peek_fault(&self, first: Lba, count: u64) -> Option<Fault> {
+        let (start, leaf) = self.leaf_at(first.0)?;
+        let cache_full = self.leaf_heap_bytes.saturating_add(PEEK_ROOM_BYTES) > self.cache_bytes;
+        if leaf.is_resident()
+            || first.0.saturating_add(count) > start + leaf.blocks()
+            || !cache_full
+            || self.ghosts.seen_again(start)
+        {
+            return None;
+        }
+        Some(self.fault_at(start, leaf))
+    }
+
+    /// Counts a lookup served by [`Fault::peek`]: a page read back.
+    pub(crate) fn count_peek(&self) {
+        self.peeks.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// True if every leaf holding a block of `first..first+count` is in RAM.
     pub(crate) fn is_resident(&self, first: Lba, count: u64) -> bool {
-        self.paged_leaves == 0 || self.paged_in(first, count).is_empty()
+        self.paged_leaves == 0 || self.paged_starts(first, count).next().is_none()
     }
 
     /// [`Map::count_hit`] for a lookup under the shared lock.
     pub(crate) fn count_hit_shared(&self) {
-        self.shared_hits
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.shared_hits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Pins `first..first+count`, whose paged-out leaves are `faults`: its
@@ -261,11 +381,31 @@ impl Map {
                 .is_some_and(|store| store.generation == fault.store.generation)
     }
 
+    /// True if the leaf `fault` reads is still paged out, as the fault
+    /// found it, and a pin covers it: then only its page moved (a
+    /// checkpoint wrote it again), and what the fault read from the old
+    /// page is still the leaf. A leaf changes only in RAM, and one
+    /// installed under a pin stays in RAM until the pin goes, so a leaf
+    /// paged out under a pin is one nobody installed since the pin was
+    /// taken. Without this, faults under checkpoints in a tight loop
+    /// would be read again and again and could give up (issue #23's
+    /// `peeks_racing_checkpoints_read_what_was_written`).
+    fn only_moved(&self, fault: &Fault) -> bool {
+        let paged = matches!(
+            self.leaves.get(&fault.start),
+            Some(Leaf::Paged { blocks, chunk_items })
+                if *blocks == fault.blocks && *chunk_items == fault.chunk_items
+        );
+        paged && self.pins.spares(fault.start, fault.blocks)
+    }
+
     /// Installs the leaf `fault` read, if the fault is still current
-    /// ([`Map::fault_is_current`]); returns false, and drops the leaf, if
-    /// it is stale. An installed leaf is clean: it may be evicted again.
+    /// ([`Map::fault_is_current`]) or its page only moved while a pin
+    /// covered it ([`Map::only_moved`]); returns false, and drops the
+    /// leaf, if it is stale. An installed leaf is clean: it may be evicted
+    /// again.
     pub(crate) fn install(&mut self, fault: &Fault, leaf: ReadLeaf) -> bool {
-        if !self.fault_is_current(fault) {
+        if !self.fault_is_current(fault) && !self.only_moved(fault) {
             return false;
         }
         let leaf = leaf.into_leaf();

@@ -106,6 +106,10 @@ pub(crate) struct Map {
     cache: CacheCounts,
     /// Hits of lookups made under the shared lock (`count_hit_shared`).
     shared_hits: std::sync::atomic::AtomicU64,
+    /// Lookups served by reading a page without keeping its leaf
+    /// (`count_peek`), and the leaves peeked lately (`peek_fault`).
+    peeks: std::sync::atomic::AtomicU64,
+    ghosts: fault::Ghosts,
     /// Ranges being faulted in outside the lock, and the dumps they read.
     pins: fault::Pins,
 }
@@ -115,8 +119,11 @@ pub(crate) struct Map {
 pub(crate) struct CacheCounts {
     /// Lookups that found every leaf they needed in RAM.
     pub hits: u64,
-    /// Leaves read back from their pages.
+    /// Leaves read back from their pages and kept.
     pub misses: u64,
+    /// Lookups that read a page back without keeping its leaf
+    /// (`Map::peek_fault`).
+    pub peeks: u64,
     /// Leaves evicted.
     pub evictions: u64,
     /// Pages checkpoints wrote (one per leaf per checkpoint).
@@ -169,6 +176,8 @@ impl Map {
             paged_leaves: 0,
             cache: CacheCounts::default(),
             shared_hits: Default::default(),
+            peeks: Default::default(),
+            ghosts: fault::Ghosts::for_cache(u64::MAX),
             pins: fault::Pins::default(),
         }
     }
@@ -193,7 +202,11 @@ impl Map {
             0 => 0,
             capacity => alloc_bytes(capacity * size_of::<u64>()),
         };
-        self.leaf_heap_bytes + btree_bytes(self.leaves.len()) + written_bytes + queue_bytes
+        self.leaf_heap_bytes
+            + btree_bytes(self.leaves.len())
+            + written_bytes
+            + queue_bytes
+            + self.ghosts.heap_bytes()
     }
 
     /// Heap bytes of the cells and keys of the leaves in RAM: what the
@@ -205,6 +218,7 @@ impl Map {
     pub(crate) fn cache_counts(&self) -> CacheCounts {
         CacheCounts {
             hits: self.cache.hits + self.shared_hits.load(std::sync::atomic::Ordering::Relaxed),
+            peeks: self.peeks.load(std::sync::atomic::Ordering::Relaxed),
             ..self.cache
         }
     }
@@ -219,6 +233,7 @@ impl Map {
     /// the bound until a checkpoint writes them).
     pub(crate) fn set_cache_bytes(&mut self, bytes: u64) {
         self.cache_bytes = bytes;
+        self.ghosts = fault::Ghosts::for_cache(bytes);
     }
 
     pub(crate) fn cache_bytes(&self) -> u64 {
@@ -1204,20 +1219,23 @@ impl Map {
     /// The first block of every paged-out leaf holding a block of
     /// `first..first+count`, in order.
     fn paged_in(&self, first: Lba, count: u64) -> Vec<u64> {
+        self.paged_starts(first, count).collect()
+    }
+
+    /// The starts of the paged-out leaves holding a block of
+    /// `first..first+count`, in block order.
+    fn paged_starts(&self, first: Lba, count: u64) -> impl Iterator<Item = u64> + '_ {
         let end = first.0.saturating_add(count);
-        let mut paged: Vec<u64> = Vec::new();
-        if let Some((start, leaf)) = self.leaf_at(first.0) {
-            if start < first.0 && !leaf.is_resident() {
-                paged.push(start);
-            }
-        }
-        paged.extend(
+        let before = self
+            .leaf_at(first.0)
+            .filter(|&(start, leaf)| start < first.0 && !leaf.is_resident())
+            .map(|(start, _)| start);
+        before.into_iter().chain(
             self.leaves
                 .range(first.0..end)
                 .filter(|(_, leaf)| !leaf.is_resident())
                 .map(|(&start, _)| start),
-        );
-        paged
+        )
     }
 
     /// Evicts clean leaves, oldest first, until the leaves in RAM fit the

@@ -101,23 +101,29 @@ fn put_entry(out: &mut ByteWriter, entry: Entry, previous: &mut Previous) {
     }
 }
 
-fn get_version(input: &mut ByteReader) -> Result<u64, String> {
-    let version = input.varint()?;
-    if version > VERSION_MAX {
-        return Err(format!("version {version} out of range"));
-    }
-    Ok(version)
+/// An entry as a page holds it, before it is checked: what a reader
+/// skipping to the entries it wants follows, cheaply.
+enum RawEntry {
+    Other(Slot, u64),
+    Data {
+        segment: i64,
+        offset: i64,
+        len: u64,
+        member: u8,
+        members: u8,
+        version: i64,
+    },
 }
 
-fn get_entry(
-    input: &mut ByteReader,
-    previous: &mut Previous,
-    segment_count: u32,
-) -> Result<Entry, String> {
-    let (slot, version) = match input.u8()? {
-        TAG_HOLE => return Ok(Entry::new(Slot::Hole, get_version(input)?)),
-        TAG_ZERO => return Ok(Entry::new(Slot::Zero, get_version(input)?)),
-        TAG_DAMAGED => return Ok(Entry::new(Slot::Damaged, get_version(input)?)),
+/// Reads one entry, following the deltas from `previous` (which it moves
+/// on), without checking its fields.
+#[inline]
+fn get_raw_entry(input: &mut ByteReader, previous: &mut Previous) -> Result<RawEntry, String> {
+    let other = |input: &mut ByteReader, slot| Ok(RawEntry::Other(slot, input.varint()?));
+    match input.u8()? {
+        TAG_HOLE => other(input, Slot::Hole),
+        TAG_ZERO => other(input, Slot::Zero),
+        TAG_DAMAGED => other(input, Slot::Damaged),
         TAG_DATA => {
             let add = |base: i64, delta: i64| {
                 base.checked_add(delta)
@@ -128,6 +134,41 @@ fn get_entry(
             let len = input.varint()?;
             let (member, members) = (input.u8()?, input.u8()?);
             let version = add(previous.version, input.zigzag()?)?;
+            *previous = Previous {
+                segment,
+                end_offset: add(offset, len.min(i64::MAX as u64) as i64)?,
+                version,
+            };
+            Ok(RawEntry::Data {
+                segment,
+                offset,
+                len,
+                member,
+                members,
+                version,
+            })
+        }
+        other => Err(format!("bad entry tag {other}")),
+    }
+}
+
+/// Checks an entry's fields against what the format and the medium allow.
+fn check_entry(raw: RawEntry, segment_count: u32) -> Result<Entry, String> {
+    match raw {
+        RawEntry::Other(slot, version) => {
+            if version > VERSION_MAX {
+                return Err(format!("version {version} out of range"));
+            }
+            Ok(Entry::new(slot, version))
+        }
+        RawEntry::Data {
+            segment,
+            offset,
+            len,
+            member,
+            members,
+            version,
+        } => {
             let segments = segment_count.min(SEGMENTS_MAX) as i64;
             let offset_max = (OFFSET_UNITS_MAX * 16) as i64;
             if !(0..segments).contains(&segment)
@@ -144,11 +185,6 @@ fn get_entry(
                      member {member} of {members} version {version}"
                 ));
             }
-            *previous = Previous {
-                segment,
-                end_offset: offset + len as i64,
-                version,
-            };
             let loc = Location::unit_member(
                 SegmentId(segment as u32),
                 offset as u32,
@@ -156,11 +192,17 @@ fn get_entry(
                 member,
                 members,
             );
-            (Slot::Data(loc), version as u64)
+            Ok(Entry::new(Slot::Data(loc), version as u64))
         }
-        other => return Err(format!("bad entry tag {other}")),
-    };
-    Ok(Entry::new(slot, version))
+    }
+}
+
+fn get_entry(
+    input: &mut ByteReader,
+    previous: &mut Previous,
+    segment_count: u32,
+) -> Result<Entry, String> {
+    check_entry(get_raw_entry(input, previous)?, segment_count)
 }
 
 /// The page payload of a leaf that is in RAM: its uncompressed length
@@ -213,23 +255,42 @@ fn get_blocks(input: &mut ByteReader) -> Result<u64, String> {
     Ok(blocks)
 }
 
+/// A run leaf's blocks and entry (which is not data).
+fn get_run(input: &mut ByteReader, segment_count: u32) -> Result<(u64, Entry), String> {
+    let blocks = get_blocks(input)?;
+    let entry = get_entry(input, &mut Previous::default(), segment_count)?;
+    if entry.is_data() {
+        return Err("a run of data".into());
+    }
+    Ok((blocks, entry))
+}
+
+/// How many entries a sparse leaf lists.
+fn get_key_count(input: &mut ByteReader) -> Result<usize, String> {
+    let count = input.varint()? as usize;
+    if count == 0 || count > SPARSE_MAX {
+        return Err(format!("a sparse leaf of {count} entries"));
+    }
+    Ok(count)
+}
+
+/// A sparse leaf's key `index`, after `key` (keys strictly increase).
+fn get_key(input: &mut ByteReader, index: usize, key: u64) -> Result<u64, String> {
+    let delta = input.varint()?;
+    if index > 0 && delta == 0 {
+        return Err("sparse keys out of order".into());
+    }
+    Ok(key.saturating_add(delta))
+}
+
 /// Decodes a page payload into a leaf (whose invariants the map checks).
 pub(super) fn decode_page(payload: &[u8], segment_count: u32) -> Result<Leaf, String> {
-    let mut head = ByteReader::new(payload);
-    let raw_len = head.u32()? as usize;
-    if raw_len > PAGE_RAW_MAX_BYTES {
-        return Err(format!("page claims {raw_len} uncompressed bytes"));
-    }
-    let raw = lz4_decompress(&payload[4..], raw_len)?;
+    let raw = decompress_page(payload)?;
     let mut input = ByteReader::new(&raw);
     let mut previous = Previous::default();
     let leaf = match input.u8()? {
         FORM_RUN => {
-            let blocks = get_blocks(&mut input)?;
-            let entry = get_entry(&mut input, &mut previous, segment_count)?;
-            if entry.is_data() {
-                return Err("a run of data".into());
-            }
+            let (blocks, entry) = get_run(&mut input, segment_count)?;
             Leaf::Run { blocks, entry }
         }
         FORM_DENSE => {
@@ -241,18 +302,11 @@ pub(super) fn decode_page(payload: &[u8], segment_count: u32) -> Result<Leaf, St
         }
         FORM_SPARSE => {
             let blocks = get_blocks(&mut input)?;
-            let count = input.varint()? as usize;
-            if count == 0 || count > SPARSE_MAX {
-                return Err(format!("a sparse leaf of {count} entries"));
-            }
+            let count = get_key_count(&mut input)?;
             let (mut keys, mut entries) = (Vec::with_capacity(count), Vec::with_capacity(count));
             let mut key = 0u64;
             for index in 0..count {
-                let delta = input.varint()?;
-                if index > 0 && delta == 0 {
-                    return Err("sparse keys out of order".into());
-                }
-                key = key.saturating_add(delta);
+                key = get_key(&mut input, index, key)?;
                 if key >= blocks {
                     return Err(format!("key {key} beyond a leaf of {blocks} blocks"));
                 }
@@ -267,6 +321,80 @@ pub(super) fn decode_page(payload: &[u8], segment_count: u32) -> Result<Leaf, St
         return Err(format!("{} bytes after the leaf", input.remaining()));
     }
     Ok(leaf)
+}
+
+/// A page payload's encoding, decompressed.
+fn decompress_page(payload: &[u8]) -> Result<Vec<u8>, String> {
+    let mut head = ByteReader::new(payload);
+    let raw_len = head.u32()? as usize;
+    if raw_len > PAGE_RAW_MAX_BYTES {
+        return Err(format!("page claims {raw_len} uncompressed bytes"));
+    }
+    lz4_decompress(&payload[4..], raw_len)
+}
+
+/// The entries of blocks `offset..offset + count` of the leaf of `blocks`
+/// blocks a page payload holds, without building the leaf (a lookup that
+/// does not keep the leaf: `Map::peek_fault`). The encoding is read up to
+/// the last of them; the entries before them are skipped, their deltas
+/// followed but their fields unchecked, and those returned are checked as
+/// [`decode_page`] checks every entry. The leaf's size must match `blocks`.
+pub(super) fn decode_page_range(
+    payload: &[u8],
+    segment_count: u32,
+    blocks: u64,
+    offset: u64,
+    count: u64,
+) -> Result<Vec<Entry>, String> {
+    let end = offset
+        .checked_add(count)
+        .filter(|&end| end <= blocks)
+        .ok_or_else(|| format!("blocks {offset}+{count} beyond a leaf of {blocks}"))?;
+    let raw = decompress_page(payload)?;
+    let mut input = ByteReader::new(&raw);
+    let mut previous = Previous::default();
+    let mut entries = vec![Entry::default(); count as usize];
+    let leaf_blocks = |found: u64| {
+        if found == blocks {
+            Ok(())
+        } else {
+            Err(format!("a page of {found} blocks for a leaf of {blocks}"))
+        }
+    };
+    match input.u8()? {
+        FORM_RUN => {
+            let (found, entry) = get_run(&mut input, segment_count)?;
+            leaf_blocks(found)?;
+            entries.fill(entry);
+        }
+        FORM_DENSE => {
+            leaf_blocks(CHUNK_BLOCKS)?;
+            for _ in 0..offset {
+                get_raw_entry(&mut input, &mut previous)?;
+            }
+            for entry in entries.iter_mut() {
+                *entry = get_entry(&mut input, &mut previous, segment_count)?;
+            }
+        }
+        FORM_SPARSE => {
+            leaf_blocks(get_blocks(&mut input)?)?;
+            let mut key = 0u64;
+            for index in 0..get_key_count(&mut input)? {
+                key = get_key(&mut input, index, key)?;
+                if key >= end {
+                    break;
+                }
+                if key < offset {
+                    get_raw_entry(&mut input, &mut previous)?;
+                } else {
+                    entries[(key - offset) as usize] =
+                        get_entry(&mut input, &mut previous, segment_count)?;
+                }
+            }
+        }
+        other => return Err(format!("bad leaf form {other}")),
+    }
+    Ok(entries)
 }
 
 /// The payload of the page of the leaf at `start`, read from `store` at

@@ -1171,14 +1171,33 @@ fn random_pages_decode_or_fail_cleanly() {
         }
         payload.truncate(4);
         payload.extend(lz4_flex::block::compress(&raw));
-        match page::decode_page(&payload, 1 << 20) {
+        let decoded_leaf = page::decode_page(&payload, 1 << 20);
+        match &decoded_leaf {
             Ok(leaf) => {
                 decoded += 1;
-                if let Err(problem) = check_leaf(0, &leaf, false) {
+                if let Err(problem) = check_leaf(0, leaf, false) {
                     panic!("round {round}: a decoded page gives a leaf that {problem}");
                 }
             }
             Err(_) => refused += 1,
+        }
+        // A lookup's partial decode of the same page never panics, and
+        // where both decode they agree.
+        let blocks = map
+            .leaves
+            .values()
+            .nth(round % valid.len())
+            .unwrap()
+            .blocks();
+        let offset = rng.gen_range(0..blocks);
+        let count = rng.gen_range(1..=(blocks - offset).min(64));
+        let range = page::decode_page_range(&payload, 1 << 20, blocks, offset, count);
+        if let (Ok(leaf), Ok(entries)) = (&decoded_leaf, &range) {
+            if leaf.blocks() == blocks {
+                for (at, entry) in (offset..).zip(entries) {
+                    assert_eq!(*entry, leaf.get(at), "round {round}: block {at}");
+                }
+            }
         }
     }
     assert!(decoded > 0, "no damaged page decoded: the check never ran");
@@ -1297,6 +1316,95 @@ fn faults_install_what_load_would_and_go_stale() {
         map.fault_is_current(&fault),
         "damage where the page still is"
     );
+}
+
+/// With the cache full, a lookup within one paged-out leaf reads its
+/// entries from the page (`peek_fault`, `Fault::peek`) and they are the
+/// leaf's, in every form (dense, sparse, run, holes between); the same
+/// leaf met again soon is faulted in instead (the ghost list); a range
+/// over two leaves, or a cache with room, always faults in.
+#[test]
+fn peeks_read_what_the_leaf_holds_and_a_leaf_met_twice_is_kept() {
+    let media = crate::media::MemMedia::with_size(4096, 256 * 1024, 64).unwrap();
+    let (mut map, mut reference, mut touched) = paged_map(&media);
+    // A run leaf too: a large zeroed range, paged out with the rest.
+    let zeroed = 1u64 << 31;
+    for m in [&mut map, &mut reference] {
+        m.set_range(
+            Lba(zeroed),
+            1 << 20,
+            RangeState::Zero,
+            5000,
+            false,
+            &mut |_| {},
+        );
+    }
+    touched.extend([zeroed, zeroed + 777]);
+    // Every form decodes in part as it does whole.
+    map.load(&media, Lba(0), 1 << 32).unwrap();
+    let mut forms = std::collections::HashSet::new();
+    for (&start, leaf) in &map.leaves {
+        forms.insert(std::mem::discriminant(leaf));
+        let page = page::encode_page(leaf);
+        let blocks = leaf.blocks();
+        for (offset, count) in [
+            (0, 1),
+            (blocks - 1, 1),
+            (blocks / 2, 5),
+            (0, blocks.min(300)),
+        ] {
+            let entries = page::decode_page_range(&page, 1 << 20, blocks, offset, count).unwrap();
+            for (at, entry) in (offset..).zip(entries) {
+                assert_eq!(entry, leaf.get(at), "leaf {start}, block {at}");
+            }
+        }
+        assert!(page::decode_page_range(&page, 1 << 20, blocks, blocks - 1, 2).is_err());
+        assert!(page::decode_page_range(&page, 1 << 20, blocks + 256, 0, 1).is_err());
+    }
+    assert_eq!(forms.len(), 3, "dense, sparse and run leaves");
+    checkpoint_pages(&mut map, &media, 2);
+    map.evict();
+    let (leaves, paged) = map.leaf_counts();
+    // A run leaf holds no heap: the cache does not evict it.
+    assert_eq!(paged, leaves - 1);
+
+    let mut peeked = 0;
+    for &lba in &touched {
+        let (start, leaf) = map.leaf_at(lba).unwrap();
+        let count = (start + leaf.blocks() - lba).min(3);
+        let Some(fault) = map.peek_fault(Lba(lba), count) else {
+            // In RAM (the run), or a leaf peeked a moment ago (a
+            // neighbour's): faulted in.
+            continue;
+        };
+        peeked += 1;
+        assert!(map.fault_is_current(&fault));
+        let entries = fault.peek(&media, Lba(lba), count).unwrap();
+        for (at, entry) in (lba..).zip(entries) {
+            assert_eq!(entry, reference.get(Lba(at)), "block {at}");
+        }
+        assert!(
+            map.peek_fault(Lba(lba), 1).is_none(),
+            "the leaf at {start}, met twice, is faulted in"
+        );
+        assert!(
+            map.peek_fault(Lba(lba), 1).is_some(),
+            "and then peeked again"
+        );
+    }
+    // Of two blocks of one leaf in a row, the second finds the ghost.
+    assert!(peeked * 3 > touched.len(), "only {peeked} peeks");
+    assert_eq!(map.leaf_counts(), (leaves, paged), "a peek keeps no leaf");
+
+    // Two leaves (the first two dense chunks): no peek.
+    assert!(map.peek_fault(Lba(255), 2).is_none());
+    // A cache with room: no peek.
+    map.set_cache_bytes(u64::MAX);
+    assert!(map.peek_fault(Lba(0), 1).is_none());
+    map.set_cache_bytes(0);
+    // Installed: in RAM, no peek.
+    map.load(&media, Lba(0), 1).unwrap();
+    assert!(map.peek_fault(Lba(0), 1).is_none());
 }
 
 /// A pin spares its range's leaves from eviction and holds back the

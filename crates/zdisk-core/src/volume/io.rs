@@ -263,12 +263,32 @@ impl Volume {
             buffered: Vec::new(),
             incarnations: Vec::with_capacity(count.min(16) as usize),
         };
-        {
+        let peek = {
             let state = self.lock_shared();
             if state.map().is_resident(first, count) {
                 state.map().count_hit_shared();
                 look_up_in(&state, first, out, &mut lookup)?;
                 return Ok(lookup);
+            }
+            state.map().peek_fault(first, count)
+        };
+        // With the cache full, a leaf met once is read from its page
+        // without being kept (`Map::peek_fault`): no exclusive lock, no
+        // leaf built, none evicted. Any failure, or a leaf that changed
+        // meanwhile, falls back to faulting it in, which tells damage
+        // from a page a checkpoint moved.
+        if let Some(fault) = peek {
+            if let Ok(entries) = fault.peek(&*self.media, first, count) {
+                let state = self.lock_shared();
+                if state.map().fault_is_current(&fault) {
+                    state.map().count_peek();
+                    let mut finder = Finder::new(&state, first, out, &mut lookup);
+                    for (at, entry) in (first.0..).zip(entries) {
+                        finder.add(Lba(at), entry);
+                    }
+                    finder.finish()?;
+                    return Ok(lookup);
+                }
             }
         }
         let state = self.lock_resident(first, count)?;
@@ -709,18 +729,47 @@ fn read_failed(first: Lba, wanted: &Wanted, error: &Error) -> Error {
 /// The lookup [`Volume::look_up`] makes under the lock, shared or not.
 fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) -> Result<()> {
     let count = (out.len() / BLOCK_SIZE) as u64;
-    // Records not on the medium yet, by where they start.
-    let mut copied: HashMap<(SegmentId, u32), usize> = HashMap::new();
-    let mut error = None;
-    state.map().for_each_in(first, count, |lba, entry| {
-        if error.is_some() {
+    let mut finder = Finder::new(state, first, out, lookup);
+    state
+        .map()
+        .for_each_in(first, count, |lba, entry| finder.add(lba, entry));
+    finder.finish()
+}
+
+/// Sorts the entries a read looks up, block by block, under the state
+/// lock: holes and zeros filled in `out`, records not on the medium yet
+/// copied, the rest listed with their segments' incarnations.
+struct Finder<'a, 'b> {
+    state: &'a State,
+    first: Lba,
+    out: &'b mut [u8],
+    lookup: &'b mut Lookup,
+    /// Records not on the medium yet, by where they start.
+    copied: HashMap<(SegmentId, u32), usize>,
+    error: Option<Error>,
+}
+
+impl<'a, 'b> Finder<'a, 'b> {
+    fn new(state: &'a State, first: Lba, out: &'b mut [u8], lookup: &'b mut Lookup) -> Self {
+        Finder {
+            state,
+            first,
+            out,
+            lookup,
+            copied: HashMap::new(),
+            error: None,
+        }
+    }
+
+    fn add(&mut self, lba: Lba, entry: Entry) {
+        if self.error.is_some() {
             return;
         }
-        let index = (lba.0 - first.0) as usize;
+        let index = (lba.0 - self.first.0) as usize;
         match entry.slot() {
-            Slot::Hole | Slot::Zero => block_mut(out, index).fill(0),
+            Slot::Hole | Slot::Zero => block_mut(self.out, index).fill(0),
             Slot::Damaged => {
-                error = Some(damaged_earlier(
+                self.error = Some(damaged_earlier(
                     lba,
                     "its data was found damaged earlier; rewrite the block to clear",
                 ))
@@ -731,31 +780,35 @@ fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) ->
                     loc,
                     version: entry.version(),
                 };
-                if let Some(&at) = copied.get(&loc.record_key()) {
-                    lookup.buffered[at].1.push(wanted);
+                if let Some(&at) = self.copied.get(&loc.record_key()) {
+                    self.lookup.buffered[at].1.push(wanted);
                     return;
                 }
-                match state.read_buffered(loc) {
+                match self.state.read_buffered(loc) {
                     Ok(Some(bytes)) => {
-                        copied.insert(loc.record_key(), lookup.buffered.len());
-                        lookup.buffered.push((bytes, vec![wanted]));
+                        self.copied
+                            .insert(loc.record_key(), self.lookup.buffered.len());
+                        self.lookup.buffered.push((bytes, vec![wanted]));
                     }
                     Ok(None) => {
-                        lookup.wanted.push(wanted);
+                        self.lookup.wanted.push(wanted);
                         let segment = loc.segment;
-                        if !lookup.incarnations.iter().any(|&(s, _)| s == segment) {
-                            let seq = state.space().segment(segment).seq;
-                            lookup.incarnations.push((segment, seq));
+                        if !self.lookup.incarnations.iter().any(|&(s, _)| s == segment) {
+                            let seq = self.state.space().segment(segment).seq;
+                            self.lookup.incarnations.push((segment, seq));
                         }
                     }
-                    Err(e) => error = Some(e),
+                    Err(e) => self.error = Some(e),
                 }
             }
         }
-    });
-    match error {
-        Some(error) => Err(error),
-        None => Ok(()),
+    }
+
+    fn finish(self) -> Result<()> {
+        match self.error {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 }
 

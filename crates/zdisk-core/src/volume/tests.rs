@@ -433,6 +433,9 @@ fn dirty_map_leaves_past_the_cache_make_a_checkpoint_due() {
 /// A read whose map leaf is in RAM takes the state lock shared, never
 /// exclusively (issue #23); one whose leaf is paged out takes it
 /// exclusively to fault the leaf in, and shared again once it is there.
+/// With the cache full, the first read of a paged-out leaf reads its page
+/// under the shared lock alone and keeps nothing (a peek); the second
+/// faults it in.
 #[test]
 fn a_read_takes_the_lock_exclusively_only_to_fault_its_map_leaf_in() {
     let cache = 64 * 1024;
@@ -457,16 +460,26 @@ fn a_read_takes_the_lock_exclusively_only_to_fault_its_map_leaf_in() {
         }
         while volume.maintenance_tick().unwrap() {}
     }
-    let misses = volume.stats().map_cache_misses;
+    // The cache is full: the first read of the leaf reads its page
+    // without keeping the leaf (a peek), under the shared lock only.
+    let stats = volume.stats();
     let before = volume.lock_profile();
     volume.read(0, &mut read).unwrap();
     let used = volume.lock_profile().since(&before);
     assert_eq!(read, block);
-    assert_eq!(
-        volume.stats().map_cache_misses,
-        misses + 1,
-        "block 0's leaf was paged out"
-    );
+    let now = volume.stats();
+    assert_eq!(now.map_cache_misses, stats.map_cache_misses + 1);
+    assert_eq!(now.map_cache_peeks, stats.map_cache_peeks + 1);
+    assert_eq!((used.acquisitions, used.shared_acquisitions), (0, 2));
+    assert_eq!(now.map_paged_leaves, stats.map_paged_leaves);
+    // Met again at once, the leaf is faulted in, exclusively.
+    let before = volume.lock_profile();
+    volume.read(0, &mut read).unwrap();
+    let used = volume.lock_profile().since(&before);
+    assert_eq!(read, block);
+    let then = volume.stats();
+    assert_eq!(then.map_cache_misses, now.map_cache_misses + 1);
+    assert_eq!(then.map_cache_peeks, now.map_cache_peeks);
     assert!(
         used.acquisitions >= 1,
         "the fault takes the lock exclusively"
