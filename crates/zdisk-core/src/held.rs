@@ -7,22 +7,25 @@
 //! [`media::LockChecked`](crate::media::LockChecked) wraps a volume's
 //! medium in debug builds and panics on any medium I/O made while a mark
 //! is set, so the tests, the crash simulator and the fuzzers fail on the
-//! first violation. Release builds compile all of it away.
+//! first violation. Release builds compile all of it away, unless the
+//! `lock-checks` feature is on: the workspace's release test build turns
+//! it on, so the release tests check too.
 
-#[cfg(debug_assertions)]
+#[cfg(any(debug_assertions, feature = "lock-checks"))]
 use std::cell::Cell;
 
-#[cfg(debug_assertions)]
+#[cfg(any(debug_assertions, feature = "lock-checks"))]
 thread_local! {
     /// The names of the marked locks this thread holds, innermost last.
     static HELD: Cell<[Option<&'static str>; 4]> = const { Cell::new([None; 4]) };
 }
 
 /// A mark that the current thread holds the lock named `name`, for as
-/// long as the mark lives. Zero-sized and free in release builds.
+/// long as the mark lives. Zero-sized and free in release builds without
+/// `lock-checks`.
 #[must_use = "the mark lasts as long as the value"]
 pub struct Held {
-    #[cfg(debug_assertions)]
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     name: &'static str,
 }
 
@@ -30,7 +33,7 @@ impl Held {
     /// Marks `name` as held by this thread.
     #[inline]
     pub fn mark(name: &'static str) -> Held {
-        #[cfg(debug_assertions)]
+        #[cfg(any(debug_assertions, feature = "lock-checks"))]
         HELD.with(|held| {
             let mut names = held.get();
             let free = names
@@ -42,7 +45,7 @@ impl Held {
         });
         let _ = name;
         Held {
-            #[cfg(debug_assertions)]
+            #[cfg(any(debug_assertions, feature = "lock-checks"))]
             name,
         }
     }
@@ -51,7 +54,7 @@ impl Held {
 impl Drop for Held {
     #[inline]
     fn drop(&mut self) {
-        #[cfg(debug_assertions)]
+        #[cfg(any(debug_assertions, feature = "lock-checks"))]
         HELD.with(|held| {
             let mut names = held.get();
             let at = names
@@ -65,20 +68,20 @@ impl Drop for Held {
 }
 
 /// The marked lock this thread holds, if any (always `None` in release
-/// builds).
+/// builds without `lock-checks`).
 #[inline]
 pub fn held_lock() -> Option<&'static str> {
-    #[cfg(debug_assertions)]
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     {
         HELD.with(|held| held.get().iter().rev().flatten().next().copied())
     }
-    #[cfg(not(debug_assertions))]
+    #[cfg(not(any(debug_assertions, feature = "lock-checks")))]
     {
         None
     }
 }
 
-/// Panics in debug builds if this thread holds a marked lock: `what` (a
+/// Panics in checked builds if this thread holds a marked lock: `what` (a
 /// medium call) must not run under it.
 #[inline]
 #[track_caller]
@@ -88,7 +91,7 @@ pub fn assert_none_held(what: &str) {
     }
 }
 
-#[cfg(all(test, debug_assertions))]
+#[cfg(all(test, any(debug_assertions, feature = "lock-checks")))]
 mod tests {
     use super::*;
 

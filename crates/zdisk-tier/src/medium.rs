@@ -2265,7 +2265,7 @@ mod tests {
         media.close().expect("close");
     }
 
-    #[cfg(debug_assertions)]
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     #[test]
     fn the_tier_locks_are_marked_while_held() {
         let (media, _gated) = tiered("marks");
@@ -2280,7 +2280,7 @@ mod tests {
         assert_eq!(zdisk_core::held::held_lock(), None);
     }
 
-    #[cfg(debug_assertions)]
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     #[test]
     #[should_panic(expected = "a medium read while holding the state lock")]
     fn a_cache_read_under_a_marked_lock_panics() {
@@ -2291,7 +2291,7 @@ mod tests {
         let _ = media.read(SegmentId(0), 0, &mut buf);
     }
 
-    #[cfg(debug_assertions)]
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     #[test]
     #[should_panic(expected = "reading an evicted segment while holding the state lock")]
     fn a_bucket_read_under_a_marked_lock_panics() {

@@ -22,9 +22,10 @@ pub struct LockChecked {
 }
 
 impl LockChecked {
-    /// `inner` wrapped in debug builds; `inner` itself in release builds.
+    /// `inner` wrapped in debug builds (and with `lock-checks`); `inner`
+    /// itself in release builds.
     pub fn wrap(inner: Arc<dyn Media>) -> Arc<dyn Media> {
-        if cfg!(debug_assertions) {
+        if cfg!(any(debug_assertions, feature = "lock-checks")) {
             Arc::new(LockChecked { inner })
         } else {
             inner
