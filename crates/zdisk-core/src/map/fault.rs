@@ -46,7 +46,7 @@
 //! cache by its own leaves, for as long as it is pinned.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
 use crate::media::Media;
@@ -148,36 +148,42 @@ impl Fault {
 /// times the cache reads each page without building its leaf and
 /// evicting another for it. Atomic, for lookups under the shared lock.
 pub(super) struct Ghosts {
-    slots: Box<[AtomicU64]>,
+    /// Slots, a power of two (0: no bound, no peeks).
+    count: usize,
     shift: u32,
+    /// Allocated at the first peek: a map that never fills its cache
+    /// spends nothing on them.
+    slots: OnceLock<Box<[AtomicU64]>>,
 }
 
 impl Ghosts {
     /// About one slot per leaf the cache holds (a leaf holds about 4 KiB
     /// when full), 64 to 65,536.
     pub(super) fn for_cache(cache_bytes: u64) -> Ghosts {
-        if cache_bytes == u64::MAX {
-            // No bound, no peeks (the cache is never full): no slots.
-            return Ghosts {
-                slots: Box::new([]),
-                shift: 0,
-            };
-        }
-        let slots = (cache_bytes / 4096).clamp(64, 1 << 16).next_power_of_two();
+        let count = if cache_bytes == u64::MAX {
+            // No bound: the cache is never full, nothing peeks.
+            0
+        } else {
+            (cache_bytes / 4096).clamp(64, 1 << 16).next_power_of_two() as usize
+        };
         Ghosts {
-            slots: (0..slots).map(|_| AtomicU64::new(0)).collect(),
-            shift: 64 - slots.trailing_zeros(),
+            count,
+            shift: 64 - count.max(1).trailing_zeros(),
+            slots: OnceLock::new(),
         }
     }
 
     /// True if the leaf at `start` was peeked since its slot last changed
     /// (the slot is cleared); else the slot names it and false is returned.
     fn seen_again(&self, start: u64) -> bool {
-        if self.slots.is_empty() {
+        if self.count == 0 {
             return true;
         }
+        let slots = self
+            .slots
+            .get_or_init(|| (0..self.count).map(|_| AtomicU64::new(0)).collect());
         let hash = (start >> CHUNK_SHIFT).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
-        let slot = &self.slots[hash as usize];
+        let slot = &slots[hash as usize];
         // Starts are chunk-aligned, so start + 1 is never 0 (an empty slot).
         let tag = start + 1;
         if slot.load(Ordering::Relaxed) == tag {
@@ -188,15 +194,12 @@ impl Ghosts {
             false
         }
     }
-}
 
-impl Ghosts {
-    /// Heap bytes of its slots.
+    /// Heap bytes of its slots, once allocated.
     pub(super) fn heap_bytes(&self) -> u64 {
-        match self.slots.len() {
-            0 => 0,
-            slots => alloc_bytes(slots * size_of::<AtomicU64>()),
-        }
+        self.slots
+            .get()
+            .map_or(0, |slots| alloc_bytes(slots.len() * size_of::<AtomicU64>()))
     }
 }
 
