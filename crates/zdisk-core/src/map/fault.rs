@@ -371,12 +371,7 @@ impl Map {
     /// meanwhile, or a checkpoint moved its page, and a failure to read it
     /// is no sign of damage.
     pub(crate) fn fault_is_current(&self, fault: &Fault) -> bool {
-        let paged = matches!(
-            self.leaves.get(&fault.start),
-            Some(Leaf::Paged { blocks, chunk_items })
-                if *blocks == fault.blocks && *chunk_items == fault.chunk_items
-        );
-        paged
+        self.still_paged(fault)
             && self.written.get(&fault.start) == Some(&Some(fault.loc))
             && self
                 .store
@@ -394,12 +389,17 @@ impl Map {
     /// would be read again and again and could give up (issue #23's
     /// `peeks_racing_checkpoints_read_what_was_written`).
     fn only_moved(&self, fault: &Fault) -> bool {
-        let paged = matches!(
+        self.still_paged(fault) && self.pins.spares(fault.start, fault.blocks)
+    }
+
+    /// True if the leaf `fault` reads is paged out with the range and
+    /// chunk count the fault found.
+    fn still_paged(&self, fault: &Fault) -> bool {
+        matches!(
             self.leaves.get(&fault.start),
             Some(Leaf::Paged { blocks, chunk_items })
                 if *blocks == fault.blocks && *chunk_items == fault.chunk_items
-        );
-        paged && self.pins.spares(fault.start, fault.blocks)
+        )
     }
 
     /// Installs the leaf `fault` read, if the fault is still current
