@@ -24,7 +24,8 @@
 //!   them costs at most `max_tls_handshakes` key exchanges per grace
 //!   period.
 //! - File descriptors: when accept fails with EMFILE or ENFILE, the first
-//!   connection in eviction order is dropped to make room; if none waits,
+//!   connection in eviction order (read once more first, as above) is
+//!   dropped to make room; if none waits,
 //!   a reserve descriptor is released to accept the connection and close
 //!   it at once, so the backlog drains and the loop never spins; if even
 //!   that fails, the listener rests for [`ACCEPT_PAUSE`].
@@ -434,9 +435,11 @@ impl<'a> Lobby<'a> {
     /// After accept failed for want of descriptors: drops the first waiting
     /// connection in eviction order, or accepts one connection on the
     /// reserve descriptor and closes it. False if neither was possible.
+    /// Like [`Lobby::make_room`], it serves a victim once first: on a turn
+    /// of many accepts a client accepted early in it may have spoken
+    /// without having been read yet.
     fn free_a_descriptor(&mut self, doors: &Doors<'_>, error: &io::Error) -> bool {
-        if let Some(victim) = self.admission.first() {
-            self.close(victim, Closing::ForFds);
+        if self.drop_first_waiting() {
             return true;
         }
         if self.reserve.take().is_none() {
@@ -548,21 +551,38 @@ impl<'a> Lobby<'a> {
     }
 
     /// Drops waiting connections until `source` may add one. A victim is
-    /// served once first: if its next message has arrived (the loop may be
-    /// behind on a busy turn), it has made progress and the choice is made
-    /// again.
+    /// served once first (see [`Lobby::spoke_when_served`]).
     fn make_room(&mut self, source: Source) {
         let mut probed = HashSet::new();
         while let Some((victim, why)) = self.admission.victim_for(source) {
-            if probed.insert(victim) {
-                let before = self.admission.rank(victim);
-                self.service(victim, 0);
-                if self.admission.rank(victim) != before {
-                    continue;
-                }
+            if probed.insert(victim) && self.spoke_when_served(victim) {
+                continue;
             }
             self.close(victim, Closing::Crowded(why));
         }
+    }
+
+    /// Drops the first waiting connection in eviction order to free its
+    /// descriptor, each candidate served once first. False if none waits.
+    fn drop_first_waiting(&mut self) -> bool {
+        let mut probed = HashSet::new();
+        while let Some(victim) = self.admission.first() {
+            if probed.insert(victim) && self.spoke_when_served(victim) {
+                continue;
+            }
+            self.close(victim, Closing::ForFds);
+            return true;
+        }
+        false
+    }
+
+    /// Serves a connection about to be dropped once more: true if its next
+    /// message had arrived (the loop may be behind on a busy turn), so it
+    /// made progress or left, and the choice must be made again.
+    fn spoke_when_served(&mut self, id: u64) -> bool {
+        let before = self.admission.rank(id);
+        self.service(id, 0);
+        self.admission.rank(id) != before
     }
 
     /// Serves one connection as far as it can go now.
@@ -1065,10 +1085,113 @@ fn open_reserve() -> Option<File> {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
     use super::*;
 
     fn os(errno: i32) -> io::Error {
         io::Error::from_raw_os_error(errno)
+    }
+
+    struct NoSessions;
+
+    impl Sessions for NoSessions {
+        fn established(&self) -> usize {
+            0
+        }
+
+        fn stopping(&self) -> bool {
+            false
+        }
+
+        fn start(&self, _: Transport, _: Negotiated, _: ConnLog, _: Duration) {
+            panic!("no handshake finishes in these tests");
+        }
+    }
+
+    /// Waits until the lobby's end of connection `id` has bytes to read.
+    fn wait_readable(lobby: &Lobby<'_>, id: u64) {
+        let mut poll = libc::pollfd {
+            fd: lobby.conns[&id].transport.raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut poll, 1, 10_000) };
+        assert_eq!(ready, 1, "the client's flags never arrived");
+    }
+
+    /// Out of descriptors, the lobby drops the oldest silent connection;
+    /// one whose first message arrived after it was accepted but before the
+    /// loop read it (accepted early in a turn of many accepts) has spoken
+    /// and is kept, and a silent one newer than it goes instead. Reproduces
+    /// a lock-out seen in `tests/hostile.rs` with 256 descriptors.
+    #[test]
+    fn out_of_descriptors_a_client_that_spoke_unread_is_kept() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let accept = || -> io::Result<Accepted> {
+            let (stream, peer) = listener.accept()?;
+            Ok(Accepted {
+                socket: Socket::Tcp(stream),
+                peer: peer.to_string(),
+                ip: Some(peer.ip()),
+            })
+        };
+        let doors = Doors {
+            listener: listener.as_raw_fd(),
+            wake: listener.as_raw_fd(),
+            accept: &accept,
+        };
+        let export = Export {
+            name: String::new(),
+            description: None,
+            size_bytes: 1 << 20,
+            read_only: false,
+        };
+        let counters = ServerCounters::default();
+        let config = LobbyConfig {
+            handshake_timeout: Duration::from_secs(60),
+            limits: AdmissionLimits {
+                max_total: 100,
+                max_per_source: 100,
+            },
+            max_tls_handshakes: 1,
+            max_connections: 10,
+            tls_mode: TlsMode::Off,
+            tls: None,
+        };
+        let mut lobby = Lobby::new(config, &export, &NoSessions, &counters).unwrap();
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            clients.push(TcpStream::connect(address).unwrap());
+            lobby.admit(accept().unwrap());
+        }
+        let (honest, first_attacker) = (FIRST_CONNECTION_ID, FIRST_CONNECTION_ID + 1);
+        let mut greeting = [0u8; 18];
+        clients[0].read_exact(&mut greeting).unwrap();
+        clients[0].write_all(&3u32.to_be_bytes()).unwrap();
+        wait_readable(&lobby, honest);
+        assert_eq!(lobby.admission.rank(honest).unwrap().0, Standing::Silent);
+
+        assert!(lobby.free_a_descriptor(&doors, &os(libc::EMFILE)));
+        assert!(
+            lobby.conns.contains_key(&honest),
+            "the client that spoke was dropped"
+        );
+        assert_eq!(
+            lobby.admission.rank(honest).unwrap().0,
+            Standing::ClientsTurn
+        );
+        assert!(!lobby.conns.contains_key(&first_attacker));
+        assert_eq!(
+            counters
+                .evicted_for_fds
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        lobby.admission.check();
     }
 
     /// Only a shortage of descriptors costs a waiting connection; a memory
