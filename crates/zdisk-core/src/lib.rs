@@ -38,7 +38,7 @@ pub use codec::Codec;
 pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
 pub use gc::GcPolicy;
-pub use stats::{Counters, SegmentCounts, Stats, Wear};
+pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     default_map_cache_bytes, CheckReport, Clock, CreateOptions, FixedClock, IdleBudget,

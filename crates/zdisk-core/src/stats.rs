@@ -203,214 +203,180 @@ pub struct Stats {
     pub media_help: std::collections::BTreeMap<String, &'static str>,
 }
 
+/// How a key of [`Stats`] appears in the Prometheus exposition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// Not exported: a name, a geometry figure, a structure, or a copy of
+    /// a counter that [`Counters`] exports.
+    None,
+    /// A gauge `zdisk_KEY`, with its HELP text.
+    Gauge(&'static str),
+    /// A counter `zdisk_KEY_total`, with its HELP text.
+    Counter(&'static str),
+}
+
+/// One top-level key of [`Stats`]: its unit and meaning (for `zdisk stats`,
+/// its `--explain` and the README's table) and its Prometheus metric. This
+/// table is the one place a statistic is described: the JSON is [`Stats`]'
+/// own serialisation, and `zdisk stats` and [`Stats::to_prometheus`] are
+/// generated from it. A counter of [`Counters`] is described once, in the
+/// `counters!` list.
+pub struct Field {
+    pub key: &'static str,
+    pub unit: &'static str,
+    pub meaning: &'static str,
+    pub metric: Metric,
+    /// The value exported, for keys with a metric (NaN: none yet).
+    pub value: fn(&Stats) -> f64,
+}
+
+/// A field that is exported: `metric` with `value`.
+const fn field(
+    key: &'static str,
+    unit: &'static str,
+    meaning: &'static str,
+    metric: Metric,
+    value: fn(&Stats) -> f64,
+) -> Field {
+    Field {
+        key,
+        unit,
+        meaning,
+        metric,
+        value,
+    }
+}
+
+/// A field that is not exported to Prometheus.
+const fn shown(key: &'static str, unit: &'static str, meaning: &'static str) -> Field {
+    Field {
+        key,
+        unit,
+        meaning,
+        metric: Metric::None,
+        value: |_| f64::NAN,
+    }
+}
+
+fn or_nan(ratio: Option<f64>) -> f64 {
+    ratio.unwrap_or(f64::NAN)
+}
+
+use Metric::{Counter, Gauge};
+
+/// Every top-level key of [`Stats`]' JSON, in the order `zdisk stats`
+/// prints them (the medium's own counters, flattened in, excepted).
+#[rustfmt::skip]
+pub const FIELDS: &[Field] = &[
+    field("logical_size_bytes", "bytes", "size clients see",
+        Gauge("Logical size of the volume."), |s| s.logical_size_bytes as f64),
+    field("physical_size_bytes", "bytes", "size of the image file or device",
+        Gauge("Size of the medium."), |s| s.physical_size_bytes as f64),
+    field("mapped_bytes", "bytes", "logical bytes holding data (not holes, not zeros)",
+        Gauge("Logical bytes holding data."), |s| s.mapped_bytes as f64),
+    field("zero_bytes", "bytes", "logical bytes allocated as zeros (written zeros, WRITE_ZEROES with NO_HOLE); they take no space",
+        Gauge("Logical bytes allocated as zeros."), |s| s.zero_bytes as f64),
+    field("stored_bytes", "bytes", "bytes of live extents on the medium, record headers included: the space the data takes",
+        Gauge("Bytes of live extents including headers."), |s| s.stored_bytes as f64),
+    field("physical_used_bytes", "bytes", "allocated: metadata area plus the written part of every segment in use (live and dead data)",
+        Gauge("Bytes of the medium in use."), |s| s.physical_used_bytes as f64),
+    field("reclaimable_bytes", "bytes", "of the allocated bytes, what cleaning gives back: dead records and padding, and cleaned segments awaiting reuse",
+        Gauge("Bytes in use that cleaning would give back."), |s| s.reclaimable_bytes as f64),
+    field("metadata_bytes", "bytes", "of the allocated bytes, the metadata area and the checkpoints",
+        Gauge("Bytes in use by metadata and checkpoints."), |s| s.metadata_bytes as f64),
+    field("available_bytes", "bytes", "stored bytes that still fit once dead space is cleaned (the medium less metadata, live data and the cleaner's reserve)",
+        Gauge("Stored bytes that could still be added."), |s| s.available_bytes as f64),
+    field("compression_ratio", "ratio", "mapped_bytes / stored_bytes; null while nothing is stored",
+        Gauge("mapped_bytes / stored_bytes."), |s| or_nan(s.compression_ratio)),
+    shown("host_write_bytes", "bytes", "bytes clients wrote"),
+    shown("media_write_bytes", "bytes", "bytes written to the medium: host data after compression, cleaning, checkpoints, padding, staging"),
+    shown("padding_bytes", "bytes", "zeros written to complete partial pages at flushes (emulated drives without power-loss protection, and at a clean shutdown)"),
+    shown("segment_tail_bytes", "bytes", "zeros completing a segment's last page when the next record did not fit"),
+    shown("staging_bytes", "bytes", "bytes flushes wrote to staging slots on a file or block device: the partial last sector, instead of padding a page"),
+    field("write_amplification", "ratio", "media_write_bytes / host_write_bytes; below 1 when compression stores less than the host wrote (0.13-0.23 under pgbench), above 1 from cleaning, checkpoints and padding; null before the first write",
+        Gauge("media_write_bytes / host_write_bytes."), |s| or_nan(s.write_amplification)),
+    shown("gc_write_bytes", "bytes", "bytes the cleaner and the idle pass relocated"),
+    shown("gc_read_bytes", "bytes", "bytes the cleaner and the idle pass read"),
+    field("free_segments", "segments", "segments ready for writing",
+        Gauge("Segments free for writing."), |s| s.free_segments as f64),
+    shown("segments_cleaned", "segments", "segments the cleaner and the idle pass have reclaimed"),
+    field("segment_count", "segments", "segments on the medium",
+        Gauge("Segments on the medium."), |s| s.segment_count as f64),
+    shown("segment_size_bytes", "bytes", "size of a segment, the unit of log writing and cleaning"),
+    shown("page_size_bytes", "bytes", "size of a page, the unit the medium is written in"),
+    shown("codec", "name", "codec new writes use"),
+    shown("gc_policy", "name", "how the cleaner picks victims: cost-benefit or greedy"),
+    field("unit_max_bytes", "bytes", "the largest compression unit new writes use",
+        Gauge("Largest compression unit new writes use."), |s| s.unit_max_bytes as f64),
+    shown("recompress", "name", "the cold-data pass's mode: off, idle or gc"),
+    shown("recompressed_bytes", "bytes", "logical bytes the cold-data pass has rewritten"),
+    shown("recompress_saved_bytes", "bytes", "stored bytes the cold-data pass saved (before minus after)"),
+    field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired",
+        Gauge("Blocks currently marked damaged."), |s| s.damaged_blocks as f64),
+    field("map_memory_bytes", "bytes", "RAM the block map holds: its leaves in RAM, the tree over all leaves, page bookkeeping",
+        Gauge("RAM used by the block map."), |s| s.map_memory_bytes as f64),
+    field("map_cache_bytes", "bytes", "the map cache's bound (--map-cache): RAM for map leaves beyond which clean leaves are paged out",
+        Gauge("Bound on the block map's leaves in RAM."), |s| s.map_cache_bytes as f64),
+    field("map_resident_bytes", "bytes", "RAM the map's leaves in memory take now (dirty leaves stay until a checkpoint writes them; one is due once they pass twice the cache)",
+        Gauge("Heap bytes of the block map's leaves in RAM."), |s| s.map_resident_bytes as f64),
+    field("map_leaves", "leaves", "leaves of the block map, each a page on the medium",
+        Gauge("Leaves of the block map."), |s| s.map_leaves as f64),
+    field("map_paged_leaves", "leaves", "leaves paged out: on the medium only, read back on demand",
+        Gauge("Leaves of the block map paged out to the medium."), |s| s.map_paged_leaves as f64),
+    field("map_cache_hits", "loads", "map range loads that found their leaves in RAM, since the volume opened",
+        Counter("Map lookups that found their leaves in RAM, since the volume opened."), |s| s.map_cache_hits as f64),
+    field("map_cache_misses", "pages", "map pages read back from the medium, since the volume opened",
+        Counter("Map pages read back, since the volume opened."), |s| s.map_cache_misses as f64),
+    field("map_cache_peeks", "pages", "of those, pages read for one lookup with the cache full, their leaves not kept (a leaf looked up again soon is kept)",
+        Counter("Map pages read back for one lookup, their leaves not kept in the cache, since the volume opened."), |s| s.map_cache_peeks as f64),
+    field("map_pages_written", "pages", "map pages checkpoints wrote, since the volume opened",
+        Counter("Map pages written by checkpoints, since the volume opened."), |s| s.map_pages_written as f64),
+    shown("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
+    shown("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
+    shown("counters", "various", "cumulative counters, persisted across restarts (listed below); each is exported as zdisk_NAME_total"),
+    shown("wear", "erases", "emulated NAND drives: erase blocks erased, and the fewest, most and mean erases of one block; null on other media; exported as zdisk_blocks_erased_total and zdisk_erase_count_max"),
+];
+
 impl Stats {
-    /// Prometheus text exposition of every numeric field.
+    /// Prometheus text exposition, generated from [`FIELDS`], the
+    /// [`Counters`] list, the wear of an emulated drive and the medium's
+    /// own counters.
     pub fn to_prometheus(&self) -> String {
         let mut out = String::new();
-        let mut gauge = |name: &str, help: &str, value: f64| {
+        let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
             out.push_str(&format!(
-                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"
+                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} {kind}\nzdisk_{name} {value}\n"
             ));
         };
-        let ratio = |value: Option<f64>| value.unwrap_or(f64::NAN);
-        gauge(
-            "logical_size_bytes",
-            "Logical size of the volume.",
-            self.logical_size_bytes as f64,
-        );
-        gauge(
-            "physical_size_bytes",
-            "Size of the medium.",
-            self.physical_size_bytes as f64,
-        );
-        gauge(
-            "mapped_bytes",
-            "Logical bytes holding data.",
-            self.mapped_bytes as f64,
-        );
-        gauge(
-            "zero_bytes",
-            "Logical bytes allocated as zeros.",
-            self.zero_bytes as f64,
-        );
-        gauge(
-            "stored_bytes",
-            "Bytes of live extents including headers.",
-            self.stored_bytes as f64,
-        );
-        gauge(
-            "physical_used_bytes",
-            "Bytes of the medium in use.",
-            self.physical_used_bytes as f64,
-        );
-        gauge(
-            "reclaimable_bytes",
-            "Bytes in use that cleaning would give back.",
-            self.reclaimable_bytes as f64,
-        );
-        gauge(
-            "metadata_bytes",
-            "Bytes in use by metadata and checkpoints.",
-            self.metadata_bytes as f64,
-        );
-        gauge(
-            "available_bytes",
-            "Stored bytes that could still be added.",
-            self.available_bytes as f64,
-        );
-        gauge(
-            "compression_ratio",
-            "mapped_bytes / stored_bytes.",
-            ratio(self.compression_ratio),
-        );
-        gauge(
-            "write_amplification",
-            "media_write_bytes / host_write_bytes.",
-            ratio(self.write_amplification),
-        );
-        gauge(
-            "unit_max_bytes",
-            "Largest compression unit new writes use.",
-            self.unit_max_bytes as f64,
-        );
-        gauge(
-            "free_segments",
-            "Segments free for writing.",
-            self.free_segments as f64,
-        );
-        gauge(
-            "segment_count",
-            "Segments on the medium.",
-            self.segment_count as f64,
-        );
-        gauge(
-            "damaged_blocks",
-            "Blocks currently marked damaged.",
-            self.damaged_blocks as f64,
-        );
-        gauge(
-            "map_memory_bytes",
-            "RAM used by the block map.",
-            self.map_memory_bytes as f64,
-        );
-        gauge(
-            "map_cache_bytes",
-            "Bound on the block map's leaves in RAM.",
-            self.map_cache_bytes as f64,
-        );
-        gauge(
-            "map_resident_bytes",
-            "Heap bytes of the block map's leaves in RAM.",
-            self.map_resident_bytes as f64,
-        );
-        gauge(
-            "map_leaves",
-            "Leaves of the block map.",
-            self.map_leaves as f64,
-        );
-        gauge(
-            "map_paged_leaves",
-            "Leaves of the block map paged out to the medium.",
-            self.map_paged_leaves as f64,
-        );
-        let mut counter = |name: &str, help: &str, value: u64| {
-            out.push_str(&format!(
-                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} counter\nzdisk_{name} {value}\n"
-            ));
-        };
-        counter(
-            "map_cache_hits_total",
-            "Map lookups that found their leaves in RAM, since the volume opened.",
-            self.map_cache_hits,
-        );
-        counter(
-            "map_cache_misses_total",
-            "Map pages read back, since the volume opened.",
-            self.map_cache_misses,
-        );
-        counter(
-            "map_cache_peeks_total",
-            "Map pages read back for one lookup, their leaves not kept in the cache, since the volume opened.",
-            self.map_cache_peeks,
-        );
-        counter(
-            "map_pages_written_total",
-            "Map pages written by checkpoints, since the volume opened.",
-            self.map_pages_written,
-        );
-        let c = &self.counters;
-        counter(
-            "host_write_bytes_total",
-            "Bytes written by the host.",
-            c.host_write_bytes,
-        );
-        counter(
-            "host_read_bytes_total",
-            "Bytes read by the host.",
-            c.host_read_bytes,
-        );
-        counter(
-            "media_write_bytes_total",
-            "Bytes written to the medium.",
-            c.media_write_bytes,
-        );
-        counter(
-            "padding_bytes_total",
-            "Padding bytes written at flushes.",
-            c.padding_bytes,
-        );
-        counter(
-            "segment_tail_bytes_total",
-            "Padding bytes completing the last page of a segment.",
-            c.segment_tail_bytes,
-        );
-        counter(
-            "staging_bytes_total",
-            "Bytes written to staging slots at flushes.",
-            c.staging_bytes,
-        );
-        counter(
-            "gc_write_bytes_total",
-            "Bytes relocated by the cleaner.",
-            c.gc_write_bytes,
-        );
-        counter(
-            "gc_read_bytes_total",
-            "Bytes read by the cleaner.",
-            c.gc_read_bytes,
-        );
-        counter(
-            "meta_write_bytes_total",
-            "Checkpoint and metadata bytes written.",
-            c.meta_write_bytes,
-        );
-        counter(
-            "segments_cleaned_total",
-            "Segments reclaimed by the cleaner.",
-            c.segments_cleaned,
-        );
-        counter("checkpoints_total", "Checkpoints written.", c.checkpoints);
-        counter("flushes_total", "Flushes served.", c.flushes);
-        counter(
-            "host_trim_bytes_total",
-            "Bytes trimmed by the host.",
-            c.host_trim_bytes,
-        );
-        counter(
-            "host_zero_bytes_total",
-            "Bytes zeroed by the host.",
-            c.host_zero_bytes,
-        );
+        for field in FIELDS {
+            match field.metric {
+                Metric::None => {}
+                Metric::Gauge(help) => metric(field.key, "gauge", help, (field.value)(self)),
+                Metric::Counter(help) => metric(
+                    &format!("{}_total", field.key),
+                    "counter",
+                    help,
+                    (field.value)(self),
+                ),
+            }
+        }
+        for (name, help) in Counters::DOCS {
+            let value = self.counters.get(name).unwrap_or(0);
+            metric(&format!("{name}_total"), "counter", help, value as f64);
+        }
         if let Some(wear) = &self.wear {
-            counter(
+            metric(
                 "blocks_erased_total",
+                "counter",
                 "Erase blocks erased.",
-                wear.blocks_erased,
+                wear.blocks_erased as f64,
             );
-            out.push_str(&format!(
-                "# HELP zdisk_erase_count_max Most erases of one erase block.\n# TYPE zdisk_erase_count_max gauge\nzdisk_erase_count_max {}\n",
-                wear.erase_count_max
-            ));
+            metric(
+                "erase_count_max",
+                "gauge",
+                "Most erases of one erase block.",
+                wear.erase_count_max as f64,
+            );
         }
         for (name, value) in &self.media {
             let help = self
@@ -418,9 +384,7 @@ impl Stats {
                 .get(name)
                 .copied()
                 .unwrap_or("A counter of the medium.");
-            out.push_str(&format!(
-                "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\nzdisk_{name} {value}\n"
-            ));
+            metric(name, "gauge", help, *value as f64);
         }
         out
     }

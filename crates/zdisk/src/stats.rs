@@ -5,74 +5,17 @@
 //! opened read-only. The human output leads with what a person asks
 //! first (how big, how much is stored, how much room is used and left,
 //! what compression saves), then lists every key with its unit, and with
-//! `--explain` what it means. `FIELDS` is the one list of keys and
-//! meanings: a test holds it to the JSON and to the README's table.
+//! `--explain` what it means. The keys, units and meanings are
+//! `zdisk_core::FIELDS`, which `/metrics` is generated from too: a test
+//! holds it to the JSON and to the README's table.
 
 use serde_json::Value;
 use zdisk_core::units::format_size;
-use zdisk_core::{Counters, OpenOptions, Stats};
+use zdisk_core::{Counters, Field, OpenOptions, Stats, FIELDS};
 
 use crate::args::StatsArgs;
 use crate::control::{self, AskError};
 use crate::output::say;
-
-/// A key of the statistics: its unit and its one-line meaning.
-pub struct Field {
-    pub key: &'static str,
-    pub unit: &'static str,
-    pub meaning: &'static str,
-}
-
-const fn field(key: &'static str, unit: &'static str, meaning: &'static str) -> Field {
-    Field { key, unit, meaning }
-}
-
-/// Every top-level key of `zdisk stats --json`, in the order printed.
-pub const FIELDS: &[Field] = &[
-    field("logical_size_bytes", "bytes", "size clients see"),
-    field("physical_size_bytes", "bytes", "size of the image file or device"),
-    field("mapped_bytes", "bytes", "logical bytes holding data (not holes, not zeros)"),
-    field("zero_bytes", "bytes", "logical bytes allocated as zeros (written zeros, WRITE_ZEROES with NO_HOLE); they take no space"),
-    field("stored_bytes", "bytes", "bytes of live extents on the medium, record headers included: the space the data takes"),
-    field("physical_used_bytes", "bytes", "allocated: metadata area plus the written part of every segment in use (live and dead data)"),
-    field("reclaimable_bytes", "bytes", "of the allocated bytes, what cleaning gives back: dead records and padding, and cleaned segments awaiting reuse"),
-    field("metadata_bytes", "bytes", "of the allocated bytes, the metadata area and the checkpoints"),
-    field("available_bytes", "bytes", "stored bytes that still fit once dead space is cleaned (the medium less metadata, live data and the cleaner's reserve)"),
-    field("compression_ratio", "ratio", "mapped_bytes / stored_bytes; null while nothing is stored"),
-    field("host_write_bytes", "bytes", "bytes clients wrote"),
-    field("media_write_bytes", "bytes", "bytes written to the medium: host data after compression, cleaning, checkpoints, padding, staging"),
-    field("padding_bytes", "bytes", "zeros written to complete partial pages at flushes (emulated drives without power-loss protection, and at a clean shutdown)"),
-    field("segment_tail_bytes", "bytes", "zeros completing a segment's last page when the next record did not fit"),
-    field("staging_bytes", "bytes", "bytes flushes wrote to staging slots on a file or block device: the partial last sector, instead of padding a page"),
-    field("write_amplification", "ratio", "media_write_bytes / host_write_bytes; below 1 when compression stores less than the host wrote (0.13-0.23 under pgbench), above 1 from cleaning, checkpoints and padding; null before the first write"),
-    field("gc_write_bytes", "bytes", "bytes the cleaner and the idle pass relocated"),
-    field("gc_read_bytes", "bytes", "bytes the cleaner and the idle pass read"),
-    field("free_segments", "segments", "segments ready for writing"),
-    field("segments_cleaned", "segments", "segments the cleaner and the idle pass have reclaimed"),
-    field("segment_count", "segments", "segments on the medium"),
-    field("segment_size_bytes", "bytes", "size of a segment, the unit of log writing and cleaning"),
-    field("page_size_bytes", "bytes", "size of a page, the unit the medium is written in"),
-    field("codec", "name", "codec new writes use"),
-    field("gc_policy", "name", "how the cleaner picks victims: cost-benefit or greedy"),
-    field("unit_max_bytes", "bytes", "the largest compression unit new writes use"),
-    field("recompress", "name", "the cold-data pass's mode: off, idle or gc"),
-    field("recompressed_bytes", "bytes", "logical bytes the cold-data pass has rewritten"),
-    field("recompress_saved_bytes", "bytes", "stored bytes the cold-data pass saved (before minus after)"),
-    field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired"),
-    field("map_memory_bytes", "bytes", "RAM the block map holds: its leaves in RAM, the tree over all leaves, page bookkeeping"),
-    field("map_cache_bytes", "bytes", "the map cache's bound (--map-cache): RAM for map leaves beyond which clean leaves are paged out"),
-    field("map_resident_bytes", "bytes", "RAM the map's leaves in memory take now (dirty leaves stay until a checkpoint writes them; one is due once they pass twice the cache)"),
-    field("map_leaves", "leaves", "leaves of the block map, each a page on the medium"),
-    field("map_paged_leaves", "leaves", "leaves paged out: on the medium only, read back on demand"),
-    field("map_cache_hits", "loads", "map range loads that found their leaves in RAM, since the volume opened"),
-    field("map_cache_misses", "pages", "map pages read back from the medium, since the volume opened"),
-    field("map_cache_peeks", "pages", "of those, pages read for one lookup with the cache full, their leaves not kept (a leaf looked up again soon is kept)"),
-    field("map_pages_written", "pages", "map pages checkpoints wrote, since the volume opened"),
-    field("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
-    field("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
-    field("counters", "various", "cumulative counters, persisted across restarts (listed below)"),
-    field("wear", "erases", "emulated NAND drives: erase blocks erased, and the fewest, most and mean erases of one block; null on other media"),
-];
 
 pub fn run(args: &StatsArgs) -> Result<(), String> {
     let (stats, source) = match control::ask_stats(&args.image) {
@@ -308,6 +251,94 @@ mod tests {
             assert!(keys.contains_key(field.key), "{} is not a key", field.key);
             assert!(!field.unit.is_empty() && !field.meaning.is_empty());
         }
+    }
+
+    /// `/metrics` keeps every metric it had before it was generated from
+    /// `FIELDS`, under the same name and type, and exports every counter;
+    /// no name comes twice, and each has its help and one sample.
+    #[test]
+    fn metrics_are_generated_from_the_schema_under_their_names() {
+        let text = sample().to_prometheus();
+        let gauges = [
+            "logical_size_bytes",
+            "physical_size_bytes",
+            "mapped_bytes",
+            "zero_bytes",
+            "stored_bytes",
+            "physical_used_bytes",
+            "reclaimable_bytes",
+            "metadata_bytes",
+            "available_bytes",
+            "compression_ratio",
+            "write_amplification",
+            "unit_max_bytes",
+            "free_segments",
+            "segment_count",
+            "damaged_blocks",
+            "map_memory_bytes",
+            "map_cache_bytes",
+            "map_resident_bytes",
+            "map_leaves",
+            "map_paged_leaves",
+        ];
+        let counters = [
+            "map_cache_hits",
+            "map_cache_misses",
+            "map_cache_peeks",
+            "map_pages_written",
+            "host_write_bytes",
+            "host_read_bytes",
+            "media_write_bytes",
+            "padding_bytes",
+            "segment_tail_bytes",
+            "staging_bytes",
+            "gc_write_bytes",
+            "gc_read_bytes",
+            "meta_write_bytes",
+            "segments_cleaned",
+            "checkpoints",
+            "flushes",
+            "host_trim_bytes",
+            "host_zero_bytes",
+        ];
+        let typed = |name: &str, kind: &str| format!("# TYPE zdisk_{name} {kind}\n");
+        for name in gauges {
+            assert!(text.contains(&typed(name, "gauge")), "{name}");
+        }
+        for name in counters
+            .iter()
+            .chain(Counters::DOCS.iter().map(|(name, _)| name))
+        {
+            assert!(
+                text.contains(&typed(&format!("{name}_total"), "counter")),
+                "{name}"
+            );
+        }
+        assert!(text.contains("zdisk_compression_ratio 2\n"));
+        assert!(text.contains(&format!("zdisk_host_write_bytes_total {}\n", 5u64 << 30)));
+        let mut seen = std::collections::HashSet::new();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len() % 3, 0);
+        for triple in lines.chunks(3) {
+            let name = triple[0]
+                .strip_prefix("# HELP zdisk_")
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap();
+            assert!(seen.insert(name), "{name} twice");
+            assert!(
+                triple[0].len() > "# HELP zdisk_ ".len() + name.len(),
+                "{name} has no help"
+            );
+            assert!(triple[1].starts_with(&format!("# TYPE zdisk_{name} ")));
+            assert!(triple[2].starts_with(&format!("zdisk_{name} ")));
+        }
+        assert_eq!(
+            seen.len(),
+            gauges.len() + 4 + Counters::DOCS.len(),
+            "one metric per exported key and counter"
+        );
     }
 
     #[test]
