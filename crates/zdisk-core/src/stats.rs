@@ -107,7 +107,7 @@ pub struct Wear {
 }
 
 /// A point-in-time view of a volume, with the stable key names scripts use.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Stats {
     pub logical_size_bytes: u64,
     pub physical_size_bytes: u64,
