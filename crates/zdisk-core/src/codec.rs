@@ -283,6 +283,54 @@ pub fn compress_unit(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> Option
     Some(used)
 }
 
+/// A piece of a run of whole blocks, as [`compress_whole_blocks`]
+/// compressed it.
+pub enum RunPiece<'a> {
+    /// The whole run as one unit: its blocks' compressed bytes (the
+    /// unit's prefix is the caller's to write).
+    Unit { codec: CodecId, data: &'a [u8] },
+    /// Block `index` of the run, compressed alone.
+    Block {
+        index: usize,
+        codec: CodecId,
+        data: &'a [u8],
+    },
+}
+
+/// The one rule for compressing a run of whole blocks, which host writes
+/// and the cleaner's and cold pass's rewrites both follow: two or more
+/// blocks are one unit if that saves at least a sixteenth
+/// ([`compress_unit`]); otherwise each block is compressed alone
+/// ([`compress_block`]). `emit` gets the unit, or every block in order.
+pub fn compress_whole_blocks(
+    codec: Codec,
+    run: &[u8],
+    scratch: &mut Vec<u8>,
+    mut emit: impl FnMut(RunPiece<'_>),
+) {
+    assert!(
+        !run.is_empty() && run.len().is_multiple_of(BLOCK_SIZE),
+        "a run of whole blocks"
+    );
+    if run.len() >= 2 * BLOCK_SIZE {
+        if let Some(id) = compress_unit(codec, run, scratch) {
+            emit(RunPiece::Unit {
+                codec: id,
+                data: scratch,
+            });
+            return;
+        }
+    }
+    for (index, block) in run.chunks_exact(BLOCK_SIZE).enumerate() {
+        let id = compress_block(codec, block, scratch);
+        emit(RunPiece::Block {
+            index,
+            codec: id,
+            data: scratch,
+        });
+    }
+}
+
 /// Compresses `input` with `codec` into `output` if the result is at most
 /// `limit` bytes. With `probe`, a zstd or DEFLATE pass is skipped when the
 /// first block looks random and a fast LZ4 probe finds nothing to save.

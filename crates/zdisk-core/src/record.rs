@@ -322,19 +322,18 @@ pub fn is_cold_unit(header: &RecordHeader, payload: &[u8]) -> bool {
             .is_some_and(|flags| flags & UNIT_RECOMPRESSED != 0)
 }
 
-/// Encodes a unit's prefix (and version list, unless the versions are
-/// consecutive up to the highest, which goes in the header) for blocks at
-/// `versions`; `recompressed` marks a cold-data rewrite. Returns the bytes
-/// to put before the compressed data.
-pub fn encode_unit_prefix(versions: &[u64], recompressed: bool) -> Vec<u8> {
-    let count = versions.len();
+/// The first [`UNIT_PREFIX_LEN`] bytes of a unit's payload: its block
+/// count and flags. A host write, whose versions are numbered consecutively
+/// under the state lock after it compressed, writes this alone.
+pub fn unit_prefix_head(
+    count: usize,
+    consecutive: bool,
+    recompressed: bool,
+) -> [u8; UNIT_PREFIX_LEN] {
     assert!(
         (2..=UNIT_BLOCKS_MAX).contains(&count),
         "a unit holds 2 to {UNIT_BLOCKS_MAX} blocks, not {count}"
     );
-    let consecutive = versions.windows(2).all(|pair| pair[1] == pair[0] + 1);
-    let mut out = Vec::with_capacity(UNIT_PREFIX_LEN + if consecutive { 0 } else { count * 8 });
-    out.push(count as u8);
     let mut flags = if consecutive {
         UNIT_CONSECUTIVE_VERSIONS
     } else {
@@ -343,8 +342,18 @@ pub fn encode_unit_prefix(versions: &[u64], recompressed: bool) -> Vec<u8> {
     if recompressed {
         flags |= UNIT_RECOMPRESSED;
     }
-    out.push(flags);
-    out.extend_from_slice(&[0, 0]);
+    [count as u8, flags, 0, 0]
+}
+
+/// Encodes a unit's prefix (and version list, unless the versions are
+/// consecutive up to the highest, which goes in the header) for blocks at
+/// `versions`; `recompressed` marks a cold-data rewrite. Returns the bytes
+/// to put before the compressed data.
+pub fn encode_unit_prefix(versions: &[u64], recompressed: bool) -> Vec<u8> {
+    let count = versions.len();
+    let consecutive = versions.windows(2).all(|pair| pair[1] == pair[0] + 1);
+    let mut out = Vec::with_capacity(UNIT_PREFIX_LEN + if consecutive { 0 } else { count * 8 });
+    out.extend_from_slice(&unit_prefix_head(count, consecutive, recompressed));
     if !consecutive {
         for version in versions {
             out.extend_from_slice(&version.to_le_bytes());

@@ -21,15 +21,15 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::codec::{
-    compress_block, compress_unit, decompress_block, decompress_exact, decompress_prefix, Codec,
-    CodecId,
+    compress_whole_blocks, decompress_block, decompress_exact, decompress_prefix, Codec, CodecId,
+    RunPiece,
 };
 use crate::error::{Error, Result};
 use crate::map::{Entry, Location, Slot};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
-    decode_record, decode_unit, record_len_for_payload, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
-    UNIT_CONSECUTIVE_VERSIONS,
+    decode_record, decode_unit, record_len_for_payload, unit_prefix_head, RecordKey, RecordKind,
+    RANGE_PAYLOAD_LEN,
 };
 use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -125,37 +125,36 @@ pub(super) fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -
         while end < limit && !is_zero(block(end)) {
             end += 1;
         }
-        if end - index >= 2 {
+        let blocks = end - index;
+        let run = &data[index * BLOCK_SIZE..end * BLOCK_SIZE];
+        compress_whole_blocks(codec, run, &mut scratch, |piece| {
             let start = batch.arena.len();
-            let prefix = [(end - index) as u8, UNIT_CONSECUTIVE_VERSIONS, 0, 0];
-            batch.arena.extend_from_slice(&prefix);
-            let input = &data[index * BLOCK_SIZE..end * BLOCK_SIZE];
-            if let Some(id) = compress_unit(codec, input, &mut scratch) {
-                batch.arena.extend_from_slice(&scratch);
-                let payload = &batch.arena[start..];
-                batch.blocks.push(Prepared::Unit {
-                    codec: id,
-                    start,
-                    len: payload.len(),
-                    crc: crc32c::crc32c(payload),
-                    blocks: end - index,
-                });
-                index = end;
-                continue;
+            match piece {
+                RunPiece::Unit { codec, data } => {
+                    batch
+                        .arena
+                        .extend_from_slice(&unit_prefix_head(blocks, true, false));
+                    batch.arena.extend_from_slice(data);
+                    let payload = &batch.arena[start..];
+                    batch.blocks.push(Prepared::Unit {
+                        codec,
+                        start,
+                        len: payload.len(),
+                        crc: crc32c::crc32c(payload),
+                        blocks,
+                    });
+                }
+                RunPiece::Block { codec, data, .. } => {
+                    batch.arena.extend_from_slice(data);
+                    batch.blocks.push(Prepared::Data {
+                        codec,
+                        start,
+                        len: data.len(),
+                        crc: crc32c::crc32c(data),
+                    });
+                }
             }
-            batch.arena.truncate(start);
-        }
-        for single in index..end {
-            let codec_used = compress_block(codec, block(single), &mut scratch);
-            let start = batch.arena.len();
-            batch.arena.extend_from_slice(&scratch);
-            batch.blocks.push(Prepared::Data {
-                codec: codec_used,
-                start,
-                len: scratch.len(),
-                crc: crc32c::crc32c(&scratch),
-            });
-        }
+        });
         index = end;
     }
     batch

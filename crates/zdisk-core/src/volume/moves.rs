@@ -25,7 +25,7 @@
 //! record stale: that record is rewritten again, under the lock, from the
 //! blocks still live.
 
-use crate::codec::{compress_block, compress_unit, decompress_exact, Codec, CodecId};
+use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, RunPiece};
 use crate::error::Result;
 use crate::map::{Location, Slot};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
@@ -303,37 +303,33 @@ pub(crate) fn compress_run(
     cold: bool,
 ) -> Vec<Rewritten> {
     debug_assert_eq!(bytes.len(), run.len() * BLOCK_SIZE);
-    let mut compressed = Vec::new();
-    if run.len() >= 2 {
-        if let Some(id) = compress_unit(codec, bytes, &mut compressed) {
-            return vec![Rewritten {
-                first: run[0].0,
-                codec: id,
-                data: compressed,
-                versions: versions.to_vec(),
-                sources: run.iter().map(|&(_, loc, _)| loc).collect(),
-                raw: bytes.to_vec(),
-                cold,
-            }];
-        }
-    }
-    run.iter()
-        .enumerate()
-        .map(|(index, extent)| {
-            let block = &bytes[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
-            let mut data = Vec::new();
-            let id = compress_block(codec, block, &mut data);
-            Rewritten {
-                first: extent.0,
-                codec: id,
-                data,
-                versions: vec![versions[index]],
-                sources: vec![extent.1],
-                raw: block.to_vec(),
-                cold,
-            }
-        })
-        .collect()
+    let mut rewritten = Vec::new();
+    let mut scratch = Vec::new();
+    compress_whole_blocks(codec, bytes, &mut scratch, |piece| match piece {
+        RunPiece::Unit { codec: id, data } => rewritten.push(Rewritten {
+            first: run[0].0,
+            codec: id,
+            data: data.to_vec(),
+            versions: versions.to_vec(),
+            sources: run.iter().map(|&(_, loc, _)| loc).collect(),
+            raw: bytes.to_vec(),
+            cold,
+        }),
+        RunPiece::Block {
+            index,
+            codec: id,
+            data,
+        } => rewritten.push(Rewritten {
+            first: run[index].0,
+            codec: id,
+            data: data.to_vec(),
+            versions: vec![versions[index]],
+            sources: vec![run[index].1],
+            raw: bytes[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].to_vec(),
+            cold,
+        }),
+    });
+    rewritten
 }
 
 /// Carries out `moves` under the state lock. Returns the blocks moved.
