@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use zdisk_core::media::{CrashConfig, Media, MediaGeometry, MemMedia, ReadRange};
+use zdisk_core::media::{
+    CrashConfig, Media, MediaGeometry, MemMedia, ReadRange, SegmentEvents, Staging,
+};
 use zdisk_core::meta::MediaKind;
 use zdisk_core::units::PageIndex;
 use zdisk_core::{BlockDevice, CreateOptions, OpenOptions, Result, SegmentId, Volume, BLOCK_SIZE};
@@ -115,27 +117,46 @@ impl Media for Ordered {
     fn describe(&self) -> String {
         "ordered RAM".into()
     }
-    fn has_staging(&self) -> bool {
-        self.inner.has_staging()
+    fn staging(&self) -> Option<&dyn Staging> {
+        self.inner.staging().map(|_| self as &dyn Staging)
     }
+    fn segment_events(&self) -> Option<&dyn SegmentEvents> {
+        Some(self)
+    }
+}
+
+impl Staging for Ordered {
     fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
         self.note(segment, "write");
-        self.inner.write_sectors(segment, offset_bytes, data)
+        self.inner_staging()
+            .write_sectors(segment, offset_bytes, data)
     }
     fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        self.inner.restore_sectors(segment, offset_bytes, data)
+        self.inner_staging()
+            .restore_sectors(segment, offset_bytes, data)
     }
     fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
-        self.inner.write_staging(slot, data)
+        self.inner_staging().write_staging(slot, data)
     }
     fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
-        self.inner.read_staging(slot)
+        self.inner_staging().read_staging(slot)
     }
+}
+
+impl SegmentEvents for Ordered {
     fn segment_freed(&self, segment: SegmentId) {
         self.note(segment, "freed");
     }
     fn segment_sealed(&self, segment: SegmentId, _fill_bytes: u64) {
         self.note(segment, "sealed");
+    }
+}
+
+impl Ordered {
+    fn inner_staging(&self) -> &dyn Staging {
+        self.inner
+            .staging()
+            .expect("offered only when the inner medium has it")
     }
 }
 

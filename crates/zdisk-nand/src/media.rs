@@ -24,7 +24,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use zdisk_core::held::{assert_none_held, Held};
-use zdisk_core::media::{HostDirection, Media, MediaGeometry, ReadRange};
+use zdisk_core::media::{DriveModel, HostDirection, Media, MediaGeometry, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_core::{Error, Result};
 
@@ -490,11 +490,17 @@ impl Media for NandMedia {
         )
     }
 
+    fn drive(&self) -> Option<&dyn DriveModel> {
+        Some(self)
+    }
+}
+
+impl DriveModel for NandMedia {
     fn host_transfer(&self, direction: HostDirection, bytes: u64) {
         self.timed(|model, start| model.host_transfer(start, direction, bytes));
     }
 
-    fn has_power_loss_protection(&self) -> bool {
+    fn power_loss_protection(&self) -> bool {
         self.params.config.power_loss_protection
     }
 
@@ -522,15 +528,15 @@ impl Media for NandMedia {
         inner.model.recycling_ready(now)
     }
 
-    fn wear(&self) -> Option<zdisk_core::Wear> {
+    fn wear(&self) -> zdisk_core::Wear {
         let inner = self.lock();
         let stats = inner.model.stats();
-        Some(zdisk_core::Wear {
+        zdisk_core::Wear {
             blocks_erased: inner.model.erase_count_total(),
             erase_count_min: stats.erase_count_min,
             erase_count_max: stats.erase_count_max,
             erase_count_mean: stats.erase_count_mean,
-        })
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use zdisk_core::media::Media;
+use zdisk_core::media::{DriveModel, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 #[test]

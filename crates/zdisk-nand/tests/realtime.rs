@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use zdisk_core::media::{HostDirection, Media};
+use zdisk_core::media::{DriveModel, HostDirection, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_nand::{Clock, NandMedia};
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use zdisk_core::media::Media;
+use zdisk_core::media::{DriveModel, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_core::Error;
 use zdisk_nand::{is_nand_image, Clock, NandMedia, NandParams, IMAGE_MAGIC};

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use zdisk_core::media::{HostDirection, Media, ReadRange};
+use zdisk_core::media::{DriveModel, HostDirection, Media, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 const T: u64 = 10 * MS;

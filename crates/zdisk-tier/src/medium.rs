@@ -2,7 +2,7 @@
 //! store, with a local medium (a sparse image file) as the cache.
 //!
 //! The engine writes and reads the local medium as always. Beside it:
-//! - a segment incarnation the engine sealed (`Media::segment_sealed`) is
+//! - a segment incarnation the engine sealed (`SegmentEvents::segment_sealed`) is
 //!   uploaded whole, as one object, by a background thread;
 //! - once the engine has made a root durable locally (a metadata-slot write
 //!   followed by a sync), the thread publishes it, at most once per
@@ -64,7 +64,7 @@ use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use zdisk_core::held::{assert_none_held, Held};
-use zdisk_core::media::{HostDirection, LockChecked, Media, MediaGeometry, MediaStat};
+use zdisk_core::media::{Admission, LockChecked, Media, MediaGeometry, MediaStat, SegmentEvents};
 use zdisk_core::units::{PageIndex, SegmentId};
 
 use crate::cause::StoreCause;
@@ -1971,56 +1971,12 @@ impl Media for TieredMedia {
         )
     }
 
-    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
-        if direction == HostDirection::Write && bytes > 0 && !self.shared.config.read_only {
-            self.shared.wait_for_room();
-        }
+    fn segment_events(&self) -> Option<&dyn SegmentEvents> {
+        Some(self)
     }
 
-    fn segment_freed(&self, segment: SegmentId) {
-        let shared = &self.shared;
-        let mut state = shared.lock();
-        let index = segment.index();
-        state.remote_reads.remove(&segment.0);
-        let busy = state.busy.contains(&segment.0);
-        match &mut state.segs[index] {
-            Seg::Local(local) if busy || local.readers > 0 => {
-                // Its bytes are being read: forget the incarnation, keep the
-                // bytes until the segment is prepared again.
-                local.seq32 = None;
-                local.written = 0;
-                local.sealed = None;
-            }
-            Seg::Local(_) => {
-                state.segs[index] = Seg::Empty;
-                // Dropped without the lock; busy meanwhile, so the segment
-                // is not prepared again before its old bytes are gone.
-                state.busy.insert(segment.0);
-                drop(state);
-                if let Err(error) = shared.inner.erase_segment(segment) {
-                    log::warn!("tier: dropping freed segment {segment} from the cache: {error}");
-                }
-                shared.lock().busy.remove(&segment.0);
-            }
-            Seg::Evicted { .. } => {
-                // Stored by the uploader soon, and at the latest before the
-                // segment is prepared again (`renew`): until then a reopened
-                // image finds it evicted, and the engine frees it again at open.
-                state.segs[index] = Seg::Empty;
-                state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
-                state.sidecar_dirty = true;
-            }
-            Seg::Empty => {}
-        }
-        shared.changed.notify_all();
-    }
-
-    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
-        let mut state = self.shared.lock();
-        if let Seg::Local(local) = &mut state.segs[segment.index()] {
-            local.sealed = Some(fill_bytes);
-        }
-        self.shared.changed.notify_all();
+    fn admission(&self) -> Option<&dyn Admission> {
+        Some(self)
     }
 
     fn close(&self) -> zdisk_core::Result<()> {
@@ -2071,6 +2027,64 @@ impl Media for TieredMedia {
             .zip(values)
             .map(|(&(name, help), value)| MediaStat { name, help, value })
             .collect()
+    }
+}
+
+impl SegmentEvents for TieredMedia {
+    fn segment_freed(&self, segment: SegmentId) {
+        let shared = &self.shared;
+        let mut state = shared.lock();
+        let index = segment.index();
+        state.remote_reads.remove(&segment.0);
+        let busy = state.busy.contains(&segment.0);
+        match &mut state.segs[index] {
+            Seg::Local(local) if busy || local.readers > 0 => {
+                // Its bytes are being read: forget the incarnation, keep the
+                // bytes until the segment is prepared again.
+                local.seq32 = None;
+                local.written = 0;
+                local.sealed = None;
+            }
+            Seg::Local(_) => {
+                state.segs[index] = Seg::Empty;
+                // Dropped without the lock; busy meanwhile, so the segment
+                // is not prepared again before its old bytes are gone.
+                state.busy.insert(segment.0);
+                drop(state);
+                if let Err(error) = shared.inner.erase_segment(segment) {
+                    log::warn!("tier: dropping freed segment {segment} from the cache: {error}");
+                }
+                shared.lock().busy.remove(&segment.0);
+            }
+            Seg::Evicted { .. } => {
+                // Stored by the uploader soon, and at the latest before the
+                // segment is prepared again (`renew`): until then a reopened
+                // image finds it evicted, and the engine frees it again at open.
+                state.segs[index] = Seg::Empty;
+                state.sidecar.evicted.retain(|entry| entry.0 != segment.0);
+                state.sidecar_dirty = true;
+            }
+            Seg::Empty => {}
+        }
+        shared.changed.notify_all();
+    }
+
+    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+        let mut state = self.shared.lock();
+        if let Seg::Local(local) = &mut state.segs[segment.index()] {
+            local.sealed = Some(fill_bytes);
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Admission for TieredMedia {
+    /// Holds a write back while the cache is full of segments not yet in
+    /// the bucket.
+    fn admit_write(&self, _bytes: u64) {
+        if !self.shared.config.read_only {
+            self.shared.wait_for_room();
+        }
     }
 }
 

@@ -14,7 +14,10 @@ use crate::error::Result;
 use crate::held::assert_none_held;
 use crate::units::{PageIndex, SegmentId};
 
-use super::{HostDirection, Media, MediaGeometry, MediaStat, ReadRange};
+use super::{
+    Admission, DriveModel, HostDirection, Media, MediaGeometry, MediaStat, ReadRange,
+    SegmentEvents, Staging,
+};
 
 /// `inner`, with every I/O call checked against the locks this thread holds.
 pub struct LockChecked {
@@ -91,67 +94,6 @@ impl Media for LockChecked {
         self.inner.describe()
     }
 
-    fn has_staging(&self) -> bool {
-        self.inner.has_staging()
-    }
-
-    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        assert_none_held("write_sectors");
-        self.inner.write_sectors(segment, offset_bytes, data)
-    }
-
-    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        assert_none_held("restore_sectors");
-        self.inner.restore_sectors(segment, offset_bytes, data)
-    }
-
-    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
-        assert_none_held("write_staging");
-        self.inner.write_staging(slot, data)
-    }
-
-    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
-        assert_none_held("read_staging");
-        self.inner.read_staging(slot)
-    }
-
-    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
-        // A drive model may sleep here for its link's time.
-        assert_none_held("host_transfer");
-        self.inner.host_transfer(direction, bytes)
-    }
-
-    fn has_power_loss_protection(&self) -> bool {
-        self.inner.has_power_loss_protection()
-    }
-
-    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
-        assert_none_held("stage_partial_page");
-        self.inner.stage_partial_page(segment, page, data)
-    }
-
-    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64) {
-        self.inner.segment_recycled(segment_bytes, relocated_bytes)
-    }
-
-    fn recycling_ready(&self) -> bool {
-        self.inner.recycling_ready()
-    }
-
-    fn wear(&self) -> Option<crate::stats::Wear> {
-        self.inner.wear()
-    }
-
-    fn segment_freed(&self, segment: SegmentId) {
-        assert_none_held("segment_freed");
-        self.inner.segment_freed(segment)
-    }
-
-    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
-        assert_none_held("segment_sealed");
-        self.inner.segment_sealed(segment, fill_bytes)
-    }
-
     fn close(&self) -> Result<()> {
         assert_none_held("closing the medium");
         self.inner.close()
@@ -159,5 +101,122 @@ impl Media for LockChecked {
 
     fn media_stats(&self) -> Vec<MediaStat> {
         self.inner.media_stats()
+    }
+    fn staging(&self) -> Option<&dyn Staging> {
+        self.inner.staging().map(|_| self as &dyn Staging)
+    }
+
+    fn drive(&self) -> Option<&dyn DriveModel> {
+        self.inner.drive().map(|_| self as &dyn DriveModel)
+    }
+
+    fn segment_events(&self) -> Option<&dyn SegmentEvents> {
+        self.inner
+            .segment_events()
+            .map(|_| self as &dyn SegmentEvents)
+    }
+
+    fn admission(&self) -> Option<&dyn Admission> {
+        self.inner.admission().map(|_| self as &dyn Admission)
+    }
+}
+
+// Each capability below is offered only when `inner` has it (see the
+// accessors above), so `expect` cannot fail.
+
+impl Staging for LockChecked {
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert_none_held("write_sectors");
+        self.inner_staging()
+            .write_sectors(segment, offset_bytes, data)
+    }
+
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert_none_held("restore_sectors");
+        self.inner_staging()
+            .restore_sectors(segment, offset_bytes, data)
+    }
+
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert_none_held("write_staging");
+        self.inner_staging().write_staging(slot, data)
+    }
+
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
+        assert_none_held("read_staging");
+        self.inner_staging().read_staging(slot)
+    }
+}
+
+impl DriveModel for LockChecked {
+    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
+        // A drive model may sleep here for its link's time.
+        assert_none_held("host_transfer");
+        self.inner_drive().host_transfer(direction, bytes)
+    }
+
+    fn power_loss_protection(&self) -> bool {
+        self.inner_drive().power_loss_protection()
+    }
+
+    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
+        assert_none_held("stage_partial_page");
+        self.inner_drive().stage_partial_page(segment, page, data)
+    }
+
+    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64) {
+        self.inner_drive()
+            .segment_recycled(segment_bytes, relocated_bytes)
+    }
+
+    fn recycling_ready(&self) -> bool {
+        self.inner_drive().recycling_ready()
+    }
+
+    fn wear(&self) -> crate::stats::Wear {
+        self.inner_drive().wear()
+    }
+}
+
+impl SegmentEvents for LockChecked {
+    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+        assert_none_held("segment_sealed");
+        self.inner_events().segment_sealed(segment, fill_bytes)
+    }
+
+    fn segment_freed(&self, segment: SegmentId) {
+        assert_none_held("segment_freed");
+        self.inner_events().segment_freed(segment)
+    }
+}
+
+impl Admission for LockChecked {
+    fn admit_write(&self, bytes: u64) {
+        // A tier may wait here for its uploads to make room.
+        assert_none_held("admit_write");
+        self.inner
+            .admission()
+            .expect("offered only when the medium has it")
+            .admit_write(bytes)
+    }
+}
+
+impl LockChecked {
+    fn inner_staging(&self) -> &dyn Staging {
+        self.inner
+            .staging()
+            .expect("offered only when the medium has it")
+    }
+
+    fn inner_drive(&self) -> &dyn DriveModel {
+        self.inner
+            .drive()
+            .expect("offered only when the medium has it")
+    }
+
+    fn inner_events(&self) -> &dyn SegmentEvents {
+        self.inner
+            .segment_events()
+            .expect("offered only when the medium has it")
     }
 }

@@ -10,7 +10,7 @@
 //!
 //! This is not flash: segments are written in 512-byte sectors (in order,
 //! each once), and a flush keeps its partial last sector in a staging slot
-//! instead of padding a page (see `Media::has_staging`).
+//! instead of padding a page (see `Media::staging`).
 //!
 //! A segment is reused by overwriting it in place: the engine never relies
 //! on erased contents (every record names its segment incarnation). An
@@ -48,7 +48,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use super::{
-    check_read_range, Media, MediaGeometry, PageDiscipline, SECTOR_BYTES, STAGING_SLOTS,
+    check_read_range, Media, MediaGeometry, PageDiscipline, Staging, SECTOR_BYTES, STAGING_SLOTS,
     STAGING_SLOT_BYTES,
 };
 use crate::error::{Error, Result};
@@ -547,10 +547,20 @@ impl Media for FileMedia {
         Ok(bytes)
     }
 
-    fn has_staging(&self) -> bool {
-        true
+    fn staging(&self) -> Option<&dyn Staging> {
+        Some(self)
     }
 
+    fn describe(&self) -> String {
+        if self.is_block_device {
+            format!("block device {}", self.path.display())
+        } else {
+            format!("file {}", self.path.display())
+        }
+    }
+}
+
+impl Staging for FileMedia {
     fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
         self.discipline
             .on_write_sectors(segment, offset_bytes, data.len());
@@ -593,14 +603,6 @@ impl Media for FileMedia {
                 )
             })?;
         Ok(bytes)
-    }
-
-    fn describe(&self) -> String {
-        if self.is_block_device {
-            format!("block device {}", self.path.display())
-        } else {
-            format!("file {}", self.path.display())
-        }
     }
 }
 

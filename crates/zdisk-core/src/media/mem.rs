@@ -16,14 +16,14 @@
 //! Reusing a segment either erases it, as flash does, or overwrites it in
 //! place, as a file does ([`MemMedia::reusing_in_place`]); in place, the
 //! medium also has staging (sector writes and staging slots, see
-//! `Media::has_staging`), whose writes are lost and torn like any other.
+//! `Media::staging`), whose writes are lost and torn like any other.
 
 use std::sync::Mutex;
 
 use rand::Rng;
 
 use super::{
-    check_read_range, Media, MediaGeometry, PageDiscipline, SECTOR_BYTES, STAGING_SLOTS,
+    check_read_range, Media, MediaGeometry, PageDiscipline, Staging, SECTOR_BYTES, STAGING_SLOTS,
     STAGING_SLOT_BYTES,
 };
 use crate::error::{Error, Result};
@@ -411,55 +411,8 @@ impl Media for MemMedia {
         Ok(())
     }
 
-    fn has_staging(&self) -> bool {
-        self.reuse_in_place
-    }
-
-    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        assert!(self.reuse_in_place, "sector writes on flash");
-        let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&mut state)?;
-        self.discipline
-            .on_write_sectors(segment, offset_bytes, data.len());
-        self.write_pending(&mut state, segment, offset_bytes as usize, data);
-        Ok(())
-    }
-
-    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        assert!(self.reuse_in_place, "sector writes on flash");
-        assert!(
-            offset_bytes.is_multiple_of(SECTOR_BYTES as u64)
-                && data.len().is_multiple_of(SECTOR_BYTES),
-            "restoring part of a sector"
-        );
-        let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&mut state)?;
-        self.write_pending(&mut state, segment, offset_bytes as usize, data);
-        Ok(())
-    }
-
-    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
-        assert!(self.reuse_in_place, "staging on flash");
-        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
-        assert!(
-            data.len() <= STAGING_SLOT_BYTES && data.len().is_multiple_of(SECTOR_BYTES),
-            "staging write of {} bytes",
-            data.len()
-        );
-        let mut state = self.state.lock().expect("media lock");
-        Self::check_writable(&mut state)?;
-        let op = Pending::Staging {
-            slot,
-            data: data.to_vec(),
-        };
-        state.live.apply(&self.geometry, &op);
-        state.pending.push(op);
-        Ok(())
-    }
-
-    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
-        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
-        Ok(self.state.lock().expect("media lock").live.staging[slot].clone())
+    fn staging(&self) -> Option<&dyn Staging> {
+        self.reuse_in_place.then_some(self as &dyn Staging)
     }
 
     fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
@@ -530,5 +483,54 @@ impl Media for MemMedia {
             "memory ({} segments of {} bytes)",
             self.geometry.segment_count, self.geometry.segment_size_bytes
         )
+    }
+}
+
+impl Staging for MemMedia {
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "sector writes on flash");
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        self.discipline
+            .on_write_sectors(segment, offset_bytes, data.len());
+        self.write_pending(&mut state, segment, offset_bytes as usize, data);
+        Ok(())
+    }
+
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "sector writes on flash");
+        assert!(
+            offset_bytes.is_multiple_of(SECTOR_BYTES as u64)
+                && data.len().is_multiple_of(SECTOR_BYTES),
+            "restoring part of a sector"
+        );
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        self.write_pending(&mut state, segment, offset_bytes as usize, data);
+        Ok(())
+    }
+
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
+        assert!(self.reuse_in_place, "staging on flash");
+        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
+        assert!(
+            data.len() <= STAGING_SLOT_BYTES && data.len().is_multiple_of(SECTOR_BYTES),
+            "staging write of {} bytes",
+            data.len()
+        );
+        let mut state = self.state.lock().expect("media lock");
+        Self::check_writable(&mut state)?;
+        let op = Pending::Staging {
+            slot,
+            data: data.to_vec(),
+        };
+        state.live.apply(&self.geometry, &op);
+        state.pending.push(op);
+        Ok(())
+    }
+
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
+        assert!(slot < STAGING_SLOTS, "staging slot {slot} does not exist");
+        Ok(self.state.lock().expect("media lock").live.staging[slot].clone())
     }
 }

@@ -11,8 +11,14 @@
 //! - after an erase, its pages are written in increasing order, each once;
 //! - `write_pages` gets whole pages only.
 //!
+//! A medium adds to this core through *capabilities*, each a small trait
+//! the engine asks for where it needs it ([`Media::staging`],
+//! [`Media::drive`], [`Media::segment_events`], [`Media::admission`]): a
+//! file or RAM offers staging, an emulated drive its timing model, the
+//! object-store tier segment events and admission.
+//!
 //! A medium that is not flash (a file, a block device, RAM overwriting in
-//! place) may also offer *staging* ([`Media::has_staging`]): segments are
+//! place) may offer *staging* ([`Staging`]): segments are
 //! then written in 512-byte sectors, still in order and each once
 //! (`write_sectors`), and [`STAGING_SLOTS`] small staging slots keep what
 //! a flush could not write in place, the last partial sector of an open
@@ -185,107 +191,6 @@ pub trait Media: Send + Sync {
     /// A short human description, e.g. "file demo.zdisk".
     fn describe(&self) -> String;
 
-    // --- Staging: for media that are not flash. The defaults have none.
-
-    /// True if the medium writes segments in sectors ([`Media::write_sectors`])
-    /// and keeps [`STAGING_SLOTS`] staging slots of [`STAGING_SLOT_BYTES`],
-    /// so that a flush need not pad the partial page.
-    fn has_staging(&self) -> bool {
-        false
-    }
-
-    /// Writes whole sectors at `offset_bytes` (a sector multiple) of
-    /// `segment`, continuing where the segment's last write ended, page
-    /// boundaries or not. Only called when [`Media::has_staging`] is true.
-    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        let _ = (segment, offset_bytes, data);
-        Err(Error::Unsupported("this medium has no staging".into()))
-    }
-
-    /// Writes whole sectors of a segment nobody is writing, out of the
-    /// write order: recovery puts back what a crash left only in a staging
-    /// slot. Only called when [`Media::has_staging`] is true.
-    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()> {
-        let _ = (segment, offset_bytes, data);
-        Err(Error::Unsupported("this medium has no staging".into()))
-    }
-
-    /// Replaces the beginning of staging slot `slot` (below [`STAGING_SLOTS`])
-    /// with `data`, whole sectors of at most [`STAGING_SLOT_BYTES`]
-    /// (durable after `sync`; until then it may be lost or torn like any write).
-    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()> {
-        let _ = (slot, data);
-        Err(Error::Unsupported("this medium has no staging".into()))
-    }
-
-    /// Reads the first [`STAGING_SLOT_BYTES`] of staging slot `slot`.
-    fn read_staging(&self, slot: usize) -> Result<Vec<u8>> {
-        let _ = slot;
-        Err(Error::Unsupported("this medium has no staging".into()))
-    }
-
-    // --- Hooks for media that model a whole drive (emulated NAND). The
-    // defaults suit a plain file or RAM.
-
-    /// The host moved `bytes` of logical data (before compression) in or
-    /// out. A drive model charges its host link and compression engine.
-    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
-        let _ = (direction, bytes);
-    }
-
-    /// True if the medium's write buffer survives power loss (PLP), so a
-    /// flush need not pad and program a partial page.
-    fn has_power_loss_protection(&self) -> bool {
-        false
-    }
-
-    /// With power-loss protection: keeps `data`, the beginning of page
-    /// `page` of `segment`, durable without programming the page. Reads
-    /// return it until a `write_pages` of that page replaces it, and an
-    /// erase of the segment drops it. Only called when
-    /// [`Media::has_power_loss_protection`] is true.
-    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
-        let _ = (segment, page, data);
-        Err(Error::Unsupported(
-            "this medium has no power-loss protection".into(),
-        ))
-    }
-
-    /// The cleaner reclaimed a segment of `segment_bytes`, relocating
-    /// `relocated_bytes`. A drive model charges its recycling engine.
-    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64) {
-        let _ = (segment_bytes, relocated_bytes);
-    }
-
-    /// False while a rate-capped recycling engine is still busy; the
-    /// background cleaner then waits (foreground cleaning does not).
-    fn recycling_ready(&self) -> bool {
-        true
-    }
-
-    /// Erase counts, on a medium that wears (an emulated NAND drive).
-    fn wear(&self) -> Option<crate::stats::Wear> {
-        None
-    }
-
-    // --- Hooks for media that keep segments elsewhere too (an object-store
-    // tier). The defaults do nothing.
-
-    /// The engine freed `segment`: no root it may recover from needs the
-    /// incarnation the segment held. A tier stops keeping it; most media
-    /// ignore this.
-    fn segment_freed(&self, segment: SegmentId) {
-        let _ = segment;
-    }
-
-    /// The engine sealed this incarnation of `segment` at `fill_bytes`: it
-    /// writes no more to it until a later `prepare_segment` or
-    /// `erase_segment`. Called by the engine's log writer in order with the
-    /// segment's writes, so after its last pages up to `fill_bytes`.
-    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
-        let _ = (segment, fill_bytes);
-    }
-
     /// The volume was closed cleanly (its clean root is durable): a medium
     /// with work in the background finishes it before returning.
     fn close(&self) -> Result<()> {
@@ -297,6 +202,156 @@ pub trait Media: Send + Sync {
     fn media_stats(&self) -> Vec<MediaStat> {
         Vec::new()
     }
+
+    // --- Capabilities: what a medium adds to the core above. The engine
+    // asks for one where it needs it; the defaults have none.
+
+    /// Sector writes and staging slots, on a medium that is not flash.
+    fn staging(&self) -> Option<&dyn Staging> {
+        None
+    }
+
+    /// A drive's timing model and firmware, on an emulated drive.
+    fn drive(&self) -> Option<&dyn DriveModel> {
+        None
+    }
+
+    /// The fate of segment incarnations, on a medium that keeps segments
+    /// elsewhere too (an object-store tier).
+    fn segment_events(&self) -> Option<&dyn SegmentEvents> {
+        None
+    }
+
+    /// Backpressure on host writes, on a medium that can fall behind them.
+    fn admission(&self) -> Option<&dyn Admission> {
+        None
+    }
+}
+
+impl dyn Media + '_ {
+    /// The staging capability, for a call the engine makes only on a
+    /// medium that has it; an error otherwise.
+    pub fn staging_required(&self) -> Result<&dyn Staging> {
+        self.staging()
+            .ok_or_else(|| Error::Unsupported(format!("{} has no staging", self.describe())))
+    }
+
+    /// The drive capability, likewise.
+    pub fn drive_required(&self) -> Result<&dyn DriveModel> {
+        self.drive()
+            .ok_or_else(|| Error::Unsupported(format!("{} is not a drive model", self.describe())))
+    }
+
+    /// True if the medium is a drive whose write buffer survives power loss.
+    pub fn has_power_loss_protection(&self) -> bool {
+        self.drive()
+            .is_some_and(|drive| drive.power_loss_protection())
+    }
+
+    /// The host moves `bytes` of logical data: a medium that can fall
+    /// behind admits a write first, and a drive charges the transfer.
+    pub fn host_transfer(&self, direction: HostDirection, bytes: u64) {
+        if let (HostDirection::Write, 1.., Some(admission)) = (direction, bytes, self.admission()) {
+            admission.admit_write(bytes);
+        }
+        if let Some(drive) = self.drive() {
+            drive.host_transfer(direction, bytes);
+        }
+    }
+
+    /// Tells a medium that keeps segments elsewhere that `segment` was sealed.
+    pub fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+        if let Some(events) = self.segment_events() {
+            events.segment_sealed(segment, fill_bytes);
+        }
+    }
+
+    /// Tells a medium that keeps segments elsewhere that `segment` was freed.
+    pub fn segment_freed(&self, segment: SegmentId) {
+        if let Some(events) = self.segment_events() {
+            events.segment_freed(segment);
+        }
+    }
+}
+
+/// The staging capability ([`Media::staging`]): segments are written in
+/// [`SECTOR_BYTES`] sectors, still in order and each once, and
+/// [`STAGING_SLOTS`] slots of [`STAGING_SLOT_BYTES`] keep what a flush could
+/// not write in place, so that a flush need not pad the partial page.
+pub trait Staging: Send + Sync {
+    /// Writes whole sectors at `offset_bytes` (a sector multiple) of
+    /// `segment`, continuing where the segment's last write ended, page
+    /// boundaries or not.
+    fn write_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()>;
+
+    /// Writes whole sectors of a segment nobody is writing, out of the
+    /// write order: recovery puts back what a crash left only in a staging
+    /// slot.
+    fn restore_sectors(&self, segment: SegmentId, offset_bytes: u64, data: &[u8]) -> Result<()>;
+
+    /// Replaces the beginning of staging slot `slot` (below [`STAGING_SLOTS`])
+    /// with `data`, whole sectors of at most [`STAGING_SLOT_BYTES`]
+    /// (durable after `sync`; until then it may be lost or torn like any write).
+    fn write_staging(&self, slot: usize, data: &[u8]) -> Result<()>;
+
+    /// Reads the first [`STAGING_SLOT_BYTES`] of staging slot `slot`.
+    fn read_staging(&self, slot: usize) -> Result<Vec<u8>>;
+}
+
+/// The drive capability ([`Media::drive`]): a model of a whole drive
+/// (emulated NAND) that charges time for what the engine does and keeps
+/// firmware state the engine's choices depend on.
+pub trait DriveModel: Send + Sync {
+    /// The host moved `bytes` of logical data (before compression) in or
+    /// out, or sent a command without data (`bytes` 0). The drive charges
+    /// its host link and compression engine, and may sleep for them.
+    fn host_transfer(&self, direction: HostDirection, bytes: u64);
+
+    /// True if the drive's write buffer survives power loss (PLP), so a
+    /// flush need not pad and program a partial page.
+    fn power_loss_protection(&self) -> bool;
+
+    /// With power-loss protection: keeps `data`, the beginning of page
+    /// `page` of `segment`, durable without programming the page. Reads
+    /// return it until a `write_pages` of that page replaces it, and an
+    /// erase of the segment drops it. Only called when
+    /// [`DriveModel::power_loss_protection`] is true.
+    fn stage_partial_page(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()>;
+
+    /// The cleaner reclaimed a segment of `segment_bytes`, relocating
+    /// `relocated_bytes`: the drive charges its recycling engine.
+    fn segment_recycled(&self, segment_bytes: u64, relocated_bytes: u64);
+
+    /// False while a rate-capped recycling engine is still busy; the
+    /// background cleaner then waits (foreground cleaning does not).
+    fn recycling_ready(&self) -> bool;
+
+    /// Erase counts.
+    fn wear(&self) -> crate::stats::Wear;
+}
+
+/// The segment-events capability ([`Media::segment_events`]): the engine
+/// tells a medium that keeps segments elsewhere too when an incarnation is
+/// complete and when no root needs it any more.
+pub trait SegmentEvents: Send + Sync {
+    /// The engine sealed this incarnation of `segment` at `fill_bytes`: it
+    /// writes no more to it until a later `prepare_segment` or
+    /// `erase_segment`. Called by the engine's log writer in order with the
+    /// segment's writes, so after its last pages up to `fill_bytes`.
+    fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64);
+
+    /// The engine freed `segment`: no root it may recover from needs the
+    /// incarnation the segment held.
+    fn segment_freed(&self, segment: SegmentId);
+}
+
+/// The admission capability ([`Media::admission`]): a medium that can fall
+/// behind the host (a tier uploading to a slower bucket) holds host writes
+/// back until it has room for them.
+pub trait Admission: Send + Sync {
+    /// The host is about to write `bytes` of logical data: returns when
+    /// the medium can take them. Never called with a state lock held.
+    fn admit_write(&self, bytes: u64);
 }
 
 /// One counter of [`Media::media_stats`].
@@ -315,7 +370,7 @@ pub struct ReadRange<'a> {
     pub buf: &'a mut [u8],
 }
 
-/// Direction of a host transfer, for [`Media::host_transfer`].
+/// Direction of a host transfer, for [`DriveModel::host_transfer`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostDirection {
     /// Host to drive (WRITE).
@@ -408,4 +463,115 @@ pub(crate) fn check_read_range(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    fn geometry() -> MediaGeometry {
+        MediaGeometry {
+            page_size_bytes: 4096,
+            segment_size_bytes: 64 * 1024,
+            segment_count: 8,
+            meta_slot_size_bytes: 4096,
+        }
+    }
+
+    /// RAM that admits writes and hears of segments, and records both.
+    struct Watching {
+        inner: MemMedia,
+        heard: Mutex<Vec<String>>,
+    }
+
+    impl Media for Watching {
+        fn geometry(&self) -> MediaGeometry {
+            self.inner.geometry()
+        }
+        fn physical_size_bytes(&self) -> u64 {
+            self.inner.physical_size_bytes()
+        }
+        fn write_pages(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
+            self.inner.write_pages(segment, page, data)
+        }
+        fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
+            self.inner.read(segment, offset_bytes, buf)
+        }
+        fn erase_segment(&self, segment: SegmentId) -> Result<()> {
+            self.inner.erase_segment(segment)
+        }
+        fn sync(&self) -> Result<()> {
+            self.inner.sync()
+        }
+        fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
+            self.inner.write_meta_slot(slot, data)
+        }
+        fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>> {
+            self.inner.read_meta_slot(slot)
+        }
+        fn describe(&self) -> String {
+            "watching RAM".into()
+        }
+        fn segment_events(&self) -> Option<&dyn SegmentEvents> {
+            Some(self)
+        }
+        fn admission(&self) -> Option<&dyn Admission> {
+            Some(self)
+        }
+    }
+
+    impl SegmentEvents for Watching {
+        fn segment_sealed(&self, segment: SegmentId, fill_bytes: u64) {
+            let heard = format!("sealed {segment} at {fill_bytes}");
+            self.heard.lock().unwrap().push(heard);
+        }
+        fn segment_freed(&self, segment: SegmentId) {
+            self.heard.lock().unwrap().push(format!("freed {segment}"));
+        }
+    }
+
+    impl Admission for Watching {
+        fn admit_write(&self, bytes: u64) {
+            self.heard.lock().unwrap().push(format!("admit {bytes}"));
+        }
+    }
+
+    #[test]
+    fn a_wrapped_medium_offers_exactly_the_capabilities_of_the_one_inside() {
+        let flash: Arc<dyn Media> = Arc::new(MemMedia::new(geometry()).unwrap());
+        let file_like: Arc<dyn Media> =
+            Arc::new(MemMedia::new(geometry()).unwrap().reusing_in_place());
+        for (media, staging) in [(flash, false), (file_like, true)] {
+            let checked = LockChecked::wrap(media);
+            assert_eq!(checked.staging().is_some(), staging);
+            assert!(checked.drive().is_none());
+            assert!(checked.segment_events().is_none());
+            assert!(checked.admission().is_none());
+            assert!(!checked.has_power_loss_protection());
+        }
+        let flash: Arc<dyn Media> = Arc::new(MemMedia::new(geometry()).unwrap());
+        let error = flash.staging_required().map(|_| ()).unwrap_err();
+        assert!(matches!(error, Error::Unsupported(_)), "{error}");
+        assert!(flash.drive_required().is_err());
+    }
+
+    #[test]
+    fn only_a_host_write_with_data_asks_for_admission_and_events_reach_the_medium() {
+        let watching = Arc::new(Watching {
+            inner: MemMedia::new(geometry()).unwrap(),
+            heard: Mutex::new(Vec::new()),
+        });
+        let media: Arc<dyn Media> = LockChecked::wrap(watching.clone());
+        media.host_transfer(HostDirection::Read, 4096);
+        media.host_transfer(HostDirection::Write, 0);
+        media.host_transfer(HostDirection::Write, 8192);
+        media.segment_sealed(SegmentId(3), 512);
+        media.segment_freed(SegmentId(3));
+        assert_eq!(
+            *watching.heard.lock().unwrap(),
+            ["admit 8192", "sealed 3 at 512", "freed 3"]
+        );
+    }
 }

@@ -571,8 +571,9 @@ impl Volume {
         } = relocated;
         state.retire(victim.segment, relocated_bytes, checkpoint_first);
         drop(state);
-        self.media
-            .segment_recycled(self.geometry.segment_size_bytes, relocated_bytes);
+        if let Some(drive) = self.media.drive() {
+            drive.segment_recycled(self.geometry.segment_size_bytes, relocated_bytes);
+        }
         if checkpoint_first {
             // Also releases the victim for the next barrier.
             self.checkpoint_locked(false)?;

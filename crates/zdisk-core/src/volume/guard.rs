@@ -392,13 +392,15 @@ impl Volume {
                 WriteKind::Pages => {
                     media.write_pages(write.segment, write.first_page, &write.bytes)
                 }
-                WriteKind::Sectors => {
-                    media.write_sectors(write.segment, write.offset, &write.bytes)
-                }
-                WriteKind::Stage => {
-                    media.stage_partial_page(write.segment, write.first_page, &write.bytes)
-                }
-                WriteKind::Staging(slot) => media.write_staging(slot, &write.bytes),
+                WriteKind::Sectors => media
+                    .staging_required()
+                    .and_then(|s| s.write_sectors(write.segment, write.offset, &write.bytes)),
+                WriteKind::Stage => media.drive_required().and_then(|d| {
+                    d.stage_partial_page(write.segment, write.first_page, &write.bytes)
+                }),
+                WriteKind::Staging(slot) => media
+                    .staging_required()
+                    .and_then(|s| s.write_staging(slot, &write.bytes)),
                 WriteKind::Prepare => media.prepare_segment(write.segment),
                 WriteKind::Sealed => {
                     media.segment_sealed(write.segment, write.offset);

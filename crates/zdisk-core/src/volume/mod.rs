@@ -610,7 +610,7 @@ impl Volume {
             segments_by_state: usage.by_state,
             sealed_utilization_histogram: usage.histogram,
             counters,
-            wear: self.media.wear(),
+            wear: self.media.drive().map(|drive| drive.wear()),
             media: media_stats
                 .iter()
                 .map(|stat| (stat.name.to_string(), stat.value))

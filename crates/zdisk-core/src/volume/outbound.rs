@@ -39,19 +39,19 @@ pub(crate) enum WriteKind {
     /// Programs whole pages.
     Pages,
     /// Writes whole 512-byte sectors from a sector boundary, on a medium
-    /// with staging (`Media::write_sectors`).
+    /// with staging (`Staging::write_sectors`).
     Sectors,
     /// Hands a partial page to a medium with power-loss protection
-    /// (`Media::stage_partial_page`), after the pages before it.
+    /// (`DriveModel::stage_partial_page`), after the pages before it.
     Stage,
-    /// Writes staging slot `n` (`Media::write_staging`); not segment data.
+    /// Writes staging slot `n` (`Staging::write_staging`); not segment data.
     Staging(usize),
     /// Readies the segment for a new incarnation (`Media::prepare_segment`).
     Prepare,
     /// The segment's incarnation was sealed at `offset` bytes
-    /// (`Media::segment_sealed`).
+    /// (`SegmentEvents::segment_sealed`).
     Sealed,
-    /// The segment was freed (`Media::segment_freed`).
+    /// The segment was freed (`SegmentEvents::segment_freed`).
     Freed,
 }
 

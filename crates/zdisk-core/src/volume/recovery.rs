@@ -520,8 +520,11 @@ impl<'a> Recovery<'a> {
                 .read(staged.segment, staged.offset_bytes, &mut in_place)?;
             self.read(staged.segment, staged.offset_bytes, &mut laid)?;
             if laid != in_place {
-                self.media
-                    .restore_sectors(staged.segment, staged.offset_bytes, &laid)?;
+                self.media.staging_required()?.restore_sectors(
+                    staged.segment,
+                    staged.offset_bytes,
+                    &laid,
+                )?;
                 restored += 1;
             }
         }

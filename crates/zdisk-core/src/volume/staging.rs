@@ -1,7 +1,7 @@
 //! Staging: how a flush on a medium that is not flash keeps its partial
 //! last sector durable without padding, and how recovery gets it back.
 //!
-//! On a medium with staging (`Media::has_staging`: a file, a block device,
+//! On a medium with staging (`Media::staging`: a file, a block device,
 //! RAM overwriting in place) a stream writes its segment in 512-byte
 //! sectors, in order and each once. A barrier writes every complete sector
 //! in place; what is left, less than a sector of records, goes into a
@@ -39,7 +39,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::media::{HostDirection, Media, MediaGeometry, ReadRange, SECTOR_BYTES, STAGING_SLOTS};
+use crate::media::{
+    Admission, DriveModel, Media, MediaGeometry, ReadRange, SECTOR_BYTES, STAGING_SLOTS,
+};
 use crate::meta::RetainedRoot;
 use crate::record::{decode_record, RecordKey, HEADER_SIZE, RECORD_ALIGN};
 use crate::units::{PageIndex, SegmentId};
@@ -196,13 +198,13 @@ pub(crate) fn recover_staged(
     root: &RetainedRoot,
     dumps: &HashSet<SegmentId>,
 ) -> Result<Vec<Staged>> {
-    if !media.has_staging() {
+    let Some(staging) = media.staging() else {
         return Ok(Vec::new());
-    }
+    };
     let geometry = media.geometry();
     let mut found: Vec<Staged> = Vec::new();
     for slot in 0..STAGING_SLOTS {
-        let Some(staged) = Staged::decode(&media.read_staging(slot)?, key) else {
+        let Some(staged) = Staged::decode(&staging.read_staging(slot)?, key) else {
             continue;
         };
         let inside = staged.segment.0 < geometry.segment_count
@@ -334,15 +336,19 @@ impl Media for Overlaid {
         self.inner.describe()
     }
 
-    fn host_transfer(&self, direction: HostDirection, bytes: u64) {
-        self.inner.host_transfer(direction, bytes);
+    fn drive(&self) -> Option<&dyn DriveModel> {
+        self.inner.drive()
+    }
+
+    fn admission(&self) -> Option<&dyn Admission> {
+        self.inner.admission()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::media::STAGING_SLOT_BYTES;
+    use crate::media::{Staging, STAGING_SLOT_BYTES};
 
     const KEY: RecordKey = RecordKey([9; 16]);
 

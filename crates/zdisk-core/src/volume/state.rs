@@ -307,7 +307,11 @@ impl State {
             checkpoint_interval_bytes,
             map_dirty_over_cache: self.map.dirty_over_cache(),
             // Only the background thread waits for a recycling engine.
-            recycling_ready: !background || self.media.recycling_ready(),
+            recycling_ready: !background
+                || self
+                    .media
+                    .drive()
+                    .is_none_or(|drive| drive.recycling_ready()),
         };
         self.space.next_rung(need, &outlook, reach, climbed)
     }
@@ -955,7 +959,7 @@ impl State {
         for kind in [StreamKind::Host, StreamKind::Gc] {
             if self.media.has_power_loss_protection() {
                 self.stage_tail(kind)?;
-            } else if self.media.has_staging() && !self.closing {
+            } else if self.media.staging().is_some() && !self.closing {
                 self.stage_sector(kind)?;
             } else {
                 self.pad_and_write(kind, false)?;
