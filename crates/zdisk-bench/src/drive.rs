@@ -9,7 +9,7 @@ use zdisk_core::media::{file_geometry, FileMedia, Media, FILE_DATA_OFFSET};
 use zdisk_core::meta::{geometry_in_slots, MediaKind};
 use zdisk_core::{Codec, CreateOptions, GcPolicy, OpenOptions, Volume};
 
-use crate::driver::{Clock, Target};
+use crate::driver::Target;
 
 /// Variations a scenario asks of a drive.
 #[derive(Debug, Clone, Default)]
@@ -293,18 +293,6 @@ pub struct NandDrive {
     pub gc_policy: GcPolicy,
 }
 
-struct NandClock(Arc<zdisk_nand::NandMedia>);
-
-impl crate::driver::VirtualClock for NandClock {
-    fn begin_op(&self, issue_ns: u64) {
-        self.0.begin_op(issue_ns);
-    }
-
-    fn end_op(&self) -> u64 {
-        self.0.end_op()
-    }
-}
-
 impl NandDrive {
     fn params_for(&self, options: &DriveOptions) -> zdisk_nand::NandParams {
         let mut params = self.params.clone();
@@ -367,8 +355,11 @@ impl Drive for NandDrive {
             None => Codec::parse(&params.profile.codec)?,
         };
         let media = Arc::new(
-            zdisk_nand::NandMedia::new_in_memory(params.clone(), zdisk_nand::Clock::Virtual)
-                .map_err(|e| e.to_string())?,
+            zdisk_nand::NandMedia::new_in_memory(
+                params.clone(),
+                zdisk_core::clock::Timing::Virtual,
+            )
+            .map_err(|e| e.to_string())?,
         );
         let create = CreateOptions {
             logical_size_bytes: logical,
@@ -389,7 +380,7 @@ impl Drive for NandDrive {
         let stats_media = media.clone();
         Ok(Target {
             volume,
-            clock: Clock::Virtual(Arc::new(NandClock(media))),
+            virtual_time: Some(media),
             now_ns,
             details: Some(Box::new(move || {
                 serde_json::to_value(stats_media.stats()).unwrap_or_default()

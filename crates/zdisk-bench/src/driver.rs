@@ -22,27 +22,16 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 
+use zdisk_core::clock::VirtualTime;
 use zdisk_core::{BlockDevice, Stats, Volume, BLOCK_SIZE};
 
 use crate::pattern::Pattern;
 
-/// Time control of an emulated drive running in virtual time.
-pub trait VirtualClock: Send + Sync {
-    /// Starts an operation issued at `issue_ns`.
-    fn begin_op(&self, issue_ns: u64);
-    /// Ends it and returns its completion time.
-    fn end_op(&self) -> u64;
-}
-
-pub enum Clock {
-    Real,
-    Virtual(Arc<dyn VirtualClock>),
-}
-
 /// A volume under test, with its notion of time.
 pub struct Target {
     pub volume: Arc<Volume>,
-    pub clock: Clock,
+    /// The drive's virtual timeline, or `None` in real time.
+    pub virtual_time: Option<Arc<dyn VirtualTime>>,
     /// Virtual time reached so far (virtual clock only).
     pub now_ns: u64,
     /// Extra figures a drive model reports (NAND counters), refreshed by `details`.
@@ -54,14 +43,14 @@ impl Target {
     pub fn real(volume: Arc<Volume>) -> Target {
         Target {
             volume,
-            clock: Clock::Real,
+            virtual_time: None,
             now_ns: 0,
             details: None,
         }
     }
 
     pub fn is_virtual(&self) -> bool {
-        matches!(self.clock, Clock::Virtual(_))
+        self.virtual_time.is_some()
     }
 }
 
@@ -408,8 +397,8 @@ pub fn run(
     let ops = (workload.total_bytes / workload.block_bytes).max(1);
     let before = target.volume.stats();
     let started = Instant::now();
-    let (seconds, latency_total_ns) = match &target.clock {
-        Clock::Virtual(clock) => run_virtual(
+    let (seconds, latency_total_ns) = match &target.virtual_time {
+        Some(clock) => run_virtual(
             target.volume.clone(),
             clock.clone(),
             &mut target.now_ns,
@@ -417,7 +406,7 @@ pub fn run(
             ops,
             progress,
         )?,
-        Clock::Real => run_real(&target.volume, workload, ops, progress)?,
+        None => run_real(&target.volume, workload, ops, progress)?,
     };
     progress.done(started);
     let after = target.volume.stats();
@@ -432,7 +421,7 @@ pub fn run(
 
 fn run_virtual(
     volume: Arc<Volume>,
-    clock: Arc<dyn VirtualClock>,
+    clock: Arc<dyn VirtualTime>,
     now_ns: &mut u64,
     workload: &Workload,
     ops: u64,
@@ -607,7 +596,7 @@ pub fn settle(volume: &Volume) -> Result<(), String> {
 /// drive's resources, which the next command may have to wait for, but not
 /// the caller's clock. Real time: nothing (the volume's own thread does it).
 pub fn background_tick(target: &mut Target) -> Result<(), String> {
-    if let Clock::Virtual(clock) = &target.clock {
+    if let Some(clock) = &target.virtual_time {
         clock.begin_op(target.now_ns);
         let result = target.volume.maintenance_tick();
         clock.end_op();
@@ -621,13 +610,13 @@ pub fn run_command(
     target: &mut Target,
     command: impl FnOnce(&Volume) -> Result<(), String>,
 ) -> Result<f64, String> {
-    match &target.clock {
-        Clock::Real => {
+    match &target.virtual_time {
+        None => {
             let started = Instant::now();
             command(&target.volume)?;
             Ok(started.elapsed().as_secs_f64())
         }
-        Clock::Virtual(clock) => {
+        Some(clock) => {
             let issue = target.now_ns;
             clock.begin_op(issue);
             let result = command(&target.volume);
@@ -642,9 +631,9 @@ pub fn run_command(
 /// Lets the drive's background work catch up (virtual: `seconds` of idle
 /// time; real: sleeps).
 pub fn idle(target: &mut Target, seconds: f64) {
-    match &target.clock {
-        Clock::Real => std::thread::sleep(Duration::from_secs_f64(seconds)),
-        Clock::Virtual(clock) => {
+    match &target.virtual_time {
+        None => std::thread::sleep(Duration::from_secs_f64(seconds)),
+        Some(clock) => {
             let end = target.now_ns + (seconds * 1e9) as u64;
             let mut now = target.now_ns;
             while now < end {

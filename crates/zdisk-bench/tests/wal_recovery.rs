@@ -214,7 +214,7 @@ impl Drop for TempFile {
 }
 
 fn nand_volume(path: &std::path::Path, plp: bool, create: bool) -> Arc<Volume> {
-    let clock = zdisk_nand::Clock::Virtual;
+    let clock = zdisk_core::clock::Timing::Virtual;
     let options = OpenOptions {
         background: false,
         ..OpenOptions::default()

@@ -13,6 +13,7 @@
 //! which tests and the fuzz targets enable.
 
 pub mod bytes;
+pub mod clock;
 pub mod codec;
 mod device;
 mod dump;
@@ -34,6 +35,7 @@ mod stats;
 pub mod units;
 mod volume;
 
+pub use clock::{Clock, FixedClock, ManualClock, SystemClock};
 pub use codec::Codec;
 pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
@@ -41,7 +43,6 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_map_cache_bytes, CheckReport, Clock, CreateOptions, FixedClock, IdleBudget,
-    LockProfile, OpenOptions, OpenReport, Random, Recompress, SystemClock, Volume, WriteEstimate,
-    WriteEstimator,
+    default_map_cache_bytes, CheckReport, CreateOptions, IdleBudget, LockProfile, OpenOptions,
+    OpenReport, Random, Recompress, Volume, WriteEstimate, WriteEstimator,
 };

@@ -28,13 +28,14 @@ use std::sync::Arc;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
+use crate::clock::FixedClock;
 use crate::codec::Codec;
 use crate::device::BlockDevice;
 use crate::gc::GcPolicy;
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::meta::MediaKind;
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::volume::{CreateOptions, FixedClock, OpenOptions, Random, Recompress, Volume};
+use crate::volume::{CreateOptions, OpenOptions, Random, Recompress, Volume};
 
 /// Where a run draws its choices from: a seeded generator, or a fuzzer's
 /// input ([`FuzzInput`]).

@@ -8,7 +8,6 @@
 //! The volume runs its real background thread; the test moves the
 //! engine's clock by hand to make it idle, and polls the statistics.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,8 @@ use rand::{RngCore, SeedableRng};
 use zdisk_core::media::{Media, MemMedia};
 use zdisk_core::meta::MediaKind;
 use zdisk_core::{
-    BlockDevice, Codec, CreateOptions, OpenOptions, Recompress, Stats, Volume, BLOCK_SIZE,
+    BlockDevice, Codec, CreateOptions, ManualClock, OpenOptions, Recompress, Stats, Volume,
+    BLOCK_SIZE,
 };
 
 const BLOCK: u64 = BLOCK_SIZE as u64;
@@ -26,23 +26,7 @@ const SEGMENTS: u32 = 96;
 /// 24 MiB of incompressible data: stored bytes are about what was written.
 const WRITTEN_BLOCKS: u64 = 6144;
 
-/// A clock the test moves by hand.
-#[derive(Debug, Default)]
-struct HandClock {
-    nanos: AtomicU64,
-}
-
-impl zdisk_core::Clock for HandClock {
-    fn unix_secs(&self) -> u64 {
-        1_700_000_000
-    }
-
-    fn monotonic(&self) -> Duration {
-        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
-    }
-}
-
-fn volume(clock: Arc<HandClock>, recompress: Recompress) -> Arc<Volume> {
+fn volume(clock: Arc<ManualClock>, recompress: Recompress) -> Arc<Volume> {
     let media = Arc::new(MemMedia::with_size(4096, SEGMENT, SEGMENTS).expect("media"));
     let mut create = CreateOptions::new(2 * WRITTEN_BLOCKS * BLOCK);
     create.media_kind = MediaKind::Memory;
@@ -86,7 +70,7 @@ fn data_area_used(stats: &Stats) -> u64 {
 }
 
 fn compacts_when_idle(recompress: Recompress) {
-    let clock = Arc::new(HandClock::default());
+    let clock = Arc::new(ManualClock::new(1_700_000_000));
     let volume = volume(clock.clone(), recompress);
     let model = churn(&volume);
     let busy = volume.stats();
@@ -107,9 +91,7 @@ fn compacts_when_idle(recompress: Recompress) {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(volume.stats().segments_cleaned, busy.segments_cleaned);
 
-    clock
-        .nanos
-        .fetch_add(Duration::from_secs(6).as_nanos() as u64, Ordering::Relaxed);
+    clock.advance(Duration::from_secs(6));
     let started = Instant::now();
     let target = busy.stored_bytes + 4 * SEGMENT;
     let idle = loop {
@@ -156,7 +138,7 @@ fn an_idle_volume_compacts_mostly_dead_segments_with_recompress_idle() {
 
 #[test]
 fn idle_compaction_can_be_turned_off() {
-    let clock = Arc::new(HandClock::default());
+    let clock = Arc::new(ManualClock::new(1_700_000_000));
     let media = Arc::new(MemMedia::with_size(4096, SEGMENT, SEGMENTS).expect("media"));
     let mut create = CreateOptions::new(2 * WRITTEN_BLOCKS * BLOCK);
     create.media_kind = MediaKind::Memory;
@@ -169,9 +151,7 @@ fn idle_compaction_can_be_turned_off() {
     let volume = Volume::create(media as Arc<dyn Media>, create, options).expect("create");
     churn(&volume);
     let before = volume.stats();
-    clock
-        .nanos
-        .fetch_add(Duration::from_secs(6).as_nanos() as u64, Ordering::Relaxed);
+    clock.advance(Duration::from_secs(6));
     assert!(!volume.idle_step().expect("idle step"));
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(volume.stats().segments_cleaned, before.segments_cleaned);

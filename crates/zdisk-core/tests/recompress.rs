@@ -267,32 +267,9 @@ fn recompress_gc_rewrites_cold_victims_and_off_leaves_them() {
     volume.halt();
 }
 
-/// A clock the test moves by hand.
-#[derive(Debug, Default)]
-struct HandClock {
-    nanos: std::sync::atomic::AtomicU64,
-}
-
-impl HandClock {
-    fn advance(&self, by: std::time::Duration) {
-        self.nanos
-            .fetch_add(by.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-impl zdisk_core::Clock for HandClock {
-    fn unix_secs(&self) -> u64 {
-        1_700_000_000
-    }
-
-    fn monotonic(&self) -> std::time::Duration {
-        std::time::Duration::from_nanos(self.nanos.load(std::sync::atomic::Ordering::Relaxed))
-    }
-}
-
 #[test]
 fn data_being_read_is_not_cold() {
-    let clock = Arc::new(HandClock::default());
+    let clock = Arc::new(zdisk_core::ManualClock::new(1_700_000_000));
     let media = media();
     let options = OpenOptions {
         clock: clock.clone(),

@@ -107,14 +107,14 @@
 //! waits behind a queued program on its plane); no ECC, read retry or
 //! die-level power limits; TLC programs cost one `t_prog` per page.
 //!
-//! # Clocks
+//! # Timing
 //!
-//! - [`Clock::Real`]: each call computes its completion from the monotonic
+//! - [`Timing::Real`](zdisk_core::clock::Timing::Real): each call computes its completion from the monotonic
 //!   clock and sleeps until then, outside the model lock; many threads may
 //!   call at once (NBD workers). The host file's own `fdatasync` overlaps
 //!   the modelled sync wait. Sleeping adds the host's wake-up latency
 //!   (a few microseconds; the caller thread's timer slack is set to 1 us).
-//! - [`Clock::Virtual`]: nothing sleeps. A single-threaded harness
+//! - [`Timing::Virtual`](zdisk_core::clock::Timing::Virtual): nothing sleeps. A single-threaded harness
 //!   brackets each host operation: `begin_op(issue_ns)`, calls into the
 //!   engine, `end_op()` returns the completion. Inside, every call starts
 //!   at the operation's cursor and moves it to when the operation may
@@ -149,7 +149,7 @@ mod model;
 mod profile;
 mod store;
 
-pub use media::{Clock, NandMedia};
+pub use media::NandMedia;
 pub use model::{NandStats, PageAddress};
 pub use profile::{
     profile, profile_names, Bandwidth, CellType, NandConfig, NandParams, Profile,

@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use zdisk_core::clock::{Timing, VirtualTime};
 use zdisk_core::held::{assert_none_held, Held};
 use zdisk_core::media::{DriveModel, HostDirection, Media, MediaGeometry, ReadRange};
 use zdisk_core::units::{PageIndex, SegmentId};
@@ -32,20 +33,10 @@ use crate::model::{Model, NandStats, PageAddress};
 use crate::profile::{NandParams, Profile, META_SLOT_SIZE_BYTES};
 use crate::store::Store;
 
-/// Which time a drive runs in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Clock {
-    /// Calls sleep until their modelled completion on the monotonic clock.
-    Real,
-    /// Calls never sleep; a harness brackets each host operation with
-    /// [`NandMedia::begin_op`] and [`NandMedia::end_op`].
-    Virtual,
-}
-
 /// The virtual clock: the running operation's cursor, or the idle time
 /// that calls outside an operation are issued at.
 #[derive(Debug, Default)]
-struct VirtualTime {
+struct Timeline {
     in_op: bool,
     cursor_ns: u64,
     idle_ns: u64,
@@ -53,7 +44,7 @@ struct VirtualTime {
 
 struct Inner {
     model: Model,
-    time: VirtualTime,
+    time: Timeline,
 }
 
 /// `inner` held, and marked held for the debug check that no I/O or
@@ -80,7 +71,7 @@ impl DerefMut for Locked<'_> {
 pub struct NandMedia {
     params: NandParams,
     geometry: MediaGeometry,
-    clock: Clock,
+    timing: Timing,
     epoch: Instant,
     inner: Mutex<Inner>,
     /// Per segment: held from before its model step until its store
@@ -91,10 +82,10 @@ pub struct NandMedia {
 
 impl NandMedia {
     /// A drive whose pages live in RAM (allocated as they are programmed).
-    pub fn new_in_memory(params: NandParams, clock: Clock) -> Result<NandMedia> {
+    pub fn new_in_memory(params: NandParams, timing: Timing) -> Result<NandMedia> {
         params.validate()?;
         let store = Store::ram(&params);
-        Ok(NandMedia::assemble(params, clock, store, None, Vec::new()))
+        Ok(NandMedia::assemble(params, timing, store, None, Vec::new()))
     }
 
     /// Creates a sparse image file for the drive. An existing file is
@@ -102,18 +93,18 @@ impl NandMedia {
     pub fn create(
         path: &Path,
         params: NandParams,
-        clock: Clock,
+        timing: Timing,
         overwrite: bool,
     ) -> Result<NandMedia> {
         params.validate()?;
         let store = Store::create_file(path, &params, overwrite)?;
-        Ok(NandMedia::assemble(params, clock, store, None, Vec::new()))
+        Ok(NandMedia::assemble(params, timing, store, None, Vec::new()))
     }
 
     /// Reopens an image: everything comes from its header. Every block
     /// must be erased before it is programmed again (write pointers are
     /// not kept), as on `FileMedia`; erase counts and staged pages are.
-    pub fn open(path: &Path, clock: Clock) -> Result<NandMedia> {
+    pub fn open(path: &Path, timing: Timing) -> Result<NandMedia> {
         let (store, params, erase_counts, staged) = Store::open_file(path)?;
         let staged = staged
             .into_iter()
@@ -121,7 +112,7 @@ impl NandMedia {
             .collect();
         Ok(NandMedia::assemble(
             params,
-            clock,
+            timing,
             store,
             Some(erase_counts),
             staged,
@@ -130,7 +121,7 @@ impl NandMedia {
 
     fn assemble(
         params: NandParams,
-        clock: Clock,
+        timing: Timing,
         store: Store,
         erase_counts: Option<Vec<u32>>,
         staged: Vec<(u32, u32, Vec<u8>)>,
@@ -154,11 +145,11 @@ impl NandMedia {
             segment_order,
             geometry: params.profile.geometry(),
             params,
-            clock,
+            timing,
             epoch: Instant::now(),
             inner: Mutex::new(Inner {
                 model,
-                time: VirtualTime::default(),
+                time: Timeline::default(),
             }),
             store,
         }
@@ -172,8 +163,8 @@ impl NandMedia {
         &self.params.profile
     }
 
-    pub fn clock(&self) -> Clock {
-        self.clock
+    pub fn timing(&self) -> Timing {
+        self.timing
     }
 
     /// The image file, or `None` in RAM.
@@ -235,7 +226,11 @@ impl NandMedia {
     }
 
     fn assert_virtual(&self, what: &str) {
-        assert_eq!(self.clock, Clock::Virtual, "{what} needs the virtual clock");
+        assert_eq!(
+            self.timing,
+            Timing::Virtual,
+            "{what} needs the virtual clock"
+        );
     }
 
     fn lock(&self) -> Locked<'_> {
@@ -259,25 +254,25 @@ impl NandMedia {
     }
 
     fn start_ns(&self, inner: &Inner) -> u64 {
-        match self.clock {
+        match self.timing {
             // Real time only moves forward: it is the horizon too .
-            Clock::Real => self.real_now_ns(),
-            Clock::Virtual if inner.time.in_op => inner.time.cursor_ns,
-            Clock::Virtual => inner.time.idle_ns,
+            Timing::Real => self.real_now_ns(),
+            Timing::Virtual if inner.time.in_op => inner.time.cursor_ns,
+            Timing::Virtual => inner.time.idle_ns,
         }
     }
 
     /// Lets the caller continue at `done_ns`: moves the virtual cursor, or
     /// returns the real-time deadline to sleep until once the lock is gone.
     fn settle(&self, mut inner: Locked<'_>, done_ns: u64) -> Option<u64> {
-        match self.clock {
-            Clock::Virtual => {
+        match self.timing {
+            Timing::Virtual => {
                 if inner.time.in_op {
                     inner.time.cursor_ns = inner.time.cursor_ns.max(done_ns);
                 }
                 None
             }
-            Clock::Real => Some(done_ns),
+            Timing::Real => Some(done_ns),
         }
     }
 
@@ -343,7 +338,7 @@ impl Media for NandMedia {
         let order = self.order(segment);
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
-        if self.clock == Clock::Real {
+        if self.timing == Timing::Real {
             inner.model.set_horizon(start);
         }
         let programmed = inner
@@ -381,7 +376,7 @@ impl Media for NandMedia {
             .collect();
         let mut inner = self.lock();
         let start = self.start_ns(&inner);
-        if self.clock == Clock::Real {
+        if self.timing == Timing::Real {
             inner.model.set_horizon(start);
         }
         let page_size = self.geometry.page_size_bytes as u64;
@@ -480,12 +475,12 @@ impl Media for NandMedia {
             Some(path) => format!("image {}", path.display()),
             None => "RAM".to_string(),
         };
-        let clock = match self.clock {
-            Clock::Real => "real time",
-            Clock::Virtual => "virtual time",
+        let timing = match self.timing {
+            Timing::Real => "real time",
+            Timing::Virtual => "virtual time",
         };
         format!(
-            "emulated NAND drive {} ({place}, {clock})",
+            "emulated NAND drive {} ({place}, {timing})",
             self.params.profile.name
         )
     }
@@ -540,6 +535,16 @@ impl DriveModel for NandMedia {
     }
 }
 
+impl VirtualTime for NandMedia {
+    fn begin_op(&self, issue_ns: u64) {
+        NandMedia::begin_op(self, issue_ns);
+    }
+
+    fn end_op(&self) -> u64 {
+        NandMedia::end_op(self)
+    }
+}
+
 /// The lock discipline (issue #23): reads take no lock a store write holds,
 /// and in debug builds any store I/O or modelled sleep under a marked lock
 /// panics.
@@ -551,9 +556,9 @@ mod tests {
     use super::*;
     use crate::profile::NandParams;
 
-    fn drive(clock: Clock) -> NandMedia {
+    fn drive(timing: Timing) -> NandMedia {
         let params = NandParams::named("tiny").expect("the tiny profile");
-        let drive = NandMedia::new_in_memory(params, clock).expect("a RAM drive");
+        let drive = NandMedia::new_in_memory(params, timing).expect("a RAM drive");
         for segment in 0..2 {
             drive.erase_segment(SegmentId(segment)).expect("erase");
         }
@@ -566,7 +571,7 @@ mod tests {
 
     #[test]
     fn a_read_takes_no_lock_a_store_write_holds() {
-        let drive = Arc::new(drive(Clock::Virtual));
+        let drive = Arc::new(drive(Timing::Virtual));
         drive
             .write_pages(SegmentId(1), PageIndex(0), &page(7, &drive))
             .expect("program");
@@ -592,7 +597,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "a NAND store read while holding the nand lock")]
     fn store_io_under_the_model_lock_panics() {
-        let drive = drive(Clock::Virtual);
+        let drive = drive(Timing::Virtual);
         let _inner = drive.lock();
         let mut buf = vec![0u8; 512];
         let _ = drive.store.read(0, 0, &mut buf);
@@ -602,7 +607,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "a NAND store read while holding the state lock")]
     fn a_read_under_a_callers_marked_lock_panics() {
-        let drive = drive(Clock::Virtual);
+        let drive = drive(Timing::Virtual);
         let _state = Held::mark("state");
         let mut buf = vec![0u8; 512];
         let _ = drive.read(SegmentId(0), 0, &mut buf);
@@ -612,7 +617,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "a modelled wait while holding the state lock")]
     fn a_real_time_wait_under_a_marked_lock_panics() {
-        let drive = drive(Clock::Real);
+        let drive = drive(Timing::Real);
         let _state = Held::mark("state");
         drive.host_transfer(HostDirection::Read, 4096);
     }

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
+use zdisk_core::clock::Timing;
 use zdisk_core::media::{DriveModel, HostDirection, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
-use zdisk_nand::{Clock, NandMedia};
+use zdisk_nand::NandMedia;
 
 /// Catches a hang, not slowness: far above anything a busy host adds.
 const LIVENESS: Duration = Duration::from_secs(60);
@@ -46,7 +47,7 @@ fn assert_about(elapsed: Duration, modelled: Duration) {
 
 #[test]
 fn writes_and_syncs_take_about_the_modelled_time() {
-    let drive = NandMedia::new_in_memory(slow_tiny(), Clock::Real).unwrap();
+    let drive = NandMedia::new_in_memory(slow_tiny(), Timing::Real).unwrap();
     drive.erase_segment(SegmentId(0)).unwrap();
     // One clock over both calls: the sum of two clocks would miss the gap
     // between them, and fall short of the model by that much.
@@ -70,7 +71,7 @@ fn writes_and_syncs_take_about_the_modelled_time() {
 
 #[test]
 fn concurrent_commands_serialise_on_the_controller() {
-    let drive = Arc::new(NandMedia::new_in_memory(slow_tiny(), Clock::Real).unwrap());
+    let drive = Arc::new(NandMedia::new_in_memory(slow_tiny(), Timing::Real).unwrap());
     let elapsed = timed(|| {
         let threads: Vec<_> = (0..4)
             .map(|_| {

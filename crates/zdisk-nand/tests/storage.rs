@@ -5,10 +5,11 @@
 mod common;
 
 use common::*;
+use zdisk_core::clock::Timing;
 use zdisk_core::media::{DriveModel, Media};
 use zdisk_core::units::{PageIndex, SegmentId};
 use zdisk_core::Error;
-use zdisk_nand::{is_nand_image, Clock, NandMedia, NandParams, IMAGE_MAGIC};
+use zdisk_nand::{is_nand_image, NandMedia, NandParams, IMAGE_MAGIC};
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
@@ -78,7 +79,7 @@ fn ram_back_end_returns_what_was_written() {
 #[test]
 fn file_back_end_returns_what_was_written() {
     let path = TempPath::new("round-trip.nand");
-    let drive = NandMedia::create(&path.0, tiny(), Clock::Virtual, false).unwrap();
+    let drive = NandMedia::create(&path.0, tiny(), Timing::Virtual, false).unwrap();
     check_round_trip(&drive);
 }
 
@@ -127,7 +128,7 @@ fn a_reopened_image_keeps_parameters_slots_pages_staged_pages_and_erase_counts()
     params.config.power_loss_protection = true;
     params.config.recycle_cap_bytes_per_sec = Some(12_345_678);
     {
-        let drive = NandMedia::create(&path.0, params.clone(), Clock::Virtual, false).unwrap();
+        let drive = NandMedia::create(&path.0, params.clone(), Timing::Virtual, false).unwrap();
         drive.write_meta_slot(0, b"root zero").unwrap();
         drive.write_meta_slot(1, b"root one").unwrap();
         for segment in 0..3 {
@@ -156,7 +157,7 @@ fn a_reopened_image_keeps_parameters_slots_pages_staged_pages_and_erase_counts()
     assert_eq!(&prefix[..9], IMAGE_MAGIC);
     assert_ne!(&prefix[..8], zdisk_core::meta::META_MAGIC);
 
-    let drive = NandMedia::open(&path.0, Clock::Virtual).unwrap();
+    let drive = NandMedia::open(&path.0, Timing::Virtual).unwrap();
     assert_eq!(drive.params(), &params);
     assert_eq!(&drive.read_meta_slot(0).unwrap()[..9], b"root zero");
     assert_eq!(&drive.read_meta_slot(1).unwrap()[..8], b"root one");
@@ -183,10 +184,10 @@ fn a_reopened_image_keeps_parameters_slots_pages_staged_pages_and_erase_counts()
 fn a_reopened_image_needs_an_erase_before_programming() {
     let path = TempPath::new("reerase.nand");
     {
-        let drive = NandMedia::create(&path.0, tiny(), Clock::Virtual, false).unwrap();
+        let drive = NandMedia::create(&path.0, tiny(), Timing::Virtual, false).unwrap();
         drive.erase_segment(SegmentId(0)).unwrap();
     }
-    let drive = NandMedia::open(&path.0, Clock::Virtual).unwrap();
+    let drive = NandMedia::open(&path.0, Timing::Virtual).unwrap();
     drive
         .write_pages(SegmentId(0), PageIndex(0), &page(1))
         .unwrap();
@@ -197,16 +198,16 @@ fn images_are_created_opened_and_locked_with_care() {
     let path = TempPath::new("care.nand");
     std::fs::write(&path.0, b"ZDISKMT1 is a zdisk file image, not a NAND image").unwrap();
     assert!(matches!(
-        NandMedia::create(&path.0, tiny(), Clock::Virtual, false),
+        NandMedia::create(&path.0, tiny(), Timing::Virtual, false),
         Err(Error::InvalidArgument(_))
     ));
     assert!(matches!(
-        NandMedia::open(&path.0, Clock::Virtual),
+        NandMedia::open(&path.0, Timing::Virtual),
         Err(Error::CorruptImage(_))
     ));
-    let drive = NandMedia::create(&path.0, tiny(), Clock::Virtual, true).unwrap();
+    let drive = NandMedia::create(&path.0, tiny(), Timing::Virtual, true).unwrap();
     assert!(matches!(
-        NandMedia::open(&path.0, Clock::Real),
+        NandMedia::open(&path.0, Timing::Real),
         Err(Error::Locked { .. })
     ));
     drop(drive);
@@ -215,14 +216,14 @@ fn images_are_created_opened_and_locked_with_care() {
     bytes[40] ^= 1;
     std::fs::write(&path.0, &bytes).unwrap();
     assert!(matches!(
-        NandMedia::open(&path.0, Clock::Virtual),
+        NandMedia::open(&path.0, Timing::Virtual),
         Err(Error::CorruptImage(_))
     ));
     // So is a truncated image.
     bytes[40] ^= 1;
     std::fs::write(&path.0, &bytes[..bytes.len() / 2]).unwrap();
     assert!(matches!(
-        NandMedia::open(&path.0, Clock::Virtual),
+        NandMedia::open(&path.0, Timing::Virtual),
         Err(Error::CorruptImage(_))
     ));
 }
@@ -235,7 +236,7 @@ fn a_large_profile_costs_no_memory_or_disk_until_written() {
     let drive = virtual_drive(params.clone());
     assert_eq!(read(&drive, 255, 0, 64), vec![0xFF; 64]);
     let path = TempPath::new("femu.nand");
-    let drive = NandMedia::create(&path.0, params, Clock::Virtual, false).unwrap();
+    let drive = NandMedia::create(&path.0, params, Timing::Virtual, false).unwrap();
     drive.erase_segment(SegmentId(7)).unwrap();
     drive
         .write_pages(SegmentId(7), PageIndex(0), &page(3))

@@ -14,10 +14,11 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
+use zdisk_core::clock::Timing;
 use zdisk_core::media::Media;
 use zdisk_core::meta::MediaKind;
 use zdisk_core::{BlockDevice, Codec, CreateOptions, OpenOptions, Volume};
-use zdisk_nand::{Clock, NandMedia, NandParams};
+use zdisk_nand::{NandMedia, NandParams};
 
 const BLOCK: u64 = 4096;
 
@@ -29,7 +30,7 @@ fn options() -> OpenOptions {
 }
 
 fn create(path: &std::path::Path, params: &NandParams) -> (Arc<NandMedia>, Arc<Volume>) {
-    let media = Arc::new(NandMedia::create(path, params.clone(), Clock::Virtual, false).unwrap());
+    let media = Arc::new(NandMedia::create(path, params.clone(), Timing::Virtual, false).unwrap());
     let profile = &params.profile;
     let create = CreateOptions {
         logical_size_bytes: profile.logical_size_bytes(),
@@ -44,7 +45,7 @@ fn create(path: &std::path::Path, params: &NandParams) -> (Arc<NandMedia>, Arc<V
 }
 
 fn reopen(path: &std::path::Path) -> (Arc<NandMedia>, Arc<Volume>) {
-    let media = Arc::new(NandMedia::open(path, Clock::Virtual).unwrap());
+    let media = Arc::new(NandMedia::open(path, Timing::Virtual).unwrap());
     let volume = Volume::open(media.clone() as Arc<dyn Media>, options()).unwrap();
     let recorded = NandParams::decode_params(&volume.superblock().media_params).unwrap();
     assert_eq!(

@@ -347,7 +347,7 @@ fn create_nand(
         let media = zdisk_nand::NandMedia::create(
             target,
             params.clone(),
-            zdisk_nand::Clock::Virtual,
+            zdisk_core::clock::Timing::Virtual,
             false,
         )
         .map_err(|e| e.to_string())?;
@@ -384,9 +384,9 @@ pub fn open_with_clock(
 ) -> Result<Arc<Volume>, String> {
     if is_nand_image(path) {
         let clock = if virtual_time {
-            zdisk_nand::Clock::Virtual
+            zdisk_core::clock::Timing::Virtual
         } else {
-            zdisk_nand::Clock::Real
+            zdisk_core::clock::Timing::Real
         };
         let media = zdisk_nand::NandMedia::open(path, clock).map_err(|e| e.to_string())?;
         return Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string());

@@ -20,8 +20,6 @@
 //! a live record that fails verification becomes a `Damaged` map entry
 //! (reads fail with EIO) backed by a `Damaged` record in the log.
 
-use std::sync::atomic::Ordering;
-
 use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
@@ -31,9 +29,7 @@ use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{
-    apply, by_record, moves_ranges, plan_recompress, plan_record, LiveExtent, Move,
-};
+use super::moves::{apply, by_record, moves_ranges, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -108,7 +104,7 @@ fn record_in_runs(runs: &[(u64, Vec<u8>)], loc: Location) -> Option<&[u8]> {
 
 /// A victim chosen for one cleaning step.
 #[derive(Debug, Clone, Copy)]
-struct Victim {
+pub(super) struct Victim {
     segment: SegmentId,
     seq: u64,
     fill_bytes: u64,
@@ -120,11 +116,11 @@ struct Victim {
     /// and the cold-data pass has not rewritten most of it yet.
     cold: bool,
     /// Rewrite its live data with the cold-data codec.
-    recompress: bool,
+    pub(super) recompress: bool,
 }
 
 /// The facts a cleaning step needs about `segment`.
-fn victim_of(state: &State, segment: SegmentId) -> Victim {
+pub(super) fn victim_of(state: &State, segment: SegmentId) -> Victim {
     let info = state.space().segment(segment);
     debug_assert_eq!(info.state, SegmentState::Sealed, "victim {segment}");
     let now = state.space().next_version();
@@ -163,63 +159,6 @@ struct Relocated<'a> {
     checkpoint_first: bool,
 }
 
-/// What the idle pass does next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum IdleChoice {
-    /// Compact or recompress this sealed segment.
-    Victim(SegmentId),
-    /// The candidates hold range records a recovery may still replay.
-    CheckpointFirst,
-    /// Nothing to rewrite; cleaned segments wait for a barrier.
-    Release,
-    Nothing,
-}
-
-/// The idle pass's next move: the emptiest sealed segment if at most half
-/// of it lives, else, when it may `recompress`, the one with the oldest
-/// data not yet rewritten by the cold-data pass (at most half of its live
-/// bytes are) and not read lately (`read_recently`).
-fn idle_choice(
-    state: &State,
-    recompress: bool,
-    read_recently: &dyn Fn(SegmentId) -> bool,
-) -> IdleChoice {
-    let half = state.segment_size_bytes() / 2;
-    let sealed = || {
-        state
-            .space()
-            .table()
-            .iter()
-            .filter(|(_, info)| info.state == SegmentState::Sealed)
-    };
-    let emptiest = sealed()
-        .filter(|(_, info)| info.live_bytes <= half)
-        .min_by_key(|(_, info)| info.live_bytes);
-    let oldest_warm = sealed()
-        .filter(|_| recompress)
-        .filter(|(_, info)| info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2)
-        .filter(|(segment, _)| !read_recently(*segment))
-        .min_by_key(|(_, info)| info.max_version);
-    match emptiest.or(oldest_warm) {
-        Some((segment, info)) if info.holds_ranges && state.needed_by_recovery(segment) => {
-            IdleChoice::CheckpointFirst
-        }
-        Some((segment, _)) => IdleChoice::Victim(segment),
-        None if state.space().reclaimable_count() > 0 => IdleChoice::Release,
-        None => IdleChoice::Nothing,
-    }
-}
-
-/// The largest unit the cold-data pass writes (32 KiB). On the /usr tar
-/// (lz4 at first, 292 MiB), 32 KiB units stored 230 MiB and served 4 KiB
-/// random reads at 147 MB/s; 64 KiB units 225 MiB at 96 MB/s; 128 KiB
-/// units 221 MiB at 66 MB/s.
-const COLD_UNIT_BLOCKS: u8 = 8;
-
-/// The codec the cold-data pass compresses with: slower than a volume's
-/// everyday codec, and worth it for data that is not going to change.
-pub(crate) const COLD_CODEC: crate::codec::Codec = crate::codec::Codec::Zstd { level: 9 };
-
 /// Who is cleaning: a writer waiting for room (never slowed by the
 /// cold-data pass), or the background thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,14 +185,12 @@ impl Volume {
         };
         // With `--recompress gc`, the background cleaner rewrites cold
         // victims with the stronger codec.
-        victim.recompress = who == Cleaning::Background
-            && self.options.recompress == crate::volume::Recompress::Gc
-            && victim.cold;
+        victim.recompress = self.recompress_when_cleaning(who, victim.cold);
         self.clean_victim(&victim)
     }
 
     /// Cleans `victim` (chosen under the maintenance lock, held).
-    fn clean_victim(&self, victim: &Victim) -> Result<bool> {
+    pub(super) fn clean_victim(&self, victim: &Victim) -> Result<bool> {
         let victim = *victim;
         let contents = self.read_victim(&victim)?;
         let Some(relocated) = self.relocate_victim(&victim, contents)? else {
@@ -267,7 +204,7 @@ impl Volume {
     /// reservations and flushing leave no room to relocate.
     /// The map leaves of `ranges`, the blocks relocation changes, are in
     /// RAM then.
-    fn room_to_relocate(
+    pub(super) fn room_to_relocate(
         &self,
         victim: SegmentId,
         extra_bytes: u64,
@@ -306,68 +243,6 @@ impl Volume {
             return Ok(None);
         };
         Ok(Some(victim_of(&state, segment)))
-    }
-
-    /// One step of the idle pass (the volume idle): compacts the emptiest
-    /// sealed segment if at most half of it lives (`idle_compact`, or any
-    /// `Recompress` mode but `Off`), otherwise, with `Recompress::Idle` or
-    /// `Gc`, rewrites the one with the oldest data the pass has not
-    /// rewritten yet. The pass never scans a victim for range records:
-    /// while its candidates hold some a recovery may still replay, it
-    /// writes a checkpoint first (two at most: the older root's recovery
-    /// counts too). When nothing is left, a flush releases what it
-    /// cleaned. Returns false if there was nothing worth doing or no room
-    /// to do it in.
-    pub fn idle_step(&self) -> Result<bool> {
-        let recompress = self.options.recompress != crate::volume::Recompress::Off;
-        if self.read_only || !(recompress || self.options.idle_compact) {
-            return Ok(false);
-        }
-        let maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
-        let choice = {
-            let state = self.lock();
-            state.check_writable()?;
-            idle_choice(&state, recompress, &|segment| self.read_recently(segment))
-        };
-        match choice {
-            IdleChoice::Victim(segment) => {
-                let Some(state) = self.room_to_relocate(segment, 0, &[])? else {
-                    return Ok(false);
-                };
-                let mut victim = victim_of(&state, segment);
-                drop(state);
-                // Compacting a segment being read keeps its codec: data
-                // being read is not cold, and stays warm where it goes
-                // (the GC stream's segment before and after the move:
-                // half a segment fits in two).
-                let warm = self.read_recently(segment);
-                victim.recompress = recompress && !warm;
-                self.idle_checkpoints.store(0, Ordering::Relaxed);
-                let gc_segment = || self.lock().streams()[StreamKind::Gc as usize].segment;
-                let target_before = gc_segment();
-                let cleaned = self.clean_victim(&victim);
-                if warm {
-                    for target in [target_before, gc_segment()].into_iter().flatten() {
-                        self.note_segment_read(target);
-                    }
-                }
-                cleaned
-            }
-            IdleChoice::CheckpointFirst => {
-                if self.idle_checkpoints.fetch_add(1, Ordering::Relaxed) >= 2 {
-                    return Ok(false);
-                }
-                drop(maintenance);
-                self.checkpoint()?;
-                Ok(true)
-            }
-            IdleChoice::Release => {
-                drop(maintenance);
-                self.flush()?;
-                Ok(true)
-            }
-            IdleChoice::Nothing => Ok(false),
-        }
     }
 
     /// The live records of `segment`: (block, location, version), found
@@ -459,9 +334,7 @@ impl Volume {
                 .iter()
                 .map(|record| (record_in_runs(&runs, record[0].1), record.as_slice()))
                 .collect();
-            let units = crate::record::unit_blocks_for_segment(self.geometry.segment_size_bytes)
-                .min(COLD_UNIT_BLOCKS);
-            plan_recompress(&self.record_key, seq32, &read, COLD_CODEC, units as u64)
+            self.plan_cold(seq32, &read)
         } else {
             records
                 .iter()

@@ -20,6 +20,7 @@
 mod check;
 mod checkpoint;
 mod clean;
+mod cold;
 mod compressors;
 mod estimate;
 mod fault;
@@ -41,18 +42,16 @@ mod tallies;
 mod tests;
 
 pub use check::CheckReport;
+pub use cold::{IdleBudget, Recompress};
 pub use estimate::{WriteEstimate, WriteEstimator};
 pub use guard::LockProfile;
-pub use options::{
-    default_map_cache_bytes, Clock, CreateOptions, FixedClock, IdleBudget, OpenOptions, Random,
-    Recompress, SystemClock,
-};
+pub use options::{default_map_cache_bytes, CreateOptions, OpenOptions, Random};
 pub use recovery::OpenReport;
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::device::{BlockDevice, Extent, ExtentState, StoredExtent};
 use crate::error::{Error, Result};
@@ -62,7 +61,7 @@ use crate::meta::{read_roots, MediaKind, RetainedRoot, Root, Settings, Superbloc
 use crate::record::RecordKey;
 use crate::segments::SegmentState;
 use crate::stats::{Counters, SegmentCounts, Stats};
-use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
+use crate::units::{Lba, BLOCK_SIZE_U64};
 
 use recovery::Recovered;
 use roots::{build_root, RootContents};
@@ -105,16 +104,8 @@ pub struct Volume {
     worker: Mutex<Option<JoinHandle<()>>>,
     open_report: Mutex<OpenReport>,
     gc_active: AtomicBool,
-    /// `options.clock.monotonic()` at the last host request, in
-    /// nanoseconds: how the idle pass knows the volume is idle.
-    last_host_io_nanos: AtomicU64,
-    /// Checkpoints the idle pass wrote since it last rewrote a segment.
-    idle_checkpoints: AtomicU32,
-    /// Per segment: when a host read last needed one of its records, in
-    /// whole seconds of `options.clock.monotonic()` plus one (0: not
-    /// since the volume opened). Not persisted: after a restart all data
-    /// counts as unread.
-    segment_read_secs: Vec<AtomicU32>,
+    /// The cold-data pass's state (`cold.rs`).
+    cold: cold::ColdPass,
     gc_low_free_segments: u64,
     gc_high_free_segments: u64,
     /// Whether a large write may spread its compression over idle cores.
@@ -329,11 +320,7 @@ impl Volume {
             worker: Mutex::new(None),
             open_report: Mutex::new(OpenReport::default()),
             gc_active: AtomicBool::new(false),
-            idle_checkpoints: AtomicU32::new(0),
-            segment_read_secs: (0..geometry.segment_count)
-                .map(|_| AtomicU32::new(0))
-                .collect(),
-            last_host_io_nanos: AtomicU64::new(options.clock.monotonic().as_nanos() as u64),
+            cold: cold::ColdPass::new(geometry.segment_count, options.clock.monotonic()),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
             compressors: compressors::Compressors::default(),
@@ -453,55 +440,6 @@ impl Volume {
 
     fn set_gc_active(&self, active: bool) {
         self.gc_active.store(active, Ordering::Relaxed);
-    }
-
-    /// A host request came: the volume is not idle. Writes also let the
-    /// idle pass checkpoint again.
-    fn note_host_io(&self, write: bool) {
-        if write {
-            self.idle_checkpoints.store(0, Ordering::Relaxed);
-        }
-        let now = self.options.clock.monotonic().as_nanos() as u64;
-        self.last_host_io_nanos.store(now, Ordering::Relaxed);
-    }
-
-    fn clock_secs(&self) -> u32 {
-        u32::try_from(self.options.clock.monotonic().as_secs())
-            .unwrap_or(u32::MAX - 1)
-            .saturating_add(1)
-    }
-
-    /// A host read needed a record in `segment`.
-    fn note_segment_read(&self, segment: SegmentId) {
-        if let Some(mark) = self.segment_read_secs.get(segment.0 as usize) {
-            mark.store(self.clock_secs(), Ordering::Relaxed);
-        }
-    }
-
-    /// A host read needed a record in `segment` within
-    /// `options.read_warm_for`.
-    fn read_recently(&self, segment: SegmentId) -> bool {
-        let mark = self
-            .segment_read_secs
-            .get(segment.0 as usize)
-            .map_or(0, |mark| mark.load(Ordering::Relaxed));
-        mark != 0
-            && u64::from(self.clock_secs().saturating_sub(mark))
-                < self.options.read_warm_for.as_secs().max(1)
-    }
-
-    /// The idle pass has something it may do: compact, or recompress.
-    fn idle_pass_enabled(&self) -> bool {
-        self.options.idle_compact || self.options.recompress != Recompress::Off
-    }
-
-    /// No host request (reads included: data being read is not cold, and
-    /// reads should not share the CPU with the pass) for
-    /// `options.idle_after`.
-    fn is_idle(&self) -> bool {
-        let now = self.options.clock.monotonic().as_nanos() as u64;
-        let last = self.last_host_io_nanos.load(Ordering::Relaxed);
-        now.saturating_sub(last) >= self.options.idle_after.as_nanos() as u64
     }
 
     /// A one-line description of a block's map entry and its segment, for
@@ -805,23 +743,8 @@ fn maintenance_loop(volume: Weak<Volume>) {
         // NoSpace; the loop backs off instead of spinning.
         let mut worked = strong.maintenance_tick().unwrap_or(false);
         let mut pause = Duration::from_millis(100);
-        if !worked && strong.idle_pass_enabled() && strong.is_idle() {
-            // Within the idle budget: a pause as long as the step's CPU
-            // time and the bytes it moved ask for.
-            let started = Instant::now();
-            let moved = |volume: &Volume| {
-                let counters = volume.lock().counters();
-                counters.gc_read_bytes + counters.gc_write_bytes
-            };
-            let moved_before = moved(&strong);
-            if strong.idle_step().unwrap_or(false) {
-                let io_bytes = moved(&strong).saturating_sub(moved_before);
-                pause = strong
-                    .options
-                    .idle_budget
-                    .pause_after(started.elapsed(), io_bytes);
-                worked = pause.is_zero();
-            }
+        if !worked {
+            (worked, pause) = strong.cold_turn();
         }
         if !worked {
             let guard = strong.wake_lock.lock().expect("wake lock");

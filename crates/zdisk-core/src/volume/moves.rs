@@ -13,7 +13,7 @@
 //!   version, and replaying the copy after a crash would bring it back;
 //! - **mark damaged** the blocks of a record that fails verification.
 //!
-//! The cold-data pass plans a victim differently ([`plan_recompress`]):
+//! The cold-data pass plans a victim differently (`cold.rs`, `plan_recompress`):
 //! every live block is decompressed, and runs of consecutive blocks, from
 //! whichever records they came, are compressed again with the cold codec
 //! in units of up to 32 KiB, each block keeping its
@@ -139,99 +139,8 @@ pub(crate) fn plan_record(
     }
 }
 
-/// Plans the cold-data rewrite of a victim's live records (`records`:
-/// each one's bytes as read, `None` if unreadable, and its live blocks):
-/// every live block is decompressed, and runs of consecutive blocks,
-/// across the records they came from, are compressed again with `codec`
-/// in units of up to `unit_blocks` (aligned to multiples of it). Records
-/// that are already such rewrites, and still whole, are copied as they
-/// are; records that fail verification are marked damaged.
-pub(crate) fn plan_recompress(
-    key: &RecordKey,
-    seq32: u32,
-    records: &[(Option<&[u8]>, &[LiveExtent])],
-    codec: Codec,
-    unit_blocks: u64,
-) -> Vec<Move> {
-    let mut moves = Vec::new();
-    // Live blocks to rewrite: (extent, decompressed block), by block.
-    let mut blocks: Vec<(LiveExtent, Vec<u8>)> = Vec::new();
-    for &(bytes, live) in records {
-        let plan = plan_record(key, seq32, bytes, live, codec);
-        let Move::Copy {
-            header, payload, ..
-        } = &plan
-        else {
-            // A partly live unit (rewritten below from its blocks anyway)
-            // or damage.
-            match plan {
-                Move::Rewrite(records, _) => blocks.extend(
-                    records
-                        .into_iter()
-                        .flat_map(|r| split_raw(&r).into_iter().collect::<Vec<_>>()),
-                ),
-                damaged => moves.push(damaged),
-            }
-            continue;
-        };
-        let unit = (header.kind == RecordKind::Unit)
-            .then(|| decode_unit(header, payload).expect("verified by plan_record"));
-        if unit.as_ref().is_some_and(|u| u.recompressed) {
-            moves.push(plan);
-            continue;
-        }
-        let raw = match &unit {
-            Some(unit) => decompress_unit(header, unit.data, unit.count()),
-            None => CodecId::from_u8(header.codec).and_then(|id| {
-                let mut block = vec![0u8; BLOCK_SIZE];
-                decompress_exact(id, payload, &mut block)
-                    .ok()
-                    .map(|()| block)
-            }),
-        };
-        let Some(raw) = raw else {
-            moves.push(Move::Damaged(
-                live.iter().map(|&(lba, loc, _)| (lba, loc)).collect(),
-            ));
-            continue;
-        };
-        for &extent in live {
-            let member = extent.1.member as usize;
-            blocks.push((
-                extent,
-                raw[member * BLOCK_SIZE..(member + 1) * BLOCK_SIZE].to_vec(),
-            ));
-        }
-    }
-    blocks.sort_by_key(|((lba, _, _), _)| lba.0);
-    let mut start = 0;
-    while start < blocks.len() {
-        // Consecutive blocks, within one aligned window of `unit_blocks`.
-        let window = blocks[start].0 .0 .0 / unit_blocks;
-        let mut end = start + 1;
-        while end < blocks.len()
-            && blocks[end].0 .0 .0 == blocks[end - 1].0 .0 .0 + 1
-            && blocks[end].0 .0 .0 / unit_blocks == window
-        {
-            end += 1;
-        }
-        let run: Vec<LiveExtent> = blocks[start..end].iter().map(|(e, _)| *e).collect();
-        let versions: Vec<u64> = run.iter().map(|&(_, _, v)| v).collect();
-        let raw: Vec<u8> = blocks[start..end]
-            .iter()
-            .flat_map(|(_, b)| b.iter().copied())
-            .collect();
-        moves.push(Move::Rewrite(
-            compress_run(&raw, &run, &versions, codec, true),
-            codec,
-        ));
-        start = end;
-    }
-    moves
-}
-
 /// A planned rewrite back into its blocks, each with its extent.
-fn split_raw(record: &Rewritten) -> Vec<(LiveExtent, Vec<u8>)> {
+pub(super) fn split_raw(record: &Rewritten) -> Vec<(LiveExtent, Vec<u8>)> {
     (0..record.versions.len())
         .map(|i| {
             let extent = (
@@ -248,7 +157,7 @@ fn split_raw(record: &Rewritten) -> Vec<(LiveExtent, Vec<u8>)> {
 }
 
 /// A unit's blocks, decompressed; `None` if they do not decompress.
-fn decompress_unit(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
+pub(super) fn decompress_unit(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
     let id = CodecId::from_u8(header.codec)?;
     let mut blocks = vec![0u8; count * BLOCK_SIZE];
     decompress_exact(id, data, &mut blocks).ok()?;

@@ -9,14 +9,17 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use rand::rngs::{SmallRng, StdRng};
 use rand::{RngCore, SeedableRng};
 
+use crate::clock::{Clock, SystemClock};
 use crate::codec::Codec;
 use crate::gc::GcPolicy;
 use crate::meta::MediaKind;
+
+use super::cold::{IdleBudget, Recompress};
 
 use super::space;
 
@@ -142,97 +145,6 @@ impl Default for OpenOptions {
     }
 }
 
-/// The idle pass's share of the machine: after each step it pauses long
-/// enough that its CPU time stays within `cpu_share` of one core and the
-/// bytes it reads and writes within `io_bytes_per_sec`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct IdleBudget {
-    /// Fraction of one core, above 0 and at most 1.
-    pub cpu_share: f64,
-    /// Bytes per second the pass may read and write together.
-    pub io_bytes_per_sec: u64,
-}
-
-impl Default for IdleBudget {
-    fn default() -> Self {
-        IdleBudget {
-            cpu_share: 0.5,
-            io_bytes_per_sec: 64 << 20,
-        }
-    }
-}
-
-impl IdleBudget {
-    /// The pause after a step that took `busy` and moved `io_bytes`.
-    pub fn pause_after(&self, busy: Duration, io_bytes: u64) -> Duration {
-        let share = self.cpu_share.clamp(0.01, 1.0);
-        let for_cpu = busy.mul_f64((1.0 - share) / share);
-        let for_io = match self.io_bytes_per_sec {
-            0 => Duration::ZERO,
-            rate => Duration::from_secs_f64(io_bytes as f64 / rate as f64).saturating_sub(busy),
-        };
-        for_cpu.max(for_io)
-    }
-}
-
-/// The engine's only view of time.
-pub trait Clock: fmt::Debug + Send + Sync {
-    /// Seconds since the Unix epoch.
-    fn unix_secs(&self) -> u64;
-    /// A monotonic reading: only differences between readings mean anything.
-    fn monotonic(&self) -> Duration;
-}
-
-/// The operating system's clocks.
-#[derive(Debug)]
-pub struct SystemClock {
-    origin: Instant,
-}
-
-impl SystemClock {
-    pub fn new() -> SystemClock {
-        SystemClock {
-            origin: Instant::now(),
-        }
-    }
-}
-
-impl Default for SystemClock {
-    fn default() -> Self {
-        SystemClock::new()
-    }
-}
-
-impl Clock for SystemClock {
-    fn unix_secs(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0)
-    }
-
-    fn monotonic(&self) -> Duration {
-        self.origin.elapsed()
-    }
-}
-
-/// A clock that stands still at `unix_secs`, for runs that must replay
-/// exactly.
-#[derive(Debug, Clone, Copy)]
-pub struct FixedClock {
-    pub unix_secs: u64,
-}
-
-impl Clock for FixedClock {
-    fn unix_secs(&self) -> u64 {
-        self.unix_secs
-    }
-
-    fn monotonic(&self) -> Duration {
-        Duration::ZERO
-    }
-}
-
 /// The engine's only source of randomness, shared by the clones of one
 /// set of options.
 #[derive(Clone)]
@@ -266,7 +178,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn seeded_randomness_and_a_fixed_clock_repeat() {
+    fn seeded_randomness_repeats() {
         let (a, b) = (Random::seeded(3), Random::seeded(3));
         let (mut x, mut y) = ([0u8; 16], [0u8; 16]);
         a.fill(&mut x);
@@ -274,64 +186,5 @@ mod tests {
         assert_eq!(x, y);
         a.fill(&mut y);
         assert_ne!(x, y, "a source moves on");
-        let clock = FixedClock { unix_secs: 42 };
-        assert_eq!(clock.unix_secs(), 42);
-        assert_eq!(clock.monotonic(), clock.monotonic());
-    }
-
-    #[test]
-    fn the_idle_budget_bounds_cpu_and_io() {
-        let budget = IdleBudget {
-            cpu_share: 0.5,
-            io_bytes_per_sec: 10 << 20,
-        };
-        let ms = Duration::from_millis;
-        // CPU-bound: as long a pause as the step took.
-        assert_eq!(budget.pause_after(ms(40), 0), ms(40));
-        // IO-bound: 20 MiB at 10 MiB/s is 2 s in all, step included.
-        assert_eq!(budget.pause_after(ms(40), 20 << 20), ms(1960));
-        let quarter = IdleBudget {
-            cpu_share: 0.25,
-            io_bytes_per_sec: 0,
-        };
-        assert_eq!(quarter.pause_after(ms(10), 1 << 30), ms(30));
-    }
-}
-
-/// When data found cold is rewritten in larger units with a stronger
-/// codec, so that a volume's ratio improves over time (see
-/// `volume/moves.rs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Recompress {
-    /// Never.
-    Off,
-    /// When the volume is idle: a background pass with a CPU budget
-    /// rewrites cold segments, and compacts mostly dead ones.
-    #[default]
-    Idle,
-    /// Also whenever the background cleaner relocates a cold victim.
-    Gc,
-}
-
-impl Recompress {
-    pub fn parse(text: &str) -> std::result::Result<Recompress, String> {
-        match text {
-            "off" => Ok(Recompress::Off),
-            "idle" => Ok(Recompress::Idle),
-            "gc" => Ok(Recompress::Gc),
-            other => Err(format!(
-                "unknown recompress mode {other:?}: use off, idle or gc"
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Recompress {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Recompress::Off => "off",
-            Recompress::Idle => "idle",
-            Recompress::Gc => "gc",
-        })
     }
 }

@@ -7,9 +7,10 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use zdisk_core::clock::Timing;
 use zdisk_core::media::Media;
 use zdisk_core::units::SegmentId;
-use zdisk_nand::{Clock, NandMedia, NandParams};
+use zdisk_nand::{NandMedia, NandParams};
 
 pub const US: u64 = 1_000;
 pub const MS: u64 = 1_000_000;
@@ -45,7 +46,7 @@ pub fn tiny() -> NandParams {
 }
 
 pub fn virtual_drive(params: NandParams) -> NandMedia {
-    NandMedia::new_in_memory(params, Clock::Virtual).unwrap()
+    NandMedia::new_in_memory(params, Timing::Virtual).unwrap()
 }
 
 /// A drive whose first `segments` segments were erased at time 0, and
