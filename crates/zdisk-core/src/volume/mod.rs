@@ -1,8 +1,10 @@
 //! The volume: zdisk's engine, tying the map, the log writer, the cleaner,
 //! checkpoints and recovery together behind [`BlockDevice`].
 //!
-//! Concurrency: one mutex guards [`State`] (map, free space, stream
-//! buffers). No medium I/O happens under it (debug builds check, see
+//! Concurrency: one reader-writer lock guards [`State`] (map, free space,
+//! stream buffers): a host read whose map leaves are in RAM takes it shared,
+//! everything that changes the state exclusively (`guard.rs`). No medium
+//! I/O happens under it (debug builds check, see
 //! `held.rs`): compression, decompression, medium reads and map page
 //! faults happen outside it (`fault.rs`), and what the medium must do is
 //! queued under it and done by the log writer after it (`guard.rs`,
@@ -12,7 +14,9 @@
 //! and checkpoints are serialised by a maintenance lock and run on a
 //! background thread, or in the writer's thread when a write finds no room
 //! (which is how writes are throttled): every caller short of space climbs
-//! one ladder, decided in `space.rs` and climbed in `room.rs`.
+//! one ladder, decided in `space.rs` and climbed in `room.rs`. The
+//! cold-data pass, run by the same thread when the volume is idle, is
+//! `cold.rs`'s.
 //!
 //! Lock order: maintenance → sync → state → the medium's own locks. The
 //! stripe locks of read-modify-write come before all of them.
