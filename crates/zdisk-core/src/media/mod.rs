@@ -480,39 +480,39 @@ mod tests {
         }
     }
 
-    /// RAM that admits writes and hears of segments, and records both.
+    /// A medium that only admits writes and hears of segments, and records
+    /// both; the test never stores anything on it.
     struct Watching {
-        inner: MemMedia,
         heard: Mutex<Vec<String>>,
     }
 
     impl Media for Watching {
         fn geometry(&self) -> MediaGeometry {
-            self.inner.geometry()
+            geometry()
         }
         fn physical_size_bytes(&self) -> u64 {
-            self.inner.physical_size_bytes()
+            0
         }
-        fn write_pages(&self, segment: SegmentId, page: PageIndex, data: &[u8]) -> Result<()> {
-            self.inner.write_pages(segment, page, data)
+        fn write_pages(&self, _: SegmentId, _: PageIndex, _: &[u8]) -> Result<()> {
+            unreachable!("this test stores nothing")
         }
-        fn read(&self, segment: SegmentId, offset_bytes: u64, buf: &mut [u8]) -> Result<()> {
-            self.inner.read(segment, offset_bytes, buf)
+        fn read(&self, _: SegmentId, _: u64, _: &mut [u8]) -> Result<()> {
+            unreachable!("this test stores nothing")
         }
-        fn erase_segment(&self, segment: SegmentId) -> Result<()> {
-            self.inner.erase_segment(segment)
+        fn erase_segment(&self, _: SegmentId) -> Result<()> {
+            unreachable!("this test stores nothing")
         }
         fn sync(&self) -> Result<()> {
-            self.inner.sync()
+            unreachable!("this test stores nothing")
         }
-        fn write_meta_slot(&self, slot: usize, data: &[u8]) -> Result<()> {
-            self.inner.write_meta_slot(slot, data)
+        fn write_meta_slot(&self, _: usize, _: &[u8]) -> Result<()> {
+            unreachable!("this test stores nothing")
         }
-        fn read_meta_slot(&self, slot: usize) -> Result<Vec<u8>> {
-            self.inner.read_meta_slot(slot)
+        fn read_meta_slot(&self, _: usize) -> Result<Vec<u8>> {
+            unreachable!("this test stores nothing")
         }
         fn describe(&self) -> String {
-            "watching RAM".into()
+            "a watching medium".into()
         }
         fn segment_events(&self) -> Option<&dyn SegmentEvents> {
             Some(self)
@@ -560,7 +560,6 @@ mod tests {
     #[test]
     fn only_a_host_write_with_data_asks_for_admission_and_events_reach_the_medium() {
         let watching = Arc::new(Watching {
-            inner: MemMedia::new(geometry()).unwrap(),
             heard: Mutex::new(Vec::new()),
         });
         let media: Arc<dyn Media> = LockChecked::wrap(watching.clone());
