@@ -1,6 +1,6 @@
 //! The object-store tier (issue #15): a volume's segments in a bucket (S3,
 //! Ceph's radosgw, or an in-memory store for tests), a local image as the
-//! cache. See `medium.rs` for how segments travel and docs/format.md
+//! cache. See `medium/mod.rs` for how segments travel and docs/format.md
 //! for what the bucket holds.
 //!
 //! The `testing` feature adds what tests need and a normal build leaves
