@@ -6,7 +6,7 @@
 //! module turns either into a [`StoreCause`]: the endpoint unreachable or
 //! silent, the bucket missing, the key or secret refused, the clock
 //! skewed, the gateway failing. It is the one place that reads those
-//! errors; `store_error` (medium.rs), the first probe (reach.rs) and the
+//! errors; `store_error` (medium/bucket.rs), the first probe (reach.rs) and the
 //! bucket creation all go through it.
 
 use std::error::Error as StdError;

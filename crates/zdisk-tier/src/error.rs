@@ -29,6 +29,14 @@ pub enum TierError {
     Local(String),
     /// An object the bucket does not hold.
     Missing(String),
+    /// Something is already where a new image or volume was to be made.
+    Exists(String),
+    /// An image made to read a volume (`create --from --read-only`) was
+    /// opened to write.
+    ReaderOnly(String),
+    /// The engine refused or failed (making or opening the volume, the
+    /// local image); its own error.
+    Engine(zdisk_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, TierError>;
@@ -41,7 +49,10 @@ impl fmt::Display for TierError {
             | TierError::BadObject(m)
             | TierError::Missing(m)
             | TierError::OtherWriter(m)
+            | TierError::Exists(m)
+            | TierError::ReaderOnly(m)
             | TierError::Local(m) => f.write_str(m),
+            TierError::Engine(error) => write!(f, "{error}"),
             TierError::Bucket {
                 url,
                 doing,
@@ -58,7 +69,21 @@ impl fmt::Display for TierError {
     }
 }
 
-impl std::error::Error for TierError {}
+impl std::error::Error for TierError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            // Transparent: its message is the engine error's own.
+            TierError::Engine(error) => std::error::Error::source(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<zdisk_core::Error> for TierError {
+    fn from(error: zdisk_core::Error) -> Self {
+        TierError::Engine(error)
+    }
+}
 
 impl TierError {
     /// The store's cause, if this is a failed request to it.
@@ -72,9 +97,12 @@ impl TierError {
 
 impl From<TierError> for zdisk_core::Error {
     fn from(error: TierError) -> Self {
-        zdisk_core::Error::io(
-            "object-store tier",
-            std::io::Error::other(error.to_string()),
-        )
+        match error {
+            TierError::Engine(error) => error,
+            error => zdisk_core::Error::io(
+                "object-store tier",
+                std::io::Error::other(error.to_string()),
+            ),
+        }
     }
 }

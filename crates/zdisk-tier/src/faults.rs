@@ -5,6 +5,7 @@
 //! decides whether it reached the server (a writer killed mid-upload).
 //! `install_memory_store` makes `memory://NAME/...` reach one, so
 //! `create`, `open` and `restore` run the tier's real code against it.
+//! Built only with the `testing` feature (the crate's tests turn it on).
 //!
 //! The fault model (what the tier must survive): a request that fails
 //! either did nothing or, for a PUT with a lost reply, did everything (the

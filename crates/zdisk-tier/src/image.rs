@@ -13,7 +13,7 @@ use zdisk_core::media::{file_geometry, FileMedia, Media};
 use zdisk_core::meta::{geometry_in_slots, MediaKind, Root};
 use zdisk_core::{CreateOptions, OpenOptions, Volume};
 
-use crate::error::TierError;
+use crate::error::{Result, TierError};
 use crate::location::Location;
 use crate::medium::{get_root, list, TierConfig, TieredMedia};
 use crate::reach::Contact;
@@ -36,24 +36,24 @@ pub struct TierLayout {
     pub create_bucket: bool,
 }
 
-fn refuse_existing(image: &Path) -> Result<(), String> {
+fn refuse_existing(image: &Path) -> Result<()> {
     for path in [image.to_path_buf(), sidecar_path(image)] {
         if path.exists() {
-            return Err(format!(
+            return Err(TierError::Exists(format!(
                 "{} already exists; a tiered image is made only where nothing is",
                 path.display()
-            ));
+            )));
         }
     }
     Ok(())
 }
 
-fn random_id() -> Result<[u8; 16], String> {
+fn random_id() -> Result<[u8; 16]> {
     use std::io::Read;
     let mut id = [0u8; 16];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut id))
-        .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+        .map_err(|e| TierError::Local(format!("cannot read /dev/urandom: {e}")))?;
     Ok(id)
 }
 
@@ -70,50 +70,38 @@ pub fn create(
     mut create: CreateOptions,
     config: TierConfig,
     options: OpenOptions,
-) -> Result<Arc<Volume>, String> {
-    let location = Location::parse(&layout.url).map_err(|e| e.to_string())?;
+) -> Result<Arc<Volume>> {
+    let location = Location::parse(&layout.url)?;
     refuse_existing(image)?;
-    file_geometry(layout.log_bytes, layout.segment_size_bytes).map_err(|e| e.to_string())?;
-    let store = location
-        .open_store(config.retry_timeout)
-        .map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    location
-        .reach(
-            &runtime,
-            Contact::Create {
-                make_bucket: layout.create_bucket,
-            },
-        )
-        .map_err(|e| e.to_string())?;
-    let listing = runtime
-        .block_on(list(&store, &location))
-        .map_err(|e| e.to_string())?;
+    file_geometry(layout.log_bytes, layout.segment_size_bytes)?;
+    let store = location.open_store(config.retry_timeout)?;
+    let runtime = current_thread_runtime()?;
+    location.reach(
+        &runtime,
+        Contact::Create {
+            make_bucket: layout.create_bucket,
+        },
+    )?;
+    let listing = runtime.block_on(list(&store, &location))?;
     if !listing.roots.is_empty() || !listing.segments.is_empty() {
-        return Err(format!(
+        return Err(TierError::Exists(format!(
             "{} already holds a volume; attach to it with `zdisk create IMAGE --physical SIZE --from {}`",
             location.url, location.url
-        ));
+        )));
     }
     let result = (|| {
         Sidecar::new(&location.url, random_id()?, 0, layout.cache_bytes)
-            .store(&sidecar_path(image))
-            .map_err(|e| e.to_string())?;
+            .store(&sidecar_path(image))?;
         let inner = FileMedia::create(
             image,
             Some(layout.log_bytes),
             layout.segment_size_bytes,
             false,
-        )
-        .map_err(|e| e.to_string())?;
-        let media = TieredMedia::open(Arc::new(inner), sidecar_path(image), config)
-            .map_err(|e| e.to_string())?;
+        )?;
+        let media = TieredMedia::open(Arc::new(inner), sidecar_path(image), config)?;
         create.media_kind = MediaKind::Tiered;
         create.media_params = location.url.as_bytes().to_vec();
-        Volume::create(media as Arc<dyn Media>, create, options).map_err(|e| e.to_string())
+        Ok(Volume::create(media as Arc<dyn Media>, create, options)?)
     })();
     if result.is_err() {
         remove_partial(image);
@@ -131,47 +119,36 @@ pub fn restore(
     take_over: bool,
     config: TierConfig,
     options: OpenOptions,
-) -> Result<Arc<Volume>, String> {
-    let location = Location::parse(url).map_err(|e| e.to_string())?;
+) -> Result<Arc<Volume>> {
+    let location = Location::parse(url)?;
     refuse_existing(image)?;
-    let store = location
-        .open_store(config.retry_timeout)
-        .map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    location
-        .reach(&runtime, Contact::Attach)
-        .map_err(|e| e.to_string())?;
-    let listing = runtime
-        .block_on(list(&store, &location))
-        .map_err(|e| e.to_string())?;
+    let store = location.open_store(config.retry_timeout)?;
+    let runtime = current_thread_runtime()?;
+    location.reach(&runtime, Contact::Attach)?;
+    let listing = runtime.block_on(list(&store, &location))?;
     let Some(&number) = listing.roots.last() else {
-        return Err(format!(
+        return Err(TierError::Missing(format!(
             "{} holds no zdisk volume (no root object)",
             location.url
-        ));
+        )));
     };
-    let root_object = runtime
-        .block_on(get_root(&store, &location, number))
-        .map_err(|e| e.to_string())?;
+    let root_object = runtime.block_on(get_root(&store, &location, number))?;
     if !root_object.clean && !take_over && !options.read_only {
         return Err(TierError::OtherWriter(format!(
             "{}: its newest root object ({number}) is not a clean stop's, so another machine may \
              still be writing the volume; if that machine is gone, pass --take-over",
             location.url
-        ))
-        .to_string());
+        )));
     }
-    let root = Root::decode(&root_object.engine_root)
-        .map_err(|e| format!("{}: root object {number}: {e}", location.url))?;
+    let root = Root::decode(&root_object.engine_root).map_err(|e| {
+        TierError::BadObject(format!("{}: root object {number}: {e}", location.url))
+    })?;
     let superblock = &root.superblock;
     if superblock.media_kind != MediaKind::Tiered {
-        return Err(format!(
+        return Err(TierError::BadObject(format!(
             "{}: root object {number} is not a tiered volume's",
             location.url
-        ));
+        )));
     }
     for entry in &root_object.segments {
         let there = listing
@@ -180,10 +157,10 @@ pub fn restore(
             .copied()
             .unwrap_or(0);
         if there < entry.len_bytes {
-            return Err(format!(
+            return Err(TierError::Missing(format!(
                 "{}: root object {number} needs {} bytes of segment {} (seq {:08x}), the bucket holds {there}",
                 location.url, entry.len_bytes, entry.segment, entry.seq32
-            ));
+            )));
         }
     }
     let result = (|| {
@@ -193,18 +170,16 @@ pub fn restore(
             Some(superblock.physical_size_bytes),
             geometry.segment_size_bytes,
             false,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         if inner.geometry() != geometry {
-            return Err(format!(
+            return Err(TierError::Local(format!(
                 "{}: a local image of {} bytes does not take the volume's geometry",
                 location.url, superblock.physical_size_bytes
-            ));
+            )));
         }
         inner
             .write_meta_slot(root.slot(), &root_object.engine_root)
-            .and_then(|()| inner.sync())
-            .map_err(|e| e.to_string())?;
+            .and_then(|()| inner.sync())?;
         let mut sidecar = Sidecar::new(&location.url, random_id()?, number, cache_bytes);
         sidecar.reader = options.read_only;
         sidecar.evicted = root_object
@@ -212,9 +187,7 @@ pub fn restore(
             .iter()
             .map(|entry| (entry.segment, entry.seq32, entry.writer, entry.len_bytes))
             .collect();
-        sidecar
-            .store(&sidecar_path(image))
-            .map_err(|e| e.to_string())?;
+        sidecar.store(&sidecar_path(image))?;
         drop(inner);
         open(image, config, options)
     })();
@@ -226,22 +199,28 @@ pub fn restore(
 
 /// Opens a tiered image; a reader's (made `--from` with `--read-only`)
 /// only read-only.
-pub fn open(image: &Path, config: TierConfig, options: OpenOptions) -> Result<Arc<Volume>, String> {
-    let sidecar = Sidecar::load(&sidecar_path(image)).map_err(|e| e.to_string())?;
+pub fn open(image: &Path, config: TierConfig, options: OpenOptions) -> Result<Arc<Volume>> {
+    let sidecar = Sidecar::load(&sidecar_path(image))?;
     if sidecar.reader && !options.read_only {
-        return Err(format!(
+        return Err(TierError::ReaderOnly(format!(
             "{} was made to read {} (create --from --read-only): serve it with --read-only",
             image.display(),
             sidecar.url
-        ));
+        )));
     }
     let config = TierConfig {
         read_only: options.read_only || config.read_only,
         ..config
     };
-    let inner =
-        FileMedia::open(image, options.read_only, geometry_in_slots).map_err(|e| e.to_string())?;
-    let media = TieredMedia::open(Arc::new(inner), sidecar_path(image), config)
-        .map_err(|e| e.to_string())?;
-    Volume::open(media as Arc<dyn Media>, options).map_err(|e| e.to_string())
+    let inner = FileMedia::open(image, options.read_only, geometry_in_slots)?;
+    let media = TieredMedia::open(Arc::new(inner), sidecar_path(image), config)?;
+    Ok(Volume::open(media as Arc<dyn Media>, options)?)
+}
+
+/// A runtime for the few store calls of a create or restore.
+fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| TierError::Local(format!("cannot start a runtime for the bucket: {e}")))
 }

@@ -1,14 +1,13 @@
 //! Where a tiered volume lives: `s3://BUCKET/PREFIX` (endpoint and
 //! credentials from the standard `AWS_*` environment variables, as every
-//! S3 tool reads them), or `memory://NAME/PREFIX`, an in-memory store
-//! shared within the process, for tests that need no server.
+//! S3 tool reads them), or, in a build with the `testing` feature,
+//! `memory://NAME/PREFIX`, an in-memory store shared within the process,
+//! for tests that need no server.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::aws::AmazonS3Builder;
-use object_store::memory::InMemory;
 use object_store::{BackoffConfig, ObjectStore, RetryConfig};
 
 use crate::cause::Target;
@@ -27,6 +26,7 @@ pub struct Location {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Scheme {
     S3,
+    #[cfg(feature = "testing")]
     Memory,
 }
 
@@ -38,7 +38,7 @@ impl Location {
         let (scheme, rest) = if let Some(rest) = url.strip_prefix("s3://") {
             (Scheme::S3, rest)
         } else if let Some(rest) = url.strip_prefix("memory://") {
-            (Scheme::Memory, rest)
+            (memory_scheme(url)?, rest)
         } else {
             return Err(bad("unknown scheme"));
         };
@@ -70,6 +70,7 @@ impl Location {
     /// for at most `retry_timeout`, then fail.
     pub fn open_store(&self, retry_timeout: Duration) -> Result<Arc<dyn ObjectStore>> {
         match self.scheme {
+            #[cfg(feature = "testing")]
             Scheme::Memory => Ok(memory_store(&self.bucket)),
             Scheme::S3 => {
                 // A wait between tries never more than a quarter of the
@@ -119,6 +120,7 @@ impl Location {
 
     /// What requests to this location go to, for the messages.
     pub(crate) fn target(&self) -> Target {
+        #[cfg(feature = "testing")]
         if self.scheme == Scheme::Memory {
             return Target {
                 endpoint: "memory".into(),
@@ -130,34 +132,64 @@ impl Location {
     }
 }
 
-/// The stores `memory://NAME/...` names, one per name per process.
-fn memory_stores() -> &'static Mutex<HashMap<String, Arc<dyn ObjectStore>>> {
-    static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
-    STORES.get_or_init(Default::default)
+/// The error for a `memory://` URL where there is no such store.
+#[cfg_attr(feature = "testing", allow(dead_code))]
+fn no_memory_store(url: &str) -> TierError {
+    TierError::BadLocation(format!(
+        "tier {url:?}: memory:// is the tests' in-process store; this build has no \
+         `testing` feature (expected s3://BUCKET/PREFIX)"
+    ))
 }
 
-/// The in-memory store named `name`, as `memory://NAME/...` reaches it:
-/// the one a test installed under that name, else a fresh `InMemory` made
-/// on first use. Tests look into it through this.
-#[doc(hidden)]
-pub fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
-    memory_stores()
-        .lock()
-        .expect("memory stores lock")
-        .entry(name.to_string())
-        .or_insert_with(|| Arc::new(InMemory::new()))
-        .clone()
+#[cfg(feature = "testing")]
+fn memory_scheme(_url: &str) -> Result<Scheme> {
+    Ok(Scheme::Memory)
 }
 
-/// Makes `memory://NAME/...` reach `store` from now on in this process
-/// (tests: a fault-injecting store, see `faults.rs`). Volumes already open
-/// keep the store they opened.
-#[doc(hidden)]
-pub fn install_memory_store(name: &str, store: Arc<dyn ObjectStore>) {
-    memory_stores()
-        .lock()
-        .expect("memory stores lock")
-        .insert(name.to_string(), store);
+#[cfg(not(feature = "testing"))]
+fn memory_scheme(url: &str) -> Result<Scheme> {
+    Err(no_memory_store(url))
+}
+
+#[cfg(feature = "testing")]
+pub use memory::{install_memory_store, memory_store};
+
+/// The tests' in-process stores (the `testing` feature).
+#[cfg(feature = "testing")]
+mod memory {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use object_store::memory::InMemory;
+    use object_store::ObjectStore;
+
+    /// The stores `memory://NAME/...` names, one per name per process.
+    fn memory_stores() -> &'static Mutex<HashMap<String, Arc<dyn ObjectStore>>> {
+        static STORES: OnceLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> = OnceLock::new();
+        STORES.get_or_init(Default::default)
+    }
+
+    /// The in-memory store named `name`, as `memory://NAME/...` reaches it:
+    /// the one a test installed under that name, else a fresh `InMemory` made
+    /// on first use. Tests look into it through this.
+    pub fn memory_store(name: &str) -> Arc<dyn ObjectStore> {
+        memory_stores()
+            .lock()
+            .expect("memory stores lock")
+            .entry(name.to_string())
+            .or_insert_with(|| Arc::new(InMemory::new()))
+            .clone()
+    }
+
+    /// Makes `memory://NAME/...` reach `store` from now on in this process
+    /// (tests: a fault-injecting store, see `faults.rs`). Volumes already open
+    /// keep the store they opened.
+    pub fn install_memory_store(name: &str, store: Arc<dyn ObjectStore>) {
+        memory_stores()
+            .lock()
+            .expect("memory stores lock")
+            .insert(name.to_string(), store);
+    }
 }
 
 #[cfg(test)]
@@ -174,5 +206,19 @@ mod tests {
             let error = Location::parse(bad).unwrap_err().to_string();
             assert!(error.contains("s3://BUCKET/PREFIX"), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn a_memory_url_without_the_testing_feature_says_why() {
+        let error = no_memory_store("memory://b/p").to_string();
+        assert!(error.contains("tests' in-process store"), "{error}");
+        assert!(error.contains("no `testing` feature"), "{error}");
+        #[cfg(not(feature = "testing"))]
+        assert_eq!(
+            Location::parse("memory://b/p").unwrap_err().to_string(),
+            error
+        );
+        #[cfg(feature = "testing")]
+        assert!(Location::parse("memory://b/p").is_ok());
     }
 }

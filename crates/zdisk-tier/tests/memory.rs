@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use object_store::ObjectStore;
 use zdisk_core::{BlockDevice, Codec, CreateOptions, OpenOptions, Volume};
-use zdisk_tier::{TierConfig, TierLayout};
+use zdisk_tier::{TierConfig, TierError, TierLayout};
 
 const MIB: u64 = 1 << 20;
 
@@ -92,6 +92,7 @@ fn restore(
         config(),
         options,
     )
+    .map_err(|e| e.to_string())
 }
 
 /// A writer that publishes a root at open and none for an hour, and
@@ -192,7 +193,8 @@ fn a_second_writer_is_refused() {
     let error = zdisk_tier::open(&dir.0.join("a.img"), config(), options())
         .err()
         .expect("the first writer must be refused");
-    assert!(error.contains("another writer"), "{error}");
+    assert!(matches!(error, TierError::OtherWriter(_)), "{error:?}");
+    assert!(error.to_string().contains("another writer"), "{error}");
     // Reading it is fine.
     let reader = zdisk_tier::open(
         &dir.0.join("a.img"),
@@ -621,7 +623,8 @@ fn readers_attach_to_a_running_writers_volume_without_taking_it() {
     let error = zdisk_tier::open(&dir.0.join("r.img"), config(), options())
         .err()
         .expect("a reader's image must not open to write");
-    assert!(error.contains("--read-only"), "{error}");
+    assert!(matches!(error, TierError::ReaderOnly(_)), "{error:?}");
+    assert!(error.to_string().contains("--read-only"), "{error}");
     let reader = zdisk_tier::open(&dir.0.join("r.img"), config(), read_only).unwrap();
     check_all(&reader, 2048, 1);
     drop(reader);

@@ -213,7 +213,8 @@ pub fn create_command(args: &CreateArgs) -> Result<(), String> {
                 args.take_over,
                 zdisk_tier::TierConfig::default(),
                 options,
-            )?
+            )
+            .map_err(|e| e.to_string())?
         }
         (Some(profile), _, _) => create_nand(args, profile, options)?,
         (None, None, None) => create(
@@ -310,6 +311,7 @@ fn create_tiered(
         zdisk_tier::TierConfig::default(),
         options,
     )
+    .map_err(|e| e.to_string())
 }
 
 /// Creates an emulated NAND drive image.
@@ -392,7 +394,7 @@ pub fn open_with_clock(
         return Volume::open(Arc::new(media) as Arc<dyn Media>, options).map_err(|e| e.to_string());
     }
     if zdisk_tier::is_tiered(path) {
-        return zdisk_tier::open(path, tier, options);
+        return zdisk_tier::open(path, tier, options).map_err(|e| e.to_string());
     }
     open_file(path, options)
 }
