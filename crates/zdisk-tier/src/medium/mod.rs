@@ -2,7 +2,7 @@
 //! store, with a local medium (a sparse image file) as the cache.
 //!
 //! The engine writes and reads the local medium as always. Beside it:
-//! - a segment incarnation the engine sealed (`Media::segment_sealed`) is
+//! - a segment incarnation the engine sealed (`SegmentEvents::segment_sealed`) is
 //!   uploaded whole, as one object, by a background thread;
 //! - once the engine has made a root durable locally (a metadata-slot write
 //!   followed by a sync), the thread publishes it, at most once per
