@@ -5,14 +5,19 @@
 //! directory entry per leaf, then segments), cut into payloads of at most
 //! [`chunk_target_bytes`] uncompressed bytes, each compressed with LZ4 into
 //! one `MapChunk` record: header `lba` = record index, `version` = the
-//! generation of the root that wrote it. The map's pages follow, one record
-//! per leaf (`map/page.rs`: `lba` = the leaf's first block). Both copies
-//! place the records identically ([`place`]), each in its own segments, so
-//! that a record damaged in one copy is read from the other. Opening reads
-//! only the directory records ([`load_dump`]) and works out where every
-//! page is from the directory's page lengths, by the same placement; the
-//! map reads a page when it needs the leaf. A format 2 dump holds map
-//! chunks instead of a directory, and loads into a map entirely in RAM.
+//! generation of the root that wrote it. The pages this checkpoint writes
+//! follow, one record per leaf that changed or moved (`map/page.rs`: `lba`
+//! = the leaf's first block). Both copies place the records identically
+//! ([`place`]), each in its own segments, so that a record damaged in one
+//! copy is read from the other. The directory names every leaf: a page
+//! written with it by its length (opening works out where it is by the
+//! same placement), a page an earlier checkpoint wrote and this one keeps
+//! by its segment, offset and generation (format 4). The root's list of
+//! dump segments ([`DumpRef`]) holds this dump's own segments, then every
+//! earlier one a kept page lives in, so recovery keeps them all. Opening
+//! reads only the directory records ([`load_dump`]); the map reads a page
+//! when it needs the leaf. A format 2 dump holds map chunks instead of a
+//! directory, and loads into a map entirely in RAM.
 //! docs/format.md gives the layout; `volume/checkpoint.rs` is the
 //! procedure that writes one.
 //!
@@ -23,8 +28,8 @@ use crate::bytes::{ByteReader, ByteWriter};
 use crate::codec::{lz4_compress, lz4_decompress, CodecId};
 use crate::error::{Error, Result};
 use crate::map::{
-    Chunk, Entry, Location, Map, MapCounts, PageLoc, PageStore, RangeState, Slot, SnapshotPage,
-    CHUNK_BLOCKS, VERSION_MAX,
+    Chunk, Entry, Location, Map, MapCounts, PageLoc, PageSource, PageStore, RangeState, Slot,
+    SnapshotPage, CHUNK_BLOCKS, VERSION_MAX,
 };
 use crate::media::Media;
 use crate::meta::DumpRef;
@@ -41,8 +46,13 @@ const ITEM_SEGMENT: u8 = 2;
 const ITEM_SEGMENT_COLD: u8 = 3;
 /// The map's counts, for a map whose leaves are pages (format 3).
 const ITEM_MAP_TOTALS: u8 = 4;
-/// A leaf's directory entry: its range and its page's length (format 3).
+/// A leaf's directory entry: its range and the length of its page, which
+/// follows the directory in this dump (format 3).
 const ITEM_PAGE: u8 = 5;
+/// A leaf's directory entry whose page an earlier checkpoint wrote and
+/// this one keeps: its range, the page's length, the segment of its copy
+/// 0, its offset and the generation that wrote it (format 4).
+const ITEM_KEPT_PAGE: u8 = 6;
 
 const FORM_UNIFORM: u8 = 0;
 const FORM_MIXED: u8 = 1;
@@ -283,11 +293,24 @@ pub(crate) fn encode_directory(
     let mut end = 0u64;
     for page in pages {
         let out = &mut payloads.raw;
-        out.u8(ITEM_PAGE);
+        let kept = match page.source {
+            PageSource::Kept(loc) => Some(loc),
+            _ => None,
+        };
+        out.u8(if kept.is_some() {
+            ITEM_KEPT_PAGE
+        } else {
+            ITEM_PAGE
+        });
         out.varint(page.start - end);
         out.varint(page.blocks);
         out.varint(page.chunk_items);
         out.varint(page.payload_len() as u64);
+        if let Some(loc) = kept {
+            out.varint(loc.segments[0].0 as u64);
+            out.varint(loc.offset as u64 / RECORD_ALIGN);
+            out.varint(loc.generation);
+        }
         end = page.start + page.blocks;
         payloads.cut(false);
     }
@@ -306,9 +329,10 @@ pub(crate) struct Directory {
     end: u64,
 }
 
-/// A directory page's (start, blocks, chunk items, payload length).
+/// A directory page's (start, blocks, chunk items, payload length, and
+/// for a kept page its copy-0 segment, offset and generation).
 #[cfg(test)]
-pub(crate) type PageFields = (u64, u64, u64, u32);
+pub(crate) type PageFields = (u64, u64, u64, u32, Option<(u32, u32, u64)>);
 
 #[cfg(test)]
 impl Directory {
@@ -317,7 +341,16 @@ impl Directory {
         let pages = self
             .pages
             .iter()
-            .map(|page| (page.start, page.blocks, page.chunk_items, page.payload_len))
+            .map(|page| {
+                let kept = page.kept.map(|k| (k.segment.0, k.offset, k.generation));
+                (
+                    page.start,
+                    page.blocks,
+                    page.chunk_items,
+                    page.payload_len,
+                    kept,
+                )
+            })
             .collect();
         (self.totals, pages)
     }
@@ -329,6 +362,18 @@ struct DirectoryPage {
     blocks: u64,
     chunk_items: u64,
     payload_len: u32,
+    /// Where an earlier checkpoint wrote the page, if this dump keeps it.
+    kept: Option<KeptPage>,
+}
+
+/// A kept page's place as the directory gives it.
+#[derive(Debug, Clone, Copy)]
+struct KeptPage {
+    /// The segment of its copy 0.
+    segment: SegmentId,
+    offset: u32,
+    /// The generation of the checkpoint that wrote it.
+    generation: u64,
 }
 
 /// Decodes a data entry (or, with `unit`, a unit member) of a mixed
@@ -449,7 +494,7 @@ pub(crate) fn decode_chunk_payload(
                     stored_bytes: input.varint()?,
                 });
             }
-            ITEM_PAGE => {
+            tag @ (ITEM_PAGE | ITEM_KEPT_PAGE) => {
                 let start = directory
                     .end
                     .checked_add(input.varint()?)
@@ -466,11 +511,29 @@ pub(crate) fn decode_chunk_payload(
                 if !(1..=MAP_CHUNK_PAYLOAD_MAX as u64).contains(&payload_len) {
                     return Err(format!("map page at {start} of {payload_len} bytes"));
                 }
+                let kept = if tag == ITEM_KEPT_PAGE {
+                    let segment = input.varint()?;
+                    let offset = input.varint()?.saturating_mul(RECORD_ALIGN);
+                    let generation = input.varint()?;
+                    if segment >= segments.len() as u64 || offset > u32::MAX as u64 {
+                        return Err(format!(
+                            "map page at {start} kept in segment {segment} at offset {offset}"
+                        ));
+                    }
+                    Some(KeptPage {
+                        segment: SegmentId(segment as u32),
+                        offset: offset as u32,
+                        generation,
+                    })
+                } else {
+                    None
+                };
                 directory.pages.push(DirectoryPage {
                     start,
                     blocks,
                     chunk_items,
                     payload_len: payload_len as u32,
+                    kept,
                 });
                 directory.end = end;
             }
@@ -691,6 +754,12 @@ fn install_pages(
         }
         return Err(corrupt("map pages without the map's totals".into()));
     };
+    // Where each copy-0 segment of the root's list is, for kept pages.
+    let positions: std::collections::HashMap<SegmentId, usize> = dump.copies[0]
+        .iter()
+        .enumerate()
+        .map(|(position, &segment)| (segment, position))
+        .collect();
     for page in &directory.pages {
         let len = record_len_for_payload(page.payload_len as usize);
         if len > segment_size {
@@ -699,25 +768,52 @@ fn install_pages(
                 page.start
             )));
         }
-        let (position, offset) = cursor.place(len, segment_size);
-        if position as usize >= dump.copies[0].len() {
+        let (position, offset, generation) = match page.kept {
+            None => {
+                let (position, offset) = cursor.place(len, segment_size);
+                (position as usize, offset, dump.generation)
+            }
+            Some(kept) => {
+                let position = *positions.get(&kept.segment).ok_or_else(|| {
+                    corrupt(format!(
+                        "map page at {} is kept in segment {}, which the root does not list",
+                        page.start, kept.segment
+                    ))
+                })?;
+                let generation = kept.generation;
+                if generation == 0 || generation >= dump.generation {
+                    return Err(corrupt(format!(
+                        "map page at {} is kept from generation {generation}, \
+                         not older than its dump's {}",
+                        page.start, dump.generation
+                    )));
+                }
+                if kept.offset as u64 + len > segment_size {
+                    return Err(corrupt(format!(
+                        "map page at {} is kept beyond its segment's end",
+                        page.start
+                    )));
+                }
+                (position, kept.offset as u64, generation)
+            }
+        };
+        if position >= dump.copies[0].len() {
             return Err(corrupt(format!(
                 "map page at {} lies beyond the dump's segments",
                 page.start
             )));
         }
         let loc = PageLoc {
-            position,
+            segments: [dump.copies[0][position], dump.copies[1][position]],
             offset: offset as u32,
             len: len as u32,
+            generation,
         };
         map.insert_paged(page.start, page.blocks, page.chunk_items, loc)
             .map_err(corrupt)?;
     }
     map.add_paged_counts(totals);
     map.set_store(PageStore {
-        copies: dump.copies.clone(),
-        generation: dump.generation,
         key: *key,
         segment_count: geometry.segment_count,
         segment_size_bytes: segment_size,

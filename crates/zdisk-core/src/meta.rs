@@ -22,8 +22,11 @@ pub use crate::media::META_MAGIC;
 /// units and may leave flushed records in staging slots, which version 1
 /// never reads, so a version-1 zdisk must refuse it. Version 3 writes the
 /// map as pages behind a directory in the checkpoint dump (dump items 4
-/// and 5), which version 2 cannot read.
-pub const FORMAT_VERSION: u32 = 3;
+/// and 5), which version 2 cannot read. Version 4 keeps the pages of leaves
+/// that did not change where an earlier checkpoint wrote them (dump item
+/// 6), and a root lists the earlier dumps' segments it still needs, which
+/// version 3 would free.
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -98,7 +101,10 @@ pub struct OpenSegmentPos {
     pub offset_bytes: u64,
 }
 
-/// The segments holding a checkpoint's map dump, in two identical copies.
+/// The segments holding a checkpoint's map dump, in two identical copies:
+/// in each, the dump's own segments (its directory starts in the first),
+/// then the segments of earlier dumps holding pages it keeps (format 4).
+/// Position `i` of one copy and of the other hold the same records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DumpRef {
     pub copies: [Vec<SegmentId>; 2],
@@ -110,6 +116,14 @@ pub struct DumpRef {
 impl DumpRef {
     pub fn segments(&self) -> impl Iterator<Item = SegmentId> + '_ {
         self.copies.iter().flatten().copied()
+    }
+
+    /// Its segments as (copy 0, copy 1) pairs.
+    pub(crate) fn pairs(&self) -> impl Iterator<Item = [SegmentId; 2]> + '_ {
+        self.copies[0]
+            .iter()
+            .zip(&self.copies[1])
+            .map(|(&first, &second)| [first, second])
     }
 }
 
@@ -530,7 +544,7 @@ mod tests {
     /// Version 1 roots (no staging) still open; a version this zdisk does
     /// not know, such as the next one, does not.
     #[test]
-    fn roots_of_version_2_decode_and_unknown_versions_do_not() {
+    fn roots_of_versions_2_and_3_decode_and_unknown_versions_do_not() {
         // Version 1 roots lack fields version 2 added (`unit_blocks`):
         // tests/format_v1.rs opens real version 1 images.
         let root = sample_root();
@@ -542,10 +556,11 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 3);
+        assert_eq!(FORMAT_VERSION, 4);
+        assert_eq!(with_version(4).unwrap(), root);
         assert_eq!(with_version(3).unwrap(), root);
         assert_eq!(with_version(2).unwrap(), root);
-        for version in [0, 4] {
+        for version in [0, 5] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

@@ -9,15 +9,15 @@
 //! installs what it read ([`Map::install`]) and unpins
 //! ([`Map::unpin_faults`]). `volume/fault.rs` drives it.
 //!
-//! The race with checkpoints. A fault reads from the newest durable dump.
-//! While it reads, a checkpoint may make a newer root durable (the leaf's
-//! page then lives in the new dump) and the next one may release the dump
-//! being read (`State::release_dump_unless_retained`), whose segments may
-//! then be reused and overwritten. Two things make this safe:
+//! The race with checkpoints. A fault reads a page where the newest
+//! durable root names it. While it reads, a checkpoint may move the page
+//! (the leaf's page then lives in the new dump) and the next one may
+//! release the dump segment being read (`State::release_dump_segments`),
+//! which may then be reused and overwritten. Two things make this safe:
 //!
-//! - The pin. While a pinned fault reads from a dump, that dump's
-//!   segments are not released: their release waits for the last pin on
-//!   its generation ([`Map::defer_dump_release`], [`Map::unpin_faults`]).
+//! - The pin. While a pinned fault reads a page, the segments of its
+//!   copies are not released: their release waits for the last pin on
+//!   them ([`Map::defer_dump_release`], [`Map::unpin_faults`]).
 //!   A page read under a pin is never overwritten meanwhile, so a failed
 //!   verification is the medium's damage, not the race.
 //! - Detection. A leaf is installed only if it is still paged out and
@@ -88,9 +88,15 @@ impl Fault {
         Lba(self.start)
     }
 
-    /// The generation of the dump the page is read from.
+    /// The generation of the checkpoint that wrote the page.
+    #[cfg(test)]
     pub(crate) fn generation(&self) -> u64 {
-        self.store.generation
+        self.loc.generation
+    }
+
+    /// The segment of the page's copy 0 (its pin's key).
+    fn segment(&self) -> SegmentId {
+        self.loc.segments[0]
     }
 
     /// Reads the page and verifies it: the record (checksum, kind, first
@@ -203,29 +209,29 @@ impl Ghosts {
     }
 }
 
-/// A range being faulted in: its leaves stay in RAM and the dump it reads
-/// stays on the medium until [`Map::unpin_faults`] takes it back.
+/// A range being faulted in: its leaves stay in RAM and the dump segments
+/// it reads stay on the medium until [`Map::unpin_faults`] takes it back.
 #[must_use = "a pin must be given back to Map::unpin_faults"]
 pub(crate) struct FaultPin {
     id: u64,
 }
 
-/// The pinned ranges, and the dumps whose release waits for them.
+/// The pinned ranges, and the dump segments whose release waits for them.
 #[derive(Default)]
 pub(super) struct Pins {
     ranges: Vec<PinnedRange>,
     next_id: u64,
-    /// Dumps no root names any more, by generation, whose segments are
-    /// released once no range reading from them is pinned.
-    deferred: Vec<(u64, Vec<SegmentId>)>,
+    /// Dump segments no root names any more, as the pairs of the two
+    /// copies, released once no range reading from them is pinned.
+    deferred: Vec<[SegmentId; 2]>,
 }
 
 struct PinnedRange {
     id: u64,
     first: u64,
     end: u64,
-    /// The dump its faults read from (none if it had no fault).
-    generation: Option<u64>,
+    /// The segments (of copy 0) its faults read from.
+    segments: Vec<SegmentId>,
 }
 
 impl Pins {
@@ -238,10 +244,10 @@ impl Pins {
             .any(|range| start < range.end && range.first < end)
     }
 
-    fn pins_generation(&self, generation: u64) -> bool {
+    fn pins_segment(&self, segment: SegmentId) -> bool {
         self.ranges
             .iter()
-            .any(|range| range.generation == Some(generation))
+            .any(|range| range.segments.contains(&segment))
     }
 }
 
@@ -267,8 +273,7 @@ impl Map {
     }
 
     /// The paged-out leaves holding a block of `first..first+count` (the
-    /// ones [`Map::load`] would read), in block order. All of them read
-    /// from the same dump.
+    /// ones [`Map::load`] would read), in block order.
     pub(crate) fn faults(&self, first: Lba, count: u64) -> Vec<Fault> {
         if self.paged_leaves == 0 {
             return Vec::new();
@@ -319,27 +324,25 @@ impl Map {
     }
 
     /// Pins `first..first+count`, whose paged-out leaves are `faults`: its
-    /// leaves are not evicted, and the dump the faults read from is not
-    /// released, until the pin is given back.
+    /// leaves are not evicted, and the dump segments the faults read from
+    /// are not released, until the pin is given back.
     pub(crate) fn pin_faults(&mut self, first: Lba, count: u64, faults: &[Fault]) -> FaultPin {
-        let generation = faults.first().map(Fault::generation);
-        debug_assert!(
-            faults.iter().all(|f| Some(f.generation()) == generation),
-            "faults listed together read one dump"
-        );
+        let mut segments: Vec<SegmentId> = faults.iter().map(Fault::segment).collect();
+        segments.sort_unstable();
+        segments.dedup();
         let id = self.pins.next_id;
         self.pins.next_id += 1;
         self.pins.ranges.push(PinnedRange {
             id,
             first: first.0,
             end: first.0.saturating_add(count),
-            generation,
+            segments,
         });
         FaultPin { id }
     }
 
-    /// Gives a pin back. Returns the segments of a dump whose release
-    /// waited for it (the caller releases them).
+    /// Gives a pin back. Returns the dump segments whose release waited
+    /// for it (the caller releases them).
     pub(crate) fn unpin_faults(&mut self, pin: FaultPin) -> Vec<SegmentId> {
         let at = self
             .pins
@@ -347,20 +350,17 @@ impl Map {
             .iter()
             .position(|range| range.id == pin.id)
             .expect("a pin is given back once");
-        let range = self.pins.ranges.swap_remove(at);
-        let Some(generation) = range.generation else {
-            return Vec::new();
-        };
-        if self.pins.pins_generation(generation) {
-            return Vec::new();
-        }
+        self.pins.ranges.swap_remove(at);
         let mut released = Vec::new();
-        self.pins.deferred.retain_mut(|(deferred, segments)| {
-            if *deferred != generation {
-                return true;
+        let Pins {
+            ranges, deferred, ..
+        } = &mut self.pins;
+        deferred.retain(|pair| {
+            let pinned = ranges.iter().any(|range| range.segments.contains(&pair[0]));
+            if !pinned {
+                released.extend(pair);
             }
-            released.append(segments);
-            false
+            pinned
         });
         released
     }
@@ -371,12 +371,7 @@ impl Map {
     /// meanwhile, or a checkpoint moved its page, and a failure to read it
     /// is no sign of damage.
     pub(crate) fn fault_is_current(&self, fault: &Fault) -> bool {
-        self.still_paged(fault)
-            && self.written.get(&fault.start) == Some(&Some(fault.loc))
-            && self
-                .store
-                .as_ref()
-                .is_some_and(|store| store.generation == fault.store.generation)
+        self.still_paged(fault) && self.written.get(&fault.start) == Some(&Some(fault.loc))
     }
 
     /// True if the leaf `fault` reads is still paged out, as the fault
@@ -426,27 +421,27 @@ impl Map {
         true
     }
 
-    /// A dump of `generation` is no longer named by any root: if a pinned
-    /// fault reads from it, keeps `segments` for [`Map::unpin_faults`] to
-    /// hand back and returns true; otherwise returns false (release them
-    /// now).
+    /// The dump segment pairs `pairs` (copy 0, copy 1) are no longer
+    /// named by any root: keeps those a pinned fault reads for
+    /// [`Map::unpin_faults`] to hand back, and returns the segments of the
+    /// others (release them now).
     pub(crate) fn defer_dump_release(
         &mut self,
-        generation: u64,
-        segments: impl Iterator<Item = SegmentId>,
-    ) -> bool {
-        if !self.pins.pins_generation(generation) {
-            return false;
+        pairs: impl Iterator<Item = [SegmentId; 2]>,
+    ) -> Vec<SegmentId> {
+        let mut released = Vec::new();
+        for pair in pairs {
+            if self.pins.pins_segment(pair[0]) {
+                self.pins.deferred.push(pair);
+            } else {
+                released.extend(pair);
+            }
         }
-        self.pins.deferred.push((generation, segments.collect()));
-        true
+        released
     }
 
-    /// Segments of dumps whose release waits for a pin: still in use.
+    /// Dump segments whose release waits for a pin: still in use.
     pub(crate) fn deferred_dump_segments(&self) -> impl Iterator<Item = SegmentId> + '_ {
-        self.pins
-            .deferred
-            .iter()
-            .flat_map(|(_, segments)| segments.iter().copied())
+        self.pins.deferred.iter().flatten().copied()
     }
 }

@@ -10,9 +10,10 @@
 //! pattern (under 16 for dense data). Leaves split, merge and change form
 //! at thresholds, as a B+-tree's nodes do.
 //!
-//! The map pages (`page.rs`): every checkpoint writes each leaf as a page
-//! into its dump ([`Map::snapshot_pages`]), and once that checkpoint is
-//! durable ([`Map::commit_pages`]) a leaf unchanged since is *clean*: the
+//! The map pages (`page.rs`): a checkpoint writes each leaf that changed
+//! since its last page (and each whose page it moves) as a page into its
+//! dump ([`Map::snapshot_pages`]), and once that checkpoint is durable
+//! ([`Map::commit_pages`]) a leaf unchanged since is *clean*: the
 //! cache may evict it ([`Map::evict`]) down to [`Map::set_cache_bytes`],
 //! leaving a [`Leaf::Paged`] stub with its range, and [`Map::load`] reads
 //! it back before anything touches its blocks (or, without the map
@@ -60,7 +61,7 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::media::Media;
-use crate::units::Lba;
+use crate::units::{Lba, SegmentId};
 use column::alloc_bytes;
 
 /// How far dirty leaves may take the leaves in RAM past the cache (or the
@@ -94,8 +95,8 @@ pub(crate) struct Map {
     /// durable. Every paged-out leaf is here with its page; a leaf that
     /// changes leaves (it is dirty).
     written: HashMap<u64, Option<PageLoc>>,
-    /// The dump pages are read back from (shared with the faults that
-    /// read from it outside the lock).
+    /// What reading pages back needs (shared with the faults that read
+    /// outside the lock).
     store: Option<Arc<PageStore>>,
     /// Heap bytes of leaves in RAM beyond which clean ones are evicted.
     cache_bytes: u64,
@@ -126,7 +127,8 @@ pub(crate) struct CacheCounts {
     pub peeks: u64,
     /// Leaves evicted.
     pub evictions: u64,
-    /// Pages checkpoints wrote (one per leaf per checkpoint).
+    /// Pages checkpoints wrote (one per changed or moved leaf per
+    /// checkpoint).
     pub pages_written: u64,
 }
 
@@ -134,8 +136,11 @@ pub(crate) struct CacheCounts {
 pub(crate) enum PageSource {
     /// Encoded from the leaf in RAM.
     Encoded(Vec<u8>),
-    /// Copied from the page of an evicted leaf in the current dump.
+    /// Copied from the page of an evicted leaf, which moves.
     Stored(PageLoc),
+    /// The leaf is clean and its page stays where it is: the new dump's
+    /// directory names it, and nothing is written for it.
+    Kept(PageLoc),
 }
 
 /// One leaf as a checkpoint's snapshot saw it.
@@ -151,8 +156,15 @@ impl SnapshotPage {
     pub(crate) fn payload_len(&self) -> usize {
         match &self.source {
             PageSource::Encoded(payload) => payload.len(),
-            PageSource::Stored(loc) => loc.len as usize - crate::record::HEADER_SIZE,
+            PageSource::Stored(loc) | PageSource::Kept(loc) => {
+                loc.len as usize - crate::record::HEADER_SIZE
+            }
         }
+    }
+
+    /// True if the checkpoint writes this page (it is not kept in place).
+    pub(crate) fn is_written(&self) -> bool {
+        !matches!(self.source, PageSource::Kept(_))
     }
 }
 
@@ -1277,20 +1289,19 @@ impl Map {
         }
     }
 
-    /// A checkpoint's snapshot: every leaf as a page, in block order (in
-    /// RAM: encoded; paged out: where its page is). Every leaf counts as
-    /// written from now on, until it changes.
-    pub(crate) fn snapshot_pages(&mut self) -> Vec<SnapshotPage> {
+    /// A checkpoint's snapshot: every leaf, in block order, with where the
+    /// checkpoint takes its page from. A clean leaf keeps its page unless
+    /// `moves` says that page moves; a leaf that moves or changed is
+    /// encoded if in RAM, copied from its page if paged out. Every leaf
+    /// counts as written from now on, until it changes.
+    pub(crate) fn snapshot_pages(&mut self, moves: impl Fn(&PageLoc) -> bool) -> Vec<SnapshotPage> {
         let mut pages = Vec::with_capacity(self.leaves.len());
         for (&start, leaf) in &self.leaves {
-            let source = match leaf {
-                Leaf::Paged { .. } => PageSource::Stored(
-                    self.written
-                        .get(&start)
-                        .copied()
-                        .flatten()
-                        .expect("a paged-out leaf has its page"),
-                ),
+            let page = self.written.get(&start).copied().flatten();
+            let source = match (leaf, page) {
+                (_, Some(loc)) if !moves(&loc) => PageSource::Kept(loc),
+                (Leaf::Paged { .. }, Some(loc)) => PageSource::Stored(loc),
+                (Leaf::Paged { .. }, None) => panic!("paged-out leaf at {start} has no page"),
                 _ => PageSource::Encoded(page::encode_page(leaf)),
             };
             self.written.entry(start).or_insert(None);
@@ -1304,9 +1315,19 @@ impl Map {
         pages
     }
 
-    /// The checkpoint whose snapshot placed its pages at `placed` (leaf
-    /// start, page) is durable in `store`: every leaf unchanged since the
-    /// snapshot is clean there, and evicted leaves are read from there.
+    /// Bytes of the clean leaves' pages, by the segment of their copy 0:
+    /// what each dump segment holds that the map still needs.
+    pub(crate) fn page_bytes_by_segment(&self) -> HashMap<SegmentId, u64> {
+        let mut bytes: HashMap<SegmentId, u64> = HashMap::new();
+        for loc in self.written.values().flatten() {
+            *bytes.entry(loc.segments[0]).or_default() += loc.len as u64;
+        }
+        bytes
+    }
+
+    /// The checkpoint whose snapshot wrote pages at `placed` (leaf start,
+    /// page) is durable: every leaf unchanged since the snapshot is clean
+    /// (at its new page, or the page it kept), read back with `store`.
     pub(crate) fn commit_pages(&mut self, placed: &[(u64, PageLoc)], store: PageStore) {
         for &(start, loc) in placed {
             if let Some(page) = self.written.get_mut(&start) {

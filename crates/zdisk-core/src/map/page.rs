@@ -1,13 +1,17 @@
 //! Map pages: one leaf's entries as bytes on the medium, and reading a
 //! page back into a leaf.
 //!
-//! Every checkpoint writes each leaf of the map as one page, a map-chunk
-//! record in its dump after the dump's directory records (docs/format.md):
-//! the record's `lba` is the leaf's first block and its `version` the
-//! generation of the root that wrote the dump, so a page is never taken
-//! for another leaf's or another checkpoint's. A leaf the cache evicted is
-//! read back from the newest durable dump ([`PageStore`]) when something
-//! needs it.
+//! A checkpoint writes a leaf as one page, a map-chunk record in its dump
+//! after the dump's directory records (docs/format.md), when the leaf
+//! changed since its last page was written, or when that page sits in a
+//! dump segment mostly holding pages that are no longer needed; every
+//! other leaf keeps its page where an earlier checkpoint wrote it. The
+//! record's `lba` is the leaf's first block and its `version` the
+//! generation of the root that wrote it, so a page is never taken for
+//! another leaf's or another checkpoint's. A page's place ([`PageLoc`])
+//! is absolute: the two segments of its copies, its offset and its
+//! generation. A leaf the cache evicted is read back from there when
+//! something needs it.
 //!
 //! Decoding trusts nothing it reads: lengths, keys, segments, offsets and
 //! versions are checked before an entry is built, and the map checks the
@@ -39,23 +43,20 @@ const TAG_DAMAGED: u8 = 3;
 /// takes under 7 KiB.
 const PAGE_RAW_MAX_BYTES: usize = 64 * 1024;
 
-/// Where a page lives in a dump: its segment's position in the dump's
-/// list of segments (the same in both copies), the record's byte offset in
-/// that segment and its length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a page lives: the segments of its two copies (the same offset in
+/// each), the record's byte offset and length, and the generation of the
+/// checkpoint that wrote it (the record carries it as its version).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct PageLoc {
-    pub position: u32,
+    pub segments: [SegmentId; 2],
     pub offset: u32,
     pub len: u32,
+    pub generation: u64,
 }
 
-/// The dump evicted leaves are read back from: the newest durable
-/// checkpoint's.
+/// What reading pages back needs besides their places.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PageStore {
-    pub copies: [Vec<SegmentId>; 2],
-    /// The generation its records carry.
-    pub generation: u64,
     pub key: RecordKey,
     /// Segments of the medium: a data entry naming one beyond is damage.
     pub segment_count: u32,
@@ -397,8 +398,8 @@ pub(super) fn decode_page_range(
     Ok(entries)
 }
 
-/// The payload of the page of the leaf at `start`, read from `store` at
-/// `loc`: from copy 0, or copy 1 if copy 0's does not verify.
+/// The payload of the page of the leaf at `start`, read at `loc`: from
+/// copy 0, or copy 1 if copy 0's does not verify.
 pub(crate) fn read_page_payload(
     media: &dyn Media,
     store: &PageStore,
@@ -408,17 +409,17 @@ pub(crate) fn read_page_payload(
     let mut problems = Vec::new();
     let mut bytes = vec![0u8; loc.len as usize];
     let fits = loc.offset as u64 + loc.len as u64 <= store.segment_size_bytes;
-    for (copy, segments) in store.copies.iter().enumerate() {
-        let Some(&segment) = segments.get(loc.position as usize).filter(|_| fits) else {
+    for (copy, &segment) in loc.segments.iter().enumerate() {
+        if !fits || segment.0 >= store.segment_count {
             problems.push(format!("copy {copy}: no segment holds {loc:?}"));
             continue;
-        };
+        }
         media.read(segment, loc.offset as u64, &mut bytes)?;
         match decode_record(&bytes, &store.key, None) {
             Ok((header, payload))
                 if header.kind == RecordKind::MapChunk
                     && header.lba == start
-                    && header.version == store.generation =>
+                    && header.version == loc.generation =>
             {
                 return Ok(payload.to_vec());
             }

@@ -939,24 +939,40 @@ fn map_speed() {
 
 /// Writes `map`'s pages the way a checkpoint does (both copies, each in
 /// its own segments of `media`) and commits them as generation
-/// `generation`; evicted leaves' pages are copied from the store they are
-/// in. Returns the store.
+/// `generation`; every page moves (evicted leaves' pages are copied from
+/// where they are). Returns the store.
 fn checkpoint_pages(map: &mut Map, media: &crate::media::MemMedia, generation: u64) -> PageStore {
+    checkpoint_pages_moving(map, media, generation, |_| true)
+}
+
+/// [`checkpoint_pages`], moving only the clean leaves' pages `moves` picks
+/// (the others are kept where they are, as a format 4 checkpoint keeps
+/// them); returns the store.
+fn checkpoint_pages_moving(
+    map: &mut Map,
+    media: &crate::media::MemMedia,
+    generation: u64,
+    moves: impl Fn(&PageLoc) -> bool,
+) -> PageStore {
     use crate::record::{encode_record, record_len_for_payload, RecordHeader, RecordKind};
     let geometry = media.geometry();
     let segment_size = geometry.segment_size_bytes;
     let key = crate::record::RecordKey([7; 16]);
-    let pages = map.snapshot_pages();
-    let old = map.store().cloned();
+    let store = PageStore {
+        key,
+        // The entries name segments of a larger medium than the pages'.
+        segment_count: 1 << 20,
+        segment_size_bytes: segment_size,
+    };
+    let pages = map.snapshot_pages(moves);
     // Each page where the last ended, or at the start of the next segment.
     let mut images: Vec<Vec<u8>> = vec![Vec::new()];
-    let mut placed: Vec<(u64, PageLoc)> = Vec::new();
-    for page in &pages {
+    let mut placed: Vec<(u64, usize, u32, u32)> = Vec::new();
+    for page in pages.iter().filter(|page| page.is_written()) {
         let payload = match &page.source {
             PageSource::Encoded(payload) => payload.clone(),
-            PageSource::Stored(loc) => {
-                read_page_payload(media, old.as_ref().unwrap(), page.start, *loc).unwrap()
-            }
+            PageSource::Stored(loc) => read_page_payload(media, &store, page.start, *loc).unwrap(),
+            PageSource::Kept(_) => unreachable!("filtered out"),
         };
         let len = record_len_for_payload(payload.len());
         if images.last().unwrap().len() as u64 + len > segment_size {
@@ -981,19 +997,14 @@ fn checkpoint_pages(map: &mut Map, media: &crate::media::MemMedia, generation: u
             crc32c::crc32c(&payload),
             &key,
         );
-        let loc = PageLoc {
-            position: images.len() as u32 - 1,
-            offset: offset as u32,
-            len: len as u32,
-        };
-        placed.push((page.start, loc));
+        placed.push((page.start, images.len() - 1, offset as u32, len as u32));
     }
-    // Generations alternate between two halves of the medium, as a
+    // Generations take turns over three parts of the medium, as a
     // checkpoint's dump never overwrites the one it copies from.
-    let half = geometry.segment_count / 2;
-    let base = (generation as u32 % 2) * half;
+    let part = geometry.segment_count / 3;
+    let base = (generation as u32 % 3) * part;
     let segments = images.len() as u32;
-    assert!(2 * segments <= half, "the test medium is too small");
+    assert!(2 * segments <= part, "the test medium is too small");
     let copies = [
         (0..segments)
             .map(|i| SegmentId(base + i))
@@ -1013,14 +1024,18 @@ fn checkpoint_pages(map: &mut Map, media: &crate::media::MemMedia, generation: u
                 .unwrap();
         }
     }
-    let store = PageStore {
-        copies,
-        generation,
-        key,
-        // The entries name segments of a larger medium than the pages'.
-        segment_count: 1 << 20,
-        segment_size_bytes: segment_size,
-    };
+    let placed: Vec<(u64, PageLoc)> = placed
+        .into_iter()
+        .map(|(start, position, offset, len)| {
+            let loc = PageLoc {
+                segments: [copies[0][position], copies[1][position]],
+                offset,
+                len,
+                generation,
+            };
+            (start, loc)
+        })
+        .collect();
     map.commit_pages(&placed, store.clone());
     store
 }
@@ -1128,9 +1143,8 @@ fn pages_evict_and_read_back_unchanged() {
         .find(|(_, leaf)| !leaf.is_resident())
         .unwrap();
     let loc = map.written[&start].unwrap();
-    let store = map.store().cloned().unwrap();
     let flip = |copy: usize| {
-        let segment = store.copies[copy][loc.position as usize];
+        let segment = loc.segments[copy];
         let mut bytes = vec![0u8; 256 * 1024];
         media.read(segment, 0, &mut bytes).unwrap();
         bytes[loc.offset as usize + loc.len as usize / 2] ^= 0x40;
@@ -1281,16 +1295,17 @@ fn faults_install_what_load_would_and_go_stale() {
         assert!(!map.install(fault, leaf));
     }
     assert_eq!(map.leaf_counts(), (leaves, leaves));
-    // The next checkpoint reuses generation 1's segments (this test
-    // medium alternates halves): a read of the old place fails, and is not
-    // current, so it is retried, not reported.
-    checkpoint_pages(&mut map, &media, 3);
+    // A later checkpoint reuses generation 1's segments (this test
+    // medium takes turns over three parts; generation 4 has generation
+    // 1's): a read of the old place fails, and is not current, so it is
+    // retried, not reported.
+    checkpoint_pages(&mut map, &media, 4);
     let stale = rest.iter().find(|f| f.read(&media).is_err());
     let stale = stale.expect("generation 1's pages were overwritten");
     assert!(!map.fault_is_current(stale));
     let again = map.faults(stale.start(), 1);
     assert_eq!(again.len(), 1);
-    assert_eq!(again[0].generation(), 3);
+    assert_eq!(again[0].generation(), 4);
     let leaf = again[0].read(&media).unwrap();
     assert!(map.install(&again[0], leaf));
     assert_same(&mut map, &reference, &media, &touched);
@@ -1299,9 +1314,8 @@ fn faults_install_what_load_would_and_go_stale() {
     map.evict();
     let fault = map.faults(Lba(0), 1).pop().unwrap();
     let loc = map.written[&0].unwrap();
-    let store = map.store().cloned().unwrap();
     for copy in 0..2 {
-        let segment = store.copies[copy][loc.position as usize];
+        let segment = loc.segments[copy];
         let mut bytes = vec![0u8; 256 * 1024];
         media.read(segment, 0, &mut bytes).unwrap();
         bytes[loc.offset as usize + loc.len as usize / 2] ^= 0x40;
@@ -1431,23 +1445,28 @@ fn pins_spare_their_leaves_and_hold_back_their_dump() {
         "nothing evicted"
     );
 
-    let segments = [SegmentId(40), SegmentId(41)];
-    assert!(
-        !map.defer_dump_release(7, segments.into_iter()),
-        "an unpinned dump waits"
+    // The pins read the pair of segments the first leaves' pages are in.
+    let pinned = map.written[&0].unwrap().segments;
+    let unpinned = [SegmentId(60), SegmentId(61)];
+    assert_eq!(
+        map.defer_dump_release([unpinned, pinned].into_iter()),
+        unpinned.to_vec(),
+        "a pair no pin reads goes at once"
     );
-    assert!(map.defer_dump_release(1, segments.into_iter()));
-    assert_eq!(map.deferred_dump_segments().collect::<Vec<_>>(), segments);
-    // The other pin reads generation 1 too: the dump waits for both.
+    assert_eq!(map.deferred_dump_segments().collect::<Vec<_>>(), pinned);
+    // The other pin reads the same pair: it waits for both.
     assert_eq!(map.unpin_faults(pin), Vec::<SegmentId>::new());
     assert_eq!(map.deferred_dump_segments().count(), 2);
-    assert_eq!(map.unpin_faults(other), segments);
+    assert_eq!(map.unpin_faults(other), pinned.to_vec());
     assert_eq!(map.deferred_dump_segments().count(), 0);
     // Unpinned, the range's leaves go again.
     map.evict();
     assert_eq!(map.faults(Lba(0), 1024).len(), 4);
     // A pin of a range with no fault pins no dump.
     let none = map.pin_faults(Lba(1 << 40), 1, &[]);
-    assert!(!map.defer_dump_release(1, segments.into_iter()));
+    assert_eq!(
+        map.defer_dump_release([pinned].into_iter()),
+        pinned.to_vec()
+    );
     assert!(map.unpin_faults(none).is_empty());
 }

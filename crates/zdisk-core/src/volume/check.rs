@@ -344,6 +344,21 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
             ));
         }
     }
+    // Every clean leaf's page lies in a segment the newest root lists (the
+    // map's pages before its first checkpoint lie nowhere).
+    let newest = state.roots()[(state.generation() % 2) as usize]
+        .as_ref()
+        .and_then(|root| root.dump.as_ref());
+    if let Some(newest) = newest {
+        let listed: HashSet<_> = newest.copies[0].iter().copied().collect();
+        for segment in state.map().page_bytes_by_segment().keys() {
+            if !listed.contains(segment) {
+                errors.push(format!(
+                    "a map page lies in segment {segment}, which the newest root does not list"
+                ));
+            }
+        }
+    }
     for (segment, info) in table.iter() {
         if info.state == SegmentState::Dump && !dump_segments.contains(&segment) {
             errors.push(format!(

@@ -1,14 +1,22 @@
 //! Checkpoints: the procedure that writes the map and segment table into
 //! the log and commits a root naming them.
 //!
-//! Each dump holds the whole map as pages, one per leaf: a leaf in RAM is
-//! encoded under the lock at the snapshot; an evicted leaf's page is
-//! copied, after the lock is released, from the dump it was read from (the
-//! newest durable one, which nothing releases before this checkpoint's
-//! root is durable). So every dump stands alone, its segments live and
-//! die with its root as before, and the cleaner never sees a map page.
-//! Once the root is durable, the leaves unchanged since the snapshot are
-//! clean in the new dump (`Map::commit_pages`).
+//! A dump writes only the pages that changed: a leaf changed since its
+//! last page is encoded under the lock at the snapshot; a clean leaf keeps
+//! its page where an earlier dump wrote it, and the new directory names
+//! that place. So a checkpoint's I/O follows what the host changed, not
+//! the map's size. A dump segment stays as long as a retained root lists
+//! it (the root lists its own dump's segments, then the earlier ones its
+//! kept pages live in: `DumpRef`), and is released when neither root
+//! does. To keep dump segments from filling with pages nobody needs, a
+//! clean leaf whose page lies in a segment holding less than half a
+//! segment of needed pages moves with the dump: encoded if in RAM, copied
+//! after the lock is released if evicted (from a segment the newest
+//! durable root lists, which nothing releases before this checkpoint's
+//! root is durable). So dump segments hold at least half a segment each
+//! of needed pages, beside the newest dump's own. The cleaner never sees
+//! a map page. Once the root is durable, the leaves unchanged since the
+//! snapshot are clean at their new or kept pages (`Map::commit_pages`).
 //!
 //! The dump's byte format lives in `dump.rs`; this module decides when its
 //! pieces are taken, written and committed, so that the root it writes is
@@ -42,9 +50,11 @@ enum Attempt {
 struct Snapshot {
     /// The directory and segment table's records.
     directory: Vec<Vec<u8>>,
-    /// Every leaf's page, in block order, after them.
+    /// The pages it writes, in block order, after them.
     pages: Vec<SnapshotPage>,
-    /// Where evicted leaves' pages are copied from.
+    /// The dump segments (copy 0, copy 1) of the pages it keeps.
+    kept: Vec<[SegmentId; 2]>,
+    /// What copying evicted leaves' pages needs.
     source: Option<PageStore>,
     /// Segments with a sequence number at least this were opened after it.
     boundary: u64,
@@ -52,10 +62,15 @@ struct Snapshot {
     open: Vec<OpenSegmentPos>,
 }
 
-/// The dump of `state`: its map's directory and pages, and every segment
+/// The dump of `state`: its map's directory and pages (those it keeps
+/// included: see `OpenOptions::map_page_keep_bytes`), and every segment
 /// that is not free and never used.
-fn encode_state(state: &mut State, target_bytes: usize) -> (Vec<Vec<u8>>, Vec<SnapshotPage>) {
-    let pages = state.snapshot_map();
+fn encode_state(
+    state: &mut State,
+    segment_size: u64,
+    keep_from_bytes: u64,
+) -> (Vec<Vec<u8>>, Vec<SnapshotPage>) {
+    let pages = state.snapshot_map(keep_from_bytes);
     let segments = state
         .space()
         .table()
@@ -70,7 +85,12 @@ fn encode_state(state: &mut State, target_bytes: usize) -> (Vec<Vec<u8>>, Vec<Sn
             };
             (segment, dumped)
         });
-    let directory = encode_directory(&pages, state.map().counts(), segments, target_bytes);
+    let directory = encode_directory(
+        &pages,
+        state.map().counts(),
+        segments,
+        chunk_target_bytes(segment_size),
+    );
     (directory, pages)
 }
 
@@ -95,7 +115,7 @@ impl Snapshot {
             .iter()
             .map(|page| match &page.source {
                 PageSource::Encoded(payload) => payload.len(),
-                PageSource::Stored(_) => 0,
+                PageSource::Stored(_) | PageSource::Kept(_) => 0,
             })
             .sum();
         self.directory.iter().map(Vec::len).sum::<usize>() + pages
@@ -186,10 +206,22 @@ impl Volume {
         let (snapshot, gen) = {
             let mut state = self.lock();
             let gen = state.barrier()?;
-            let (directory, pages) = encode_state(&mut state, chunk_target_bytes(segment_size));
+            let keep_from_bytes = self.options.map_page_keep_bytes.unwrap_or(segment_size / 2);
+            let (directory, mut pages) = encode_state(&mut state, segment_size, keep_from_bytes);
+            let mut kept: Vec<[SegmentId; 2]> = pages
+                .iter()
+                .filter_map(|page| match page.source {
+                    PageSource::Kept(loc) => Some(loc.segments),
+                    _ => None,
+                })
+                .collect();
+            kept.sort_unstable();
+            kept.dedup();
+            pages.retain(SnapshotPage::is_written);
             let snapshot = Snapshot {
                 directory,
                 pages,
+                kept,
                 source: state.map().store().cloned(),
                 boundary: state.space().next_seq(),
                 open: state.open_positions(),
@@ -241,8 +273,6 @@ impl Volume {
             }
         };
         let store = PageStore {
-            copies: dump.copies.clone(),
-            generation,
             key: self.record_key,
             segment_count: self.geometry.segment_count,
             segment_size_bytes: segment_size,
@@ -260,10 +290,12 @@ impl Volume {
             .iter()
             .zip(&placement.at[first_page..])
             .map(|(page, &(position, offset))| {
+                let position = position as usize;
                 let loc = PageLoc {
-                    position,
+                    segments: [copies[0][position].0, copies[1][position].0],
                     offset: offset as u32,
                     len: record_len_for_payload(page.payload_len()) as u32,
+                    generation,
                 };
                 (page.start, loc)
             })
@@ -313,6 +345,7 @@ impl Volume {
                             PageSource::Stored(_) => {
                                 copied_iter.next().expect("a copied page").as_slice()
                             }
+                            PageSource::Kept(_) => unreachable!("kept pages are not written"),
                         };
                         (page.start, payload)
                     }
@@ -335,11 +368,14 @@ impl Volume {
         // also have dropped data written since the last one.
         self.sync_media()?;
 
+        // Its own segments, then those of the pages it keeps.
+        let listed = |copy: usize| -> Vec<SegmentId> {
+            let own = copies[copy].iter().map(|(s, _)| *s);
+            own.chain(snapshot.kept.iter().map(|pair| pair[copy]))
+                .collect()
+        };
         let dump = DumpRef {
-            copies: [
-                copies[0].iter().map(|(s, _)| *s).collect(),
-                copies[1].iter().map(|(s, _)| *s).collect(),
-            ],
+            copies: [listed(0), listed(1)],
             record_count: snapshot.directory.len() as u64,
             generation,
         };

@@ -105,6 +105,13 @@ pub struct OpenOptions {
     /// are evicted and read back from their pages when needed. `None`:
     /// [`default_map_cache_bytes`] of the volume's size.
     pub map_cache_bytes: Option<u64>,
+    /// A checkpoint keeps a clean map leaf's page where an earlier one
+    /// wrote it if the page's dump segment holds at least this many bytes
+    /// of pages the map still needs; otherwise the page moves into the new
+    /// dump, so that half-empty dump segments are given back. `None`: half
+    /// a segment. (The simulator lowers it, so that its small maps keep
+    /// pages too.)
+    pub map_page_keep_bytes: Option<u64>,
 }
 
 /// The map cache a volume of `logical_size_bytes` gets by default: an
@@ -141,6 +148,7 @@ impl Default for OpenOptions {
             random: Random::from_entropy(),
             accept_lost_checkpoint: false,
             map_cache_bytes: None,
+            map_page_keep_bytes: None,
         }
     }
 }

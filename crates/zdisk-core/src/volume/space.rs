@@ -281,6 +281,11 @@ impl Space {
         self.table.free_segments()
     }
 
+    /// Bytes per segment.
+    pub(crate) fn segment_size_bytes(&self) -> u64 {
+        self.segment_size_bytes
+    }
+
     pub(crate) fn free_count(&self) -> u64 {
         self.table.free_count()
     }

@@ -198,9 +198,29 @@ impl State {
         }
     }
 
-    /// A checkpoint's snapshot of the map, as pages.
-    pub(crate) fn snapshot_map(&mut self) -> Vec<SnapshotPage> {
-        self.map.snapshot_pages()
+    /// A checkpoint's snapshot of the map, as pages. A clean leaf keeps
+    /// its page unless it lies in a dump segment holding less than
+    /// `keep_from_bytes` of pages the map still needs, or beyond the
+    /// fullest segments that together may stay: at most one segment per
+    /// half a segment of needed pages (and one). Those pages move, so the
+    /// dump segments kept never outnumber twice what the needed pages
+    /// would fill, whatever `keep_from_bytes` is.
+    pub(crate) fn snapshot_map(&mut self, keep_from_bytes: u64) -> Vec<SnapshotPage> {
+        let needed = self.map.page_bytes_by_segment();
+        let segment_size = self.space.segment_size_bytes();
+        let total: u64 = needed.values().sum();
+        let most = (2 * total).div_ceil(segment_size).max(1) as usize;
+        let mut fullest: Vec<(u64, SegmentId)> = needed
+            .iter()
+            .filter(|&(_, &bytes)| bytes >= keep_from_bytes)
+            .map(|(&segment, &bytes)| (bytes, segment))
+            .collect();
+        fullest.sort_unstable_by(|a, b| b.cmp(a));
+        fullest.truncate(most);
+        let kept: std::collections::HashSet<SegmentId> =
+            fullest.into_iter().map(|(_, segment)| segment).collect();
+        self.map
+            .snapshot_pages(|loc: &PageLoc| !kept.contains(&loc.segments[0]))
     }
 
     /// The checkpoint that placed its pages at `placed` is durable in `store`.
@@ -431,8 +451,8 @@ impl State {
         self.map.install(fault, leaf)
     }
 
-    /// Gives a pin back, releasing a dump whose release waited for it (as
-    /// `release_dump_unless_retained` would have).
+    /// Gives a pin back, releasing the dump segments whose release waited
+    /// for it (as `release_dump_unless_retained` would have).
     pub(crate) fn unpin_map_faults(&mut self, pin: FaultPin) {
         let released = self.map.unpin_faults(pin);
         if !released.is_empty() {
@@ -1159,20 +1179,22 @@ impl State {
         }
     }
 
+    /// Releases the segments of `dump` that no retained root lists (a
+    /// newer dump may keep pages in them). A fault reading a page outside
+    /// the lock has pinned its segments: those go when the last pin on
+    /// them does (`map/fault.rs`).
     fn release_dump_unless_retained(&mut self, dump: &crate::meta::DumpRef) {
-        let still_used = self.roots.iter().flatten().any(|root| {
-            root.dump
-                .as_ref()
-                .is_some_and(|d| d.generation == dump.generation)
-        });
-        // A fault reading a page of the dump outside the lock has pinned
-        // it: its segments go when the last pin does (`map/fault.rs`).
-        if !still_used
-            && !self
-                .map
-                .defer_dump_release(dump.generation, dump.segments())
-        {
-            for segment in dump.segments() {
+        let retained: std::collections::HashSet<SegmentId> = self
+            .roots
+            .iter()
+            .flatten()
+            .filter_map(|root| root.dump.as_ref())
+            .flat_map(|d| d.segments())
+            .collect();
+        let unused = dump.pairs().filter(|pair| !retained.contains(&pair[0]));
+        let released = self.map.defer_dump_release(unused);
+        if !released.is_empty() {
+            for segment in released {
                 self.space.release(segment);
             }
             self.report_freed();

@@ -489,3 +489,137 @@ fn a_read_takes_the_lock_exclusively_only_to_fault_its_map_leaf_in() {
     let used = volume.lock_profile().since(&before);
     assert_eq!((used.acquisitions, used.shared_acquisitions), (0, 1));
 }
+
+/// A checkpoint writes the pages of the map leaves that changed, not the
+/// whole map (format 4): the others keep their pages where an earlier
+/// checkpoint wrote them, in dump segments the root still lists. Across
+/// many checkpoints the dump segments stay bounded (a segment holding
+/// under half a segment of needed pages has them moved and is released),
+/// the check finds every dump segment accounted for, and a volume
+/// reopened from the root, with a map cache that keeps nothing, reads
+/// every block back from pages written by many different checkpoints.
+#[test]
+fn a_checkpoint_writes_only_the_map_pages_that_changed() {
+    // Each leaf a dense chunk of 256 blocks, written whole; its page takes
+    // about 100 bytes, so the map's pages fill several 64 KiB segments.
+    const LEAVES: u64 = 2_000;
+    const CHUNK: usize = 256;
+    const SEGMENT: u64 = 64 * 1024;
+    let media = Arc::new(MemMedia::with_size(4096, SEGMENT, 2048).unwrap());
+    let options = || OpenOptions {
+        background: false,
+        map_cache_bytes: Some(0),
+        ..OpenOptions::default()
+    };
+    let volume = Volume::create(
+        media.clone() as Arc<dyn Media>,
+        CreateOptions::new(1 << 40),
+        options(),
+    )
+    .unwrap();
+    let write = |volume: &Volume, leaf: u64, round: u64| {
+        let mut chunk = vec![0x5Au8; CHUNK * BLOCK_SIZE];
+        for (index, block) in chunk.chunks_mut(BLOCK_SIZE).enumerate() {
+            block[..8].copy_from_slice(&leaf.to_le_bytes());
+            block[8..16].copy_from_slice(&round.to_le_bytes());
+            block[16..24].copy_from_slice(&(index as u64).to_le_bytes());
+        }
+        volume
+            .write(leaf * (CHUNK * BLOCK_SIZE) as u64, &chunk, false)
+            .unwrap();
+    };
+    let dump_segments = |volume: &Volume| {
+        volume
+            .lock()
+            .space()
+            .table()
+            .iter()
+            .filter(|(_, info)| info.state == crate::segments::SegmentState::Dump)
+            .count()
+    };
+    let mut rounds = vec![0u64; LEAVES as usize];
+    for leaf in 0..LEAVES {
+        write(&volume, leaf, 0);
+    }
+    volume.checkpoint().unwrap();
+    let full = volume.stats();
+    assert!(
+        full.map_pages_written >= LEAVES,
+        "the first checkpoint writes every leaf: {} pages",
+        full.map_pages_written
+    );
+    let full_bytes = full.counters.meta_write_bytes;
+    let full_segments = dump_segments(&volume);
+    // The pages half a segment holds (the dump is written twice).
+    let page_bytes = full_bytes / 2 / full.map_pages_written;
+    let half_segment_pages = SEGMENT / 2 / page_bytes;
+
+    let mut rng = SmallRng::seed_from_u64(25);
+    let (mut most_segments, mut most_pages, mut most_bytes, mut all_bytes) = (0, 0, 0, 0);
+    for round in 1..=40u64 {
+        let before = volume.stats();
+        for _ in 0..20 {
+            let leaf = rng.gen_range(0..LEAVES);
+            rounds[leaf as usize] = round;
+            write(&volume, leaf, round);
+        }
+        volume.checkpoint().unwrap();
+        let after = volume.stats();
+        let pages = after.map_pages_written - before.map_pages_written;
+        let bytes = after.counters.meta_write_bytes - before.counters.meta_write_bytes;
+        most_pages = most_pages.max(pages);
+        most_bytes = most_bytes.max(bytes);
+        all_bytes += bytes;
+        // 20 changed leaves, plus the pages of the dump segments that fell
+        // under half full (under half a segment's worth each: some rounds
+        // move one or two), never the map's 2,000.
+        assert!(
+            pages <= 20 + 2 * half_segment_pages,
+            "round {round}: {pages} pages written for 20 changed leaves"
+        );
+        assert!(
+            bytes * 2 <= full_bytes,
+            "round {round}: a checkpoint of 20 changed leaves wrote {bytes} bytes, \
+             the whole map {full_bytes}"
+        );
+        let report = volume.check(false).unwrap();
+        assert!(report.is_clean(), "round {round}: {:?}", report.errors);
+        most_segments = most_segments.max(dump_segments(&volume));
+    }
+    // Kept pages fill their segments at least half, so the two retained
+    // roots' dumps take at most about twice a full dump's segments each.
+    assert!(
+        most_segments <= 4 * full_segments,
+        "{most_segments} dump segments, a full dump took {full_segments}"
+    );
+    eprintln!(
+        "first checkpoint: {} pages of about {page_bytes} bytes, {full_bytes} bytes, \
+         {full_segments} dump segments; \
+         later ones at most {most_pages} pages, {most_bytes} bytes ({} on average), \
+         {most_segments} dump segments",
+        full.map_pages_written,
+        all_bytes / 40
+    );
+
+    // Reopened from its root (after a crash: no clean checkpoint), with
+    // nothing cached: every leaf is read back from the page its root names.
+    volume.halt();
+    drop(volume);
+    let volume = Volume::open(media as Arc<dyn Media>, options()).unwrap();
+    let mut read = vec![0u8; BLOCK_SIZE];
+    for leaf in 0..LEAVES {
+        for index in [0u64, 255] {
+            let lba = leaf * CHUNK as u64 + index;
+            volume.read(lba * BLOCK_SIZE as u64, &mut read).unwrap();
+            assert_eq!(read[..8], leaf.to_le_bytes(), "leaf {leaf}");
+            assert_eq!(
+                read[8..16],
+                rounds[leaf as usize].to_le_bytes(),
+                "leaf {leaf}"
+            );
+            assert_eq!(read[16..24], index.to_le_bytes(), "leaf {leaf}");
+        }
+    }
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{:?}", report.errors);
+}
