@@ -110,7 +110,7 @@ pub fn fuzz_decoders(bytes: &[u8]) {
 }
 
 /// Checks the committed seed inputs of a fuzz target (`fuzz/seeds/TARGET`,
-/// which `.ci/test` passes to `cargo fuzz run` beside the corpus) against
+/// which `fuzz/run` passes to the target beside the corpus) against
 /// what its generator makes: the same files, byte for byte, each small,
 /// and no stray ones. With `ZDISK_WRITE_FUZZ_SEEDS=1` it writes them anew
 /// first (after a format change); `regenerate` is the test command to say
@@ -276,8 +276,8 @@ mod tests {
             .collect()
     }
 
-    /// The committed seeds (fuzz/seeds/TARGET, which `.ci/test` passes to
-    /// `cargo fuzz run` beside the corpus) are exactly what the functions
+    /// The committed seeds (fuzz/seeds/TARGET, which `fuzz/run` passes to
+    /// the target beside the corpus) are exactly what the functions
     /// above make, each runs clean through its target's function, and each
     /// is small. `ZDISK_WRITE_FUZZ_SEEDS=1` writes them anew (after a
     /// format change).

@@ -1,6 +1,6 @@
 //! The committed seed inputs of the NBD fuzz targets (fuzz/seeds/
-//! nbd_handshake and fuzz/seeds/nbd_transmission, which `.ci/test` hands
-//! to `cargo fuzz run` beside the corpus, so that fuzzing starts from
+//! nbd_handshake and fuzz/seeds/nbd_transmission, which `fuzz/run` hands
+//! to each target beside the corpus, so that fuzzing starts from
 //! complete sessions instead of from nothing): they are exactly what the
 //! functions below make, each is small, and each runs through the same
 //! entry point its target calls without a panic; the complete sessions,
