@@ -45,6 +45,7 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_map_cache_bytes, CheckReport, CreateOptions, IdleBudget, LockProfile, OpenOptions,
-    OpenReport, Random, Recompress, Volume, WriteEstimate, WriteEstimator,
+    default_map_cache_bytes, BlockKind, CheckReport, CreateOptions, DedupIndex, DedupSummary,
+    IdleBudget, LockProfile, OpenOptions, OpenReport, Random, Recompress, Volume, WriteEstimate,
+    WriteEstimator, REF_RECORD_LEN,
 };
