@@ -13,7 +13,7 @@
 //! the `sha2` crate using SHA-NI, and `openssl speed -evp sha256 -bytes
 //! 4096` 1.31 GB/s. The `blake3` crate picks its SIMD code at run time, so
 //! one binary is fast on every x86-64 or ARM host. `cargo run --release -p
-//! zdisk-core --example fingerprint_speed [FILE]` measures it again.
+//! zdisk-core --example fingerprint_speed [-- FILE]` measures it again.
 //!
 //! Invariant: a fingerprint depends only on the block's bytes, never on
 //! where the block lies or on the volume; the same bytes give the same
