@@ -17,10 +17,11 @@ reads as its measurement and nothing else:
 - `Ext4OnExport`: ext4 on an NBD export through nbdfuse and a loop device
   (the README's kernel-filesystem route);
 - `Ceph`: the one-node test cluster of crates/zdisk/tests/support/ceph.sh;
-- `corpus`: the /usr tar most scripts write and read back.
+- `corpus`: the /usr tar most scripts write and read back;
+- `print_table`: a table of figures, as the scripts print them.
 
 Scripts run under /usr/bin/python3, whose libnbd bindings (`import nbd`)
-are Debian's python3-libnbd. Nothing here prints figures.
+are Debian's python3-libnbd. Nothing here measures: it prints only the tables it is handed.
 """
 
 import argparse
@@ -515,6 +516,18 @@ class Ceph:
             capture_output=True, text=True)
         if done.stdout.strip() != "200":
             raise Failure(f"creating bucket {name}: HTTP {done.stdout.strip() or done.stderr}")
+
+
+def print_table(header, body):
+    """Rows of text cells: the first column left-aligned, the others right,
+    a rule under the header. Prints only what it is given."""
+    table = [header] + body
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for index, r in enumerate(table):
+        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))))
+        if index == 0:
+            print("  " + "-" * (sum(widths) + 2 * (len(widths) - 1)))
 
 
 def emit_json(result, path=None):

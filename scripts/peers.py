@@ -147,16 +147,6 @@ def drop_caches():
         f.write("3\n")
 
 
-def print_table(header, body):
-    table = [header] + body
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for index, r in enumerate(table):
-        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))))
-        if index == 0:
-            print("  " + "-" * (sum(widths) + 2 * (len(widths) - 1)))
-
-
 def best(rounds):
     """Best of the rounds: highest speeds; sizes are the same each round."""
     out = dict(rounds[0])
@@ -180,7 +170,7 @@ def report(rows):
         return f"{value / (1 << 20):.0f}" if value else "-"
 
     print("fresh: right after the copy")
-    print_table(
+    harness.print_table(
         ["", "write MB/s", "x nbdkit", "x btrfs", "4K rand read MB/s", "x nbdkit",
          "1M seq read MB/s", "x nbdkit", "stored MiB", "x btrfs", "ratio", "server cores"],
         [[name, f"{row['write_mb_s']:.0f}", ratio(row, "write_mb_s", base),
@@ -194,7 +184,7 @@ def report(rows):
     idle_rows = [(name, row) for name, row in rows.items() if "stored_idle_bytes" in row]
     if idle_rows:
         print("after the idle pass (zdisk only; reads against fresh nbdkit memory)")
-        print_table(
+        harness.print_table(
             ["", "idle s", "stored MiB", "x btrfs", "ratio", "4K rand read MB/s", "x nbdkit",
              "1M seq read MB/s", "x nbdkit"],
             [[name, f"{row['idle_seconds']:.0f}", mib(row["stored_idle_bytes"]),

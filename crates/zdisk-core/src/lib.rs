@@ -18,6 +18,7 @@ pub mod codec;
 mod device;
 mod dump;
 mod error;
+pub mod fingerprint;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod gc;
@@ -39,10 +40,12 @@ pub use clock::{Clock, FixedClock, ManualClock, SystemClock};
 pub use codec::Codec;
 pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
+pub use fingerprint::Fingerprint;
 pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_map_cache_bytes, CheckReport, CreateOptions, IdleBudget, LockProfile, OpenOptions,
-    OpenReport, Random, Recompress, Volume, WriteEstimate, WriteEstimator,
+    default_map_cache_bytes, BlockKind, CheckReport, CreateOptions, DedupIndex, DedupSummary,
+    IdleBudget, LockProfile, OpenOptions, OpenReport, Random, Recompress, Volume, WriteEstimate,
+    WriteEstimator, REF_RECORD_LEN,
 };

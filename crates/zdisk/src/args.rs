@@ -295,6 +295,15 @@ pub struct EstimateArgs {
     /// Print one JSON object per codec, one per line.
     #[arg(long)]
     pub json: bool,
+    /// Also predict what deduplicating 4 KiB blocks would save: on (the
+    /// default: figures without and with dedup) or off.
+    #[arg(long, value_parser = on_off_arg, default_value = "on", action = clap::ArgAction::Set)]
+    pub dedup: bool,
+    /// RAM for dedup's set of block fingerprints (about 16 bytes a block);
+    /// past it the set keeps a sample of them and the dedup figures are
+    /// estimated from it.
+    #[arg(long, value_parser = size_arg, default_value = "64M", value_name = "SIZE")]
+    pub dedup_memory: u64,
 }
 
 #[derive(Args, Debug)]

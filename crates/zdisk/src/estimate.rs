@@ -8,6 +8,13 @@
 //! model of it. Each codec runs on its own thread, and its speed is the
 //! logical bytes it handled over that thread's CPU time, so a busy machine
 //! slows the run but hardly moves the figure.
+//!
+//! With `--dedup on` (the default) each write's blocks are first told new,
+//! duplicate or zero by one [`DedupIndex`] (BLAKE3 fingerprints, exact
+//! within `--dedup-memory`, hash-sampled past it), and every codec also
+//! adds up what the write would cost with deduplication: its new blocks
+//! through the write path's compression, a reference record per run of
+//! duplicates. Both figures are printed, without and with dedup.
 
 use std::fs::File;
 use std::io::{IsTerminal, Read, Seek, SeekFrom, Write};
@@ -17,7 +24,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use zdisk_core::units::{format_size, BLOCK_SIZE, BLOCK_SIZE_U64};
-use zdisk_core::{Codec, Lba, WriteEstimate, WriteEstimator};
+use zdisk_core::{
+    BlockKind, Codec, DedupIndex, DedupSummary, Lba, WriteEstimate, WriteEstimator, REF_RECORD_LEN,
+};
 
 use crate::args::EstimateArgs;
 use crate::output::say;
@@ -55,6 +64,32 @@ pub struct Prediction {
     pub compressed_bytes: u64,
     /// Compression speed on this machine: sampled MB (10^6 bytes) per CPU second.
     pub compress_mb_s_per_core: Option<f64>,
+    /// The same codec with 4 KiB deduplication (absent with `--dedup off`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dedup: Option<DedupPrediction>,
+}
+
+/// One codec's prediction with deduplication.
+#[derive(Debug, Clone, Serialize)]
+pub struct DedupPrediction {
+    /// Predicted bytes of records: new blocks' data and units, zero runs,
+    /// and a reference record per run of duplicate blocks.
+    pub physical_bytes: u64,
+    /// `logical_bytes / physical_bytes`.
+    pub ratio: Option<f64>,
+    /// `1 - physical/logical`.
+    pub savings_percent: f64,
+    /// What dedup saves: physical bytes without it less physical bytes with it.
+    pub saved_bytes: u64,
+    /// Distinct non-zero 4 KiB blocks (estimated when `sample_shift` > 0).
+    pub distinct_blocks: u64,
+    /// Non-zero blocks whose bytes came earlier: stored as references.
+    pub duplicate_blocks: u64,
+    /// Reference records: one per run of duplicate blocks within a write.
+    pub ref_records: u64,
+    /// 0: every fingerprint was kept; k: 1 in 2^k was (`--dedup-memory`
+    /// was too small for all), and the figures are estimated from them.
+    pub sample_shift: u32,
 }
 
 pub fn run(args: &EstimateArgs) -> Result<(), String> {
@@ -87,6 +122,7 @@ pub fn run(args: &EstimateArgs) -> Result<(), String> {
             }
         })
         .collect();
+    let mut dedup = args.dedup.then(|| DedupIndex::new(args.dedup_memory));
     let progress = Progress::new(input.size_bytes);
     let mut sampler = Sampler::new(args.sample);
     let mut offset = 0u64;
@@ -106,17 +142,18 @@ pub fn run(args: &EstimateArgs) -> Result<(), String> {
         }
         offset += length as u64;
         if batch.len() == BATCH_WRITES {
-            compress_batch(&mut codecs, &batch);
+            compress_batch(&mut codecs, &batch, dedup.as_mut());
             batch.clear();
         }
         progress.update(offset);
     }
-    compress_batch(&mut codecs, &batch);
+    compress_batch(&mut codecs, &batch, dedup.as_mut());
     progress.done();
     let logical_bytes = offset.div_ceil(BLOCK_SIZE_U64) * BLOCK_SIZE_U64;
+    let summary = dedup.as_ref().map(DedupIndex::summary);
     let mut predictions: Vec<Prediction> = codecs
         .iter()
-        .map(|run| run.prediction(logical_bytes))
+        .map(|run| run.prediction(logical_bytes, summary.as_ref()))
         .collect();
     predictions.sort_by_key(|p| p.physical_bytes);
     if args.json {
@@ -144,7 +181,7 @@ struct CodecRun {
 }
 
 impl CodecRun {
-    fn prediction(&self, logical_bytes: u64) -> Prediction {
+    fn prediction(&self, logical_bytes: u64, dedup: Option<&DedupSummary>) -> Prediction {
         let sampled = self.estimator.total();
         // A sample stands for the whole input in proportion to its size.
         let scale = |value: u64| -> u64 {
@@ -155,6 +192,30 @@ impl CodecRun {
             }
         };
         let physical_bytes = scale(sampled.stored_bytes);
+        let savings_percent = |physical_bytes: u64| {
+            if logical_bytes == 0 {
+                0.0
+            } else {
+                100.0 * (1.0 - physical_bytes as f64 / logical_bytes as f64)
+            }
+        };
+        let ratio = |physical_bytes: u64| {
+            (physical_bytes > 0).then(|| logical_bytes as f64 / physical_bytes as f64)
+        };
+        let dedup = dedup.map(|summary| {
+            let deduplicated = summary.corrected(&self.estimator.total_deduplicated());
+            let physical = scale(deduplicated.stored_bytes);
+            DedupPrediction {
+                physical_bytes: physical,
+                ratio: ratio(physical),
+                savings_percent: savings_percent(physical),
+                saved_bytes: physical_bytes.saturating_sub(physical),
+                distinct_blocks: scale(summary.distinct_blocks),
+                duplicate_blocks: scale(summary.duplicate_blocks),
+                ref_records: scale(deduplicated.ref_records),
+                sample_shift: summary.sample_shift,
+            }
+        });
         let seconds = self.cpu.as_secs_f64();
         Prediction {
             codec: self.codec.to_string(),
@@ -162,33 +223,47 @@ impl CodecRun {
             logical_bytes,
             sampled_bytes: sampled.logical_bytes,
             physical_bytes,
-            ratio: (physical_bytes > 0).then(|| logical_bytes as f64 / physical_bytes as f64),
-            savings_percent: if logical_bytes == 0 {
-                0.0
-            } else {
-                100.0 * (1.0 - physical_bytes as f64 / logical_bytes as f64)
-            },
+            ratio: ratio(physical_bytes),
+            savings_percent: savings_percent(physical_bytes),
             zero_bytes: scale(sampled.zero_bytes),
             incompressible_bytes: scale(sampled.incompressible_bytes),
             compressed_bytes: scale(sampled.compressed_bytes),
             compress_mb_s_per_core: (seconds > 0.0)
                 .then(|| sampled.logical_bytes as f64 / 1e6 / seconds),
+            dedup,
         }
     }
 }
 
-/// Runs every codec over the batch, each on its own thread.
-fn compress_batch(codecs: &mut [CodecRun], batch: &[(u64, Vec<u8>)]) {
+/// Runs every codec over the batch, each on its own thread, after `dedup`
+/// (if on) has told each block's kind, in the order of the writes.
+fn compress_batch(
+    codecs: &mut [CodecRun],
+    batch: &[(u64, Vec<u8>)],
+    dedup: Option<&mut DedupIndex>,
+) {
     if batch.is_empty() {
         return;
     }
+    let kinds: Option<Vec<Vec<BlockKind>>> =
+        dedup.map(|index| batch.iter().map(|(_, data)| index.classify(data)).collect());
+    let kinds = kinds.as_deref();
     std::thread::scope(|scope| {
         for run in codecs.iter_mut() {
             scope.spawn(move || {
                 let started = thread_cpu_time();
                 let mut total = WriteEstimate::default();
-                for (offset, data) in batch {
-                    total.add(&run.estimator.add_write(Lba(offset / BLOCK_SIZE_U64), data));
+                for (index, (offset, data)) in batch.iter().enumerate() {
+                    let first = Lba(offset / BLOCK_SIZE_U64);
+                    let write = match kinds {
+                        Some(kinds) => {
+                            run.estimator
+                                .add_write_deduplicated(first, data, &kinds[index])
+                                .0
+                        }
+                        None => run.estimator.add_write(first, data),
+                    };
+                    total.add(&write);
                 }
                 run.cpu += thread_cpu_time().saturating_sub(started);
                 debug_assert!(total.logical_bytes > 0);
@@ -385,6 +460,9 @@ fn table(name: &str, predictions: &[Prediction], sample: f64) -> String {
         format_size(first.logical_bytes),
         format_size(first.zero_bytes)
     ));
+    if first.dedup.is_some() {
+        out.push_str("without dedup:\n");
+    }
     out.push_str(&format!(
         "{:<4} {:<11} {:>5} {:>11} {:>7} {:>7} {:>11} {:>11} {:>11}\n",
         "rank", "codec", "unit", "physical", "ratio", "saved", "raw", "compressed", "MB/s/core"
@@ -406,10 +484,60 @@ fn table(name: &str, predictions: &[Prediction], sample: f64) -> String {
     }
     out.push('\n');
     out.push_str(&recommendation(predictions));
+    out.push_str(&dedup_table(predictions));
     out.push_str(
         "physical: predicted bytes of records (headers included), as stored_bytes counts \
          them; a new image adds its metadata and checkpoints.\n",
     );
+    out
+}
+
+/// The same codecs, in the same order, with deduplication; empty with `--dedup off`.
+fn dedup_table(predictions: &[Prediction]) -> String {
+    let Some(first) = predictions.first().and_then(|p| p.dedup.as_ref()) else {
+        return String::new();
+    };
+    let sampling = match first.sample_shift {
+        0 => "every block's fingerprint kept".to_string(),
+        k => format!(
+            "sampled 1/2^{k} of the fingerprints (--dedup-memory): distinct blocks estimated, \
+             reference records and units approximated"
+        ),
+    };
+    let nonzero = first.distinct_blocks + first.duplicate_blocks;
+    let mut out = format!(
+        "\nwith dedup (4 KiB blocks; {sampling}):\n{} distinct and {} duplicate non-zero blocks \
+         ({:.1}% duplicates, {} of data)\n\n",
+        first.distinct_blocks,
+        first.duplicate_blocks,
+        if nonzero == 0 {
+            0.0
+        } else {
+            100.0 * first.duplicate_blocks as f64 / nonzero as f64
+        },
+        format_size(first.duplicate_blocks * BLOCK_SIZE_U64),
+    );
+    out.push_str(&format!(
+        "{:<4} {:<11} {:>11} {:>7} {:>7} {:>11} {:>11}\n",
+        "rank", "codec", "physical", "ratio", "saved", "dedup saves", "references"
+    ));
+    for (rank, p) in predictions.iter().enumerate() {
+        let Some(d) = &p.dedup else { continue };
+        out.push_str(&format!(
+            "{:<4} {:<11} {:>11} {:>7} {:>6.1}% {:>11} {:>11}\n",
+            rank + 1,
+            p.codec,
+            format_size(d.physical_bytes),
+            d.ratio.map_or("-".into(), |r| format!("{r:.2}x")),
+            d.savings_percent,
+            format_size(d.saved_bytes),
+            d.ref_records,
+        ));
+    }
+    out.push_str(&format!(
+        "dedup saves: physical without dedup less physical with it; a reference record \
+         ({REF_RECORD_LEN} bytes) per run of duplicate blocks within a write.\n"
+    ));
     out
 }
 
@@ -476,6 +604,7 @@ mod tests {
             incompressible_bytes: 0,
             compressed_bytes: 1000,
             compress_mb_s_per_core: Some(speed),
+            dedup: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! What zdisk saves and where, seen from outside: `zdisk estimate`'s
 //! prediction against what a real server stores after nbdcopy copies the
-//! same file in, the `zdisk:compression` metadata context as nbdinfo
+//! same file in, its prediction of 4 KiB deduplication on a file whose
+//! content repeats, the `zdisk:compression` metadata context as nbdinfo
 //! shows it, and `zdisk map` of a served image and of one at rest.
 //!
 //! The input mixes real files (a tar of /usr), zeros and random data. Each
@@ -27,6 +28,10 @@ fn main() {
         Trial::ignorable_test(
             "estimate_reads_stdin_samples_and_refuses_bad_input",
             estimate_inputs,
+        ),
+        Trial::ignorable_test(
+            "estimate_predicts_dedup_of_a_chunk_repeated_four_times",
+            estimate_dedup,
         ),
         Trial::ignorable_test(
             "estimate_reads_a_block_device_and_leaves_it_as_it_was",
@@ -310,6 +315,82 @@ fn estimate_inputs() -> TestResult {
         &["estimate", "--codec", "brotli", input.to_str().unwrap()],
         "unknown codec",
     )?;
+    Ok(Completion::Completed)
+}
+
+/// One random 1 MiB chunk written four times: dedup keeps the first copy
+/// and a reference record for each other (the 1 MiB writes line up with
+/// the copies), so it saves three quarters, which compression cannot.
+fn estimate_dedup() -> TestResult {
+    let dir = Scratch::new("estimate-dedup");
+    let input = dir.join("repeated.bin");
+    let chunk = pseudo_random(1 << 20, 25);
+    std::fs::write(&input, chunk.repeat(4)).map_err(|e| e.to_string())?;
+    let path = input.to_str().unwrap();
+    let predictions = estimate_json(&["--codec", "zstd", path])?;
+    let prediction = &predictions[0];
+    let dedup = &prediction["dedup"];
+    ensure!(
+        field(dedup, "distinct_blocks")? == 256 && field(dedup, "duplicate_blocks")? == 768,
+        "{prediction}"
+    );
+    ensure!(field(dedup, "sample_shift")? == 0, "{prediction}");
+    ensure!(
+        field(dedup, "ref_records")? == 3,
+        "one per copy: {prediction}"
+    );
+    let without = field(prediction, "physical_bytes")?;
+    let with = field(dedup, "physical_bytes")?;
+    // The first copy as without dedup (random: stored raw), and three references.
+    ensure!(
+        without % 4 == 0 && with == without / 4 + 3 * 64,
+        "without {without}, with {with}"
+    );
+    ensure!(
+        field(dedup, "saved_bytes")? == without - with,
+        "{prediction}"
+    );
+    let savings = dedup["savings_percent"].as_f64().unwrap_or(0.0);
+    ensure!(
+        (74.0..=75.0).contains(&savings),
+        "about 75% saved: {prediction}"
+    );
+    ensure!(
+        prediction["savings_percent"].as_f64().unwrap_or(1.0) <= 0.0,
+        "random data does not compress: {prediction}"
+    );
+
+    let off = estimate_json(&["--dedup", "off", "--codec", "zstd", path])?;
+    ensure!(off[0].get("dedup").is_none(), "--dedup off: {}", off[0]);
+    ensure!(
+        field(&off[0], "physical_bytes")? == without,
+        "{} vs {prediction}",
+        off[0]
+    );
+
+    let table = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["estimate", "--codec", "zstd", path],
+    )?);
+    ensure!(
+        table.contains("without dedup:")
+            && table.contains("with dedup (4 KiB blocks; every block's fingerprint kept)")
+            && table.contains("256 distinct and 768 duplicate"),
+        "{table}"
+    );
+    // A budget too small for 256 fingerprints samples them, and says so.
+    let sampled = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["estimate", "--codec", "lz4", "--dedup-memory", "1K", path],
+    )?);
+    ensure!(sampled.contains("sampled 1/2^"), "{sampled}");
+    let plain = stdout(&run(
+        zdisk_bin().to_str().unwrap(),
+        &["estimate", "--codec", "lz4", "--dedup", "off", path],
+    )?);
+    ensure!(!plain.contains("with dedup"), "{plain}");
+    one_line_error(&["estimate", "--dedup", "maybe", path], "--dedup")?;
+    one_line_error(&["estimate", "--dedup-memory", "lots", path], "lots")?;
     Ok(Completion::Completed)
 }
 

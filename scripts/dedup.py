@@ -1,0 +1,320 @@
+#!/usr/bin/python3
+"""Data that repeats: zdisk against btrfs with duperemove (issue #25).
+
+Two workloads, each written to one zdisk volume and to one btrfs, all on
+tmpfs (a new directory in /dev/shm, removed at the end):
+- two-image: two ext4 images made with `mkfs.ext4 -q -d TREE IMG 512M`,
+  tree A copies of /usr/share/doc, /usr/lib/python3 and /usr/share/perl,
+  tree B the same plus /usr/share/i18n, at offsets 0 and 512 MiB;
+- copies: image A written --copies times (default 10) at offsets
+  k x 512 MiB, each copy with 1% of its non-zero 4 KiB blocks overwritten
+  with random data (fixed seed).
+For each workload, one run of each of:
+- every zdisk configuration (CONFIGS below, and --zdisk-config): `zdisk
+  create` with its words, `zdisk serve` with its serve words, the images
+  copied in by one nbdcopy (--flush --no-extents) whose source is nbdkit's split plugin
+  over the image files, so each lands at its offset; stored_bytes and
+  metadata_bytes from /stats right after it (before any idle pass: serve
+  runs with --recompress off unless the configuration says otherwise);
+  write MB/s is the layout's bytes (holes included) over nbdcopy's seconds;
+- btrfs compress-force=zstd:1 on a loop file in /dev/shm: the image files
+  copied with cp (holes stay holes) and synced, stored bytes from
+  compsize's disk usage; then `duperemove -dr -b 4096` over them (timed),
+  and compsize again (shared extents count once);
+- `zdisk estimate --codec zstd` of the same layout (the images
+  concatenated, through a pipe): its predictions without and with dedup.
+One table per workload: configuration, write MB/s, stored MiB (record
+bytes: stored_bytes for zdisk, compsize's disk usage for btrfs), stored
+plus zdisk's metadata, and the ratio of stored bytes to btrfs after
+duperemove. Then one JSON object per row (also appended to --json FILE).
+
+Needs root (loop mounts), nbdcopy, nbdkit, mkfs.ext4, mkfs.btrfs, compsize,
+duperemove; about 4 GiB of /dev/shm for --copies 10.
+
+  --quick                        trees of /usr/share/perl (A) and it plus
+                                 /usr/share/i18n (B), 2 copies (a minute)
+  --workloads two-image,copies   which to run (default both)
+  --copies N                     copies of image A in the copies workload
+  --zdisk-config 'NAME=CREATE WORDS[;SERVE WORDS]'
+                                 one more zdisk configuration, e.g.
+                                 'zdisk zstd dedup=--codec zstd --dedup on'
+"""
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import time
+
+import harness
+
+IMAGE_BYTES = 512 * harness.MIB
+TREE_A = ["/usr/share/doc", "/usr/lib/python3", "/usr/share/perl"]
+TREE_A_QUICK = ["/usr/share/perl"]
+TREE_B_EXTRA = ["/usr/share/i18n"]
+SEED = 25
+MODIFIED_SHARE = 0.01
+
+# The zdisk configurations each workload is written with: a name, the
+# words `zdisk create` gets, the words `zdisk serve` gets. Deduplication
+# in the engine will be one more line here.
+CONFIGS = [
+    ("zdisk zstd (dedup off)", ["--codec", "zstd"], ["--recompress", "off"]),
+]
+
+ESTIMATE_CODEC = "zstd"
+BTRFS = "btrfs compress-force=zstd:1"
+DUPEREMOVE = "btrfs + duperemove -dr -b 4096"
+
+
+def make_tree(work, name, sources):
+    tree = os.path.join(work, name)
+    os.makedirs(tree)
+    for source in sources:
+        if not os.path.isdir(source):
+            raise harness.Missing(f"{source} is not here to copy into tree {name}")
+        harness.run(["cp", "-a", source, os.path.join(tree, os.path.basename(source))])
+    return tree
+
+
+def make_image(tree, image):
+    harness.run(["mkfs.ext4", "-q", "-d", tree, image, "512M"])
+    if os.path.getsize(image) != IMAGE_BYTES:
+        raise harness.Failure(f"{image} is {os.path.getsize(image)} bytes, not 512 MiB")
+
+
+def nonzero_blocks(image):
+    """Indexes of the non-zero 4 KiB blocks of `image`."""
+    zero = bytes(harness.BLOCK)
+    found = []
+    with open(image, "rb") as f:
+        index = 0
+        while True:
+            block = f.read(harness.BLOCK)
+            if not block:
+                break
+            if block != zero:
+                found.append(index)
+            index += 1
+    return found
+
+
+def modified_copy(image, copy, blocks, seed):
+    """`image` copied to `copy` (holes kept), with a share of its non-zero
+    blocks overwritten by random bytes chosen by `seed`."""
+    harness.run(["cp", "--sparse=always", image, copy])
+    rng = random.Random(seed)
+    chosen = rng.sample(blocks, max(1, round(len(blocks) * MODIFIED_SHARE)))
+    with open(copy, "r+b") as f:
+        for index in sorted(chosen):
+            f.seek(index * harness.BLOCK)
+            f.write(rng.randbytes(harness.BLOCK))
+    return len(chosen)
+
+
+def split_source(images):
+    """nbdcopy's source: nbdkit's split plugin, the images end to end.
+    nbdcopy runs with --no-extents: the split plugin of nbdkit 1.32 drops
+    the connection when asked for the extents of these sparse files, so
+    nbdcopy reads the holes and sends its zero-detected runs as zeroes."""
+    return ["[", "nbdkit", "split", *images, "]"]
+
+
+def zdisk_row(ctx, zdisk, images, name, create_words, serve_words):
+    layout_bytes = len(images) * IMAGE_BYTES
+    image = os.path.join(ctx.work, "volume.zdisk")
+    harness.zdisk_create(zdisk, image, "--logical", layout_bytes, "--force", *create_words)
+    with harness.Teardown() as teardown:
+        teardown.push(f"remove {image}", lambda: os.remove(image))
+        server = harness.Server(teardown, zdisk, image, os.path.join(ctx.work, "zdisk.sock"),
+                                flags=serve_words)
+        seconds = harness.nbdcopy("--flush", "--no-extents", "--", *split_source(images),
+                                  server.uri)
+        stats = server.stats()
+        server.stop()
+    return {"write_mb_s": layout_bytes / seconds / 1e6, "stored_bytes": stats["stored_bytes"],
+            "metadata_bytes": stats["metadata_bytes"],
+            "stored_with_metadata_bytes": stats["stored_bytes"] + stats["metadata_bytes"],
+            "mapped_bytes": stats["mapped_bytes"], "create": create_words, "serve": serve_words}
+
+
+def compsize_bytes(paths):
+    for line in harness.run(["compsize", "-b", *paths]).stdout.splitlines():
+        if line.startswith("TOTAL"):
+            return int(line.split()[2])
+    raise harness.Failure("compsize printed no TOTAL line")
+
+
+def btrfs_rows(ctx, images):
+    layout_bytes = len(images) * IMAGE_BYTES
+    loop_file = os.path.join(ctx.work, "btrfs.img")
+    mount = os.path.join(ctx.work, "btrfs")
+    os.makedirs(mount, exist_ok=True)
+    with harness.Teardown() as teardown:
+        with open(loop_file, "wb") as f:
+            f.truncate(max(layout_bytes, 2 << 30))
+        teardown.push("loop file", lambda: os.remove(loop_file))
+        device = harness.run(["losetup", "-f", "--show", loop_file]).stdout.strip()
+        teardown.push("loop device", lambda: harness.run(["losetup", "-d", device]))
+        harness.run(["mkfs.btrfs", "-q", "-f", device])
+        harness.run(["mount", "-o", "compress-force=zstd:1", device, mount])
+        teardown.push("mount", lambda: harness.run(["umount", mount]))
+        targets = [os.path.join(mount, f"image-{index}.img") for index in range(len(images))]
+        t0 = time.monotonic()
+        for source, target in zip(images, targets):
+            harness.run(["cp", source, target])
+        harness.run(["sync", "-f", targets[0]])
+        written = time.monotonic() - t0
+        before = compsize_bytes(targets)
+        t1 = time.monotonic()
+        harness.run(["duperemove", "-dr", "-b", "4096", mount])
+        dedup_seconds = time.monotonic() - t1
+        harness.run(["sync", "-f", targets[0]])
+        after = compsize_bytes(targets)
+        du = harness.run(["btrfs", "filesystem", "du", "-s", "--raw", mount]).stdout.split("\n")
+    return ({"write_mb_s": layout_bytes / written / 1e6, "stored_bytes": before},
+            {"write_mb_s": None, "stored_bytes": after, "duperemove_seconds": dedup_seconds,
+             "btrfs_filesystem_du": " ".join(du[-2].split()) if len(du) > 1 else None})
+
+
+def estimate_rows(zdisk, images):
+    """`zdisk estimate` of the layout: the images end to end, through a pipe."""
+    cat = subprocess.Popen(["cat", *images], stdout=subprocess.PIPE)
+    t0 = time.monotonic()
+    done = subprocess.run([zdisk, "estimate", "--json", "--codec", ESTIMATE_CODEC, "-"],
+                          stdin=cat.stdout, capture_output=True, text=True)
+    cat.stdout.close()
+    cat.wait()
+    seconds = time.monotonic() - t0
+    if done.returncode != 0:
+        raise harness.Failure(f"zdisk estimate failed: {done.stderr.strip()}")
+    prediction = json.loads(done.stdout.splitlines()[0])
+    dedup = prediction["dedup"]
+    return ({"write_mb_s": None, "stored_bytes": prediction["physical_bytes"],
+             "estimate_seconds": seconds, "logical_bytes": prediction["logical_bytes"]},
+            {"write_mb_s": None, "stored_bytes": dedup["physical_bytes"],
+             "distinct_blocks": dedup["distinct_blocks"],
+             "duplicate_blocks": dedup["duplicate_blocks"], "ref_records": dedup["ref_records"],
+             "sample_shift": dedup["sample_shift"]})
+
+
+def run_workload(ctx, zdisk, name, images):
+    rows = {}
+    for config, create_words, serve_words in ctx.configs:
+        harness.progress("dedup.py", f"{name}: {config}")
+        rows[config] = zdisk_row(ctx, zdisk, images, config, create_words, serve_words)
+    if not ctx.skip_btrfs:
+        harness.progress("dedup.py", f"{name}: {BTRFS}, then duperemove")
+        rows[BTRFS], rows[DUPEREMOVE] = btrfs_rows(ctx, images)
+    harness.progress("dedup.py", f"{name}: zdisk estimate")
+    without, with_dedup = estimate_rows(zdisk, images)
+    rows[f"zdisk estimate {ESTIMATE_CODEC}, without dedup"] = without
+    rows[f"zdisk estimate {ESTIMATE_CODEC}, with dedup"] = with_dedup
+    report(name, len(images), rows)
+    for row_name, row in rows.items():
+        harness.emit_json(dict(row, workload=name, configuration=row_name,
+                               layout_bytes=len(images) * IMAGE_BYTES), ctx.json)
+
+
+def report(name, count, rows):
+    reference = rows.get(DUPEREMOVE, {}).get("stored_bytes")
+
+    def mib(value):
+        return f"{value / harness.MIB:.1f}" if value is not None else "-"
+
+    print(f"\n{name}: {count} x 512 MiB images "
+          f"({count * IMAGE_BYTES / harness.MIB:.0f} MiB written)")
+    body = []
+    notes = []
+    for row_name, row in rows.items():
+        stored = row.get("stored_bytes")
+        if "duperemove_seconds" in row:
+            notes.append(f"duperemove took {row['duperemove_seconds']:.0f} s")
+        elif "sample_shift" in row:
+            notes.append(f"zdisk estimate: {row['duplicate_blocks']} of "
+                         f"{row['duplicate_blocks'] + row['distinct_blocks']} non-zero blocks "
+                         f"are duplicates, {row['ref_records']} reference records"
+                         + (f", sampled 1/2^{row['sample_shift']}" if row["sample_shift"] else ""))
+        body.append([row_name,
+                     f"{row['write_mb_s']:.0f}" if row.get("write_mb_s") else "-",
+                     mib(stored), mib(row.get("stored_with_metadata_bytes")),
+                     f"{stored / reference:.2f}" if stored and reference else "-"])
+    harness.print_table(["configuration", "write MB/s", "stored MiB", "+ metadata MiB",
+                         "x btrfs+duperemove"], body)
+    for note in notes:
+        print(f"  {note}")
+
+
+def parse_config(text):
+    name, sep, words = text.partition("=")
+    if not sep or not name.strip():
+        raise harness.Failure(f"--zdisk-config {text!r}: write NAME=CREATE WORDS[;SERVE WORDS]")
+    create, _, serve = words.partition(";")
+    return (name.strip(), shlex.split(create),
+            shlex.split(serve) if serve.strip() else ["--recompress", "off"])
+
+
+def body():
+    parser = harness.parser(__doc__)
+    harness.add_zdisk(parser)
+    parser.add_argument("--dir", help="work directory (default: a new directory in /dev/shm, "
+                                      "removed at the end)")
+    parser.add_argument("--workloads", default="two-image,copies")
+    parser.add_argument("--copies", type=harness.positive,
+                        help="copies of image A in the copies workload (default 10; 2 with --quick)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--zdisk-config", action="append", default=[], metavar="NAME=WORDS")
+    parser.add_argument("--skip-btrfs", action="store_true")
+    parser.add_argument("--json", help="also append one JSON line per row to this file")
+    args = parser.parse_args()
+    zdisk = harness.zdisk_binary(args.zdisk)
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - {"two-image", "copies"}
+    if unknown:
+        raise harness.Failure(f"unknown workload {', '.join(sorted(unknown))}: "
+                              "two-image or copies")
+    harness.require_tools("nbdcopy", "nbdkit", "mkfs.ext4", "cat")
+    if not args.skip_btrfs:
+        harness.require_tools("mkfs.btrfs", "compsize", "duperemove", "losetup", "btrfs")
+        harness.require_root("the btrfs comparison mounts a loop device; or pass --skip-btrfs")
+
+    class Context:
+        pass
+
+    ctx = Context()
+    ctx.configs = CONFIGS + [parse_config(text) for text in args.zdisk_config]
+    ctx.skip_btrfs = args.skip_btrfs
+    ctx.json = args.json
+    with harness.Teardown() as teardown:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        ctx.work = harness.workdir(teardown, args.dir, "dedup.", base)
+        harness.progress("dedup.py", "copying trees and making ext4 images")
+        sources_a = TREE_A_QUICK if args.quick else TREE_A
+        copies_count = args.copies or (2 if args.quick else 10)
+        tree_a = make_tree(ctx.work, "tree-a", sources_a)
+        image_a = os.path.join(ctx.work, "a.img")
+        make_image(tree_a, image_a)
+        if "two-image" in workloads:
+            tree_b = make_tree(ctx.work, "tree-b", sources_a + TREE_B_EXTRA)
+            image_b = os.path.join(ctx.work, "b.img")
+            make_image(tree_b, image_b)
+            harness.run(["rm", "-rf", "--one-file-system", tree_b])
+        harness.run(["rm", "-rf", "--one-file-system", tree_a])
+        if "two-image" in workloads:
+            run_workload(ctx, zdisk, "two-image", [image_a, image_b])
+            os.remove(image_b)
+        if "copies" in workloads:
+            blocks = nonzero_blocks(image_a)
+            copies = []
+            for index in range(copies_count):
+                copy = os.path.join(ctx.work, f"a-{index}.img")
+                modified_copy(image_a, copy, blocks, SEED + index)
+                copies.append(copy)
+            harness.progress("dedup.py", f"copies: {copies_count} copies of A, "
+                                         f"{len(blocks)} non-zero blocks each, 1% overwritten")
+            run_workload(ctx, zdisk, "copies", copies)
+
+
+if __name__ == "__main__":
+    harness.main("dedup.py", body)
