@@ -148,18 +148,8 @@ def compsize_bytes(paths):
 
 def btrfs_rows(ctx, images):
     layout_bytes = len(images) * IMAGE_BYTES
-    loop_file = os.path.join(ctx.work, "btrfs.img")
-    mount = os.path.join(ctx.work, "btrfs")
-    os.makedirs(mount, exist_ok=True)
     with harness.Teardown() as teardown:
-        with open(loop_file, "wb") as f:
-            f.truncate(max(layout_bytes, 2 << 30))
-        teardown.push("loop file", lambda: os.remove(loop_file))
-        device = harness.run(["losetup", "-f", "--show", loop_file]).stdout.strip()
-        teardown.push("loop device", lambda: harness.run(["losetup", "-d", device]))
-        harness.run(["mkfs.btrfs", "-q", "-f", device])
-        harness.run(["mount", "-o", "compress-force=zstd:1", device, mount])
-        teardown.push("mount", lambda: harness.run(["umount", mount]))
+        mount = harness.btrfs_mount(teardown, ctx.work, max(layout_bytes, 2 << 30))
         targets = [os.path.join(mount, f"image-{index}.img") for index in range(len(images))]
         t0 = time.monotonic()
         for source, target in zip(images, targets):

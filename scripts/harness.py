@@ -477,6 +477,24 @@ class Ext4OnExport:
             self.fuse.wait()
 
 
+def btrfs_mount(teardown, work, size_bytes):
+    """A btrfs with compress-force=zstd:1 on a loop device over a sparse
+    file of `size_bytes` in `work`, mounted at work/btrfs; `teardown`
+    unmounts it and frees the device and file. Returns the mount point."""
+    loop_file = os.path.join(work, "btrfs.img")
+    mount = os.path.join(work, "btrfs")
+    os.makedirs(mount, exist_ok=True)
+    with open(loop_file, "wb") as f:
+        f.truncate(size_bytes)
+    teardown.push("loop file", lambda: os.remove(loop_file))
+    device = run(["losetup", "-f", "--show", loop_file]).stdout.strip()
+    teardown.push("loop device", lambda: run(["losetup", "-d", device]))
+    run(["mkfs.btrfs", "-q", "-f", device])
+    run(["mount", "-o", "compress-force=zstd:1", device, mount])
+    teardown.push("mount", lambda: run(["umount", mount]))
+    return mount
+
+
 def mounted(path):
     """Whether something is mounted on `path` (a directory or a file)."""
     path = os.path.realpath(path)

@@ -109,18 +109,8 @@ def zdisk_round(ctx, zdisk, spec, before=False):
 
 
 def btrfs_round(ctx):
-    loop_file = os.path.join(ctx.work, "btrfs.img")
-    mount = os.path.join(ctx.work, "btrfs")
-    os.makedirs(mount, exist_ok=True)
     with harness.Teardown() as teardown:
-        with open(loop_file, "wb") as f:
-            f.truncate(max(2 * ctx.corpus_bytes, 1 << 30))
-        teardown.push("loop file", lambda: os.remove(loop_file))
-        device = harness.run(["losetup", "-f", "--show", loop_file]).stdout.strip()
-        teardown.push("loop device", lambda: harness.run(["losetup", "-d", device]))
-        harness.run(["mkfs.btrfs", "-q", "-f", device])
-        harness.run(["mount", "-o", "compress-force=zstd:1", device, mount])
-        teardown.push("mount", lambda: harness.run(["umount", mount]))
+        mount = harness.btrfs_mount(teardown, ctx.work, max(2 * ctx.corpus_bytes, 1 << 30))
         target = os.path.join(mount, "corpus.tar")
         t0 = time.monotonic()
         harness.run(["cp", ctx.corpus, target])
