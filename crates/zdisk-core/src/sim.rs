@@ -337,6 +337,8 @@ pub struct SimStats {
     pub staged_sectors: u64,
     /// Map leaves read back from their pages (evicted, then needed).
     pub map_pages_read: u64,
+    /// Map pages checkpoints kept where an earlier one wrote them.
+    pub map_pages_kept: u64,
 }
 
 impl SimStats {
@@ -352,6 +354,7 @@ impl SimStats {
         self.mid_operation_crashes += other.mid_operation_crashes;
         self.staged_sectors += other.staged_sectors;
         self.map_pages_read += other.map_pages_read;
+        self.map_pages_kept += other.map_pages_kept;
     }
 }
 
@@ -743,7 +746,9 @@ impl<C: Choices> Run<C> {
 
     fn crash(&mut self, step: usize) -> Result<(), SimFailure> {
         self.stats.crashes += 1;
-        self.stats.map_pages_read += self.volume.stats().map_cache_misses;
+        let stats = self.volume.stats();
+        self.stats.map_pages_read += stats.map_cache_misses;
+        self.stats.map_pages_kept += stats.map_pages_kept;
         let pending = self.media.pending_count();
         self.trace
             .push(format!("power cut ({pending} pending operations)"));
@@ -1018,6 +1023,10 @@ mod tests {
             assert!(
                 totals.map_pages_read > 0,
                 "map leaves must be evicted and read back in the simulation"
+            );
+            assert!(
+                totals.map_pages_kept > 0,
+                "checkpoints must keep map pages in place in the simulation"
             );
             assert!(
                 totals.staged_sectors > 0,

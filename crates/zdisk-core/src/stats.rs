@@ -180,11 +180,13 @@ pub struct Stats {
     /// Since the volume opened: map lookups that found every leaf they
     /// needed in RAM, pages read back (leaves faulted in, and lookups
     /// that read a page without keeping its leaf), those lookups alone,
-    /// and pages checkpoints wrote (a page per leaf per checkpoint).
+    /// and pages checkpoints wrote (a page per changed or moved leaf per
+    /// checkpoint) and kept where an earlier checkpoint wrote them.
     pub map_cache_hits: u64,
     pub map_cache_misses: u64,
     pub map_cache_peeks: u64,
     pub map_pages_written: u64,
+    pub map_pages_kept: u64,
     /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
     pub segments_by_state: SegmentCounts,
     /// Sealed segments by live fraction: bucket i counts segments that are
@@ -331,6 +333,8 @@ pub const FIELDS: &[Field] = &[
         Counter("Map pages read back for one lookup, their leaves not kept in the cache, since the volume opened."), |s| s.map_cache_peeks as f64),
     field("map_pages_written", "pages", "map pages checkpoints wrote, since the volume opened",
         Counter("Map pages written by checkpoints, since the volume opened."), |s| s.map_pages_written as f64),
+    field("map_pages_kept", "pages", "map pages of unchanged leaves checkpoints kept where an earlier one wrote them, since the volume opened",
+        Counter("Map pages of unchanged leaves that checkpoints kept in place, since the volume opened."), |s| s.map_pages_kept as f64),
     shown("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
     shown("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
     shown("counters", "various", "cumulative counters, persisted across restarts (listed below); each is exported as zdisk_NAME_total"),

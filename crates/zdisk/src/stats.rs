@@ -305,6 +305,7 @@ mod tests {
             "map_cache_misses",
             "map_cache_peeks",
             "map_pages_written",
+            "map_pages_kept",
             "host_write_bytes",
             "host_read_bytes",
             "media_write_bytes",

@@ -130,6 +130,8 @@ pub(crate) struct CacheCounts {
     /// Pages checkpoints wrote (one per changed or moved leaf per
     /// checkpoint).
     pub pages_written: u64,
+    /// Pages of clean leaves checkpoints kept where they were.
+    pub pages_kept: u64,
 }
 
 /// Where a checkpoint takes a leaf's page from.
@@ -1326,9 +1328,11 @@ impl Map {
     }
 
     /// The checkpoint whose snapshot wrote pages at `placed` (leaf start,
-    /// page) is durable: every leaf unchanged since the snapshot is clean
-    /// (at its new page, or the page it kept), read back with `store`.
-    pub(crate) fn commit_pages(&mut self, placed: &[(u64, PageLoc)], store: PageStore) {
+    /// page) and kept `kept` others in place is durable: every leaf
+    /// unchanged since the snapshot is clean (at its new page, or the page
+    /// it kept), read back with `store`.
+    pub(crate) fn commit_pages(&mut self, placed: &[(u64, PageLoc)], kept: u64, store: PageStore) {
+        self.cache.pages_kept += kept;
         for &(start, loc) in placed {
             if let Some(page) = self.written.get_mut(&start) {
                 *page = Some(loc);

@@ -1036,7 +1036,7 @@ fn checkpoint_pages_moving(
             (start, loc)
         })
         .collect();
-    map.commit_pages(&placed, store.clone());
+    map.commit_pages(&placed, 0, store.clone());
     store
 }
 

@@ -54,6 +54,8 @@ struct Snapshot {
     pages: Vec<SnapshotPage>,
     /// The dump segments (copy 0, copy 1) of the pages it keeps.
     kept: Vec<[SegmentId; 2]>,
+    /// How many pages it keeps.
+    kept_pages: u64,
     /// What copying evicted leaves' pages needs.
     source: Option<PageStore>,
     /// Segments with a sequence number at least this were opened after it.
@@ -215,6 +217,7 @@ impl Volume {
                     _ => None,
                 })
                 .collect();
+            let kept_pages = kept.len() as u64;
             kept.sort_unstable();
             kept.dedup();
             pages.retain(SnapshotPage::is_written);
@@ -222,6 +225,7 @@ impl Volume {
                 directory,
                 pages,
                 kept,
+                kept_pages,
                 source: state.map().store().cloned(),
                 boundary: state.space().next_seq(),
                 open: state.open_positions(),
@@ -300,7 +304,7 @@ impl Volume {
                 (page.start, loc)
             })
             .collect();
-        state.commit_map_pages(&placed, store);
+        state.commit_map_pages(&placed, snapshot.kept_pages, store);
         // Segments cleaned while damage forced a checkpoint can go now.
         state.note_checkpoint();
         Ok(Attempt::Done)

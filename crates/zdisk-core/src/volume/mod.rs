@@ -551,6 +551,7 @@ impl Volume {
             map_cache_misses: cache.misses + cache.peeks,
             map_cache_peeks: cache.peeks,
             map_pages_written: cache.pages_written,
+            map_pages_kept: cache.pages_kept,
             segments_by_state: usage.by_state,
             sealed_utilization_histogram: usage.histogram,
             counters,

@@ -223,9 +223,15 @@ impl State {
             .snapshot_pages(|loc: &PageLoc| !kept.contains(&loc.segments[0]))
     }
 
-    /// The checkpoint that placed its pages at `placed` is durable in `store`.
-    pub(crate) fn commit_map_pages(&mut self, placed: &[(u64, PageLoc)], store: PageStore) {
-        self.map.commit_pages(placed, store);
+    /// The checkpoint that placed its pages at `placed`, and kept `kept`
+    /// others in place, is durable.
+    pub(crate) fn commit_map_pages(
+        &mut self,
+        placed: &[(u64, PageLoc)],
+        kept: u64,
+        store: PageStore,
+    ) {
+        self.map.commit_pages(placed, kept, store);
     }
 
     pub(crate) fn set_map_cache_bytes(&mut self, bytes: u64) {
