@@ -293,6 +293,7 @@ mod tests {
     use std::sync::{mpsc, Condvar};
     use std::time::Duration;
 
+    #[cfg(any(debug_assertions, feature = "lock-checks"))]
     use zdisk_core::held::Held;
     use zdisk_core::media::MemMedia;
 
