@@ -356,7 +356,7 @@ mod tests {
         }
         assert_eq!(
             seen.len(),
-            gauges.len() + 4 + Counters::DOCS.len(),
+            gauges.len() + 5 + Counters::DOCS.len(),
             "one metric per exported key and counter"
         );
     }
