@@ -29,7 +29,7 @@ use crate::codec::{lz4_compress, lz4_decompress, CodecId};
 use crate::error::{Error, Result};
 use crate::map::{
     Chunk, Entry, Location, Map, MapCounts, PageLoc, PageSource, PageStore, RangeState, Slot,
-    SnapshotPage, CHUNK_BLOCKS, VERSION_MAX,
+    SnapshotPage, CHUNK_BLOCKS, TABLE_BASE, VERSION_MAX,
 };
 use crate::media::Media;
 use crate::meta::DumpRef;
@@ -201,6 +201,7 @@ fn encode_chunk(out: &mut ByteWriter, index: u64, chunk: &Chunk) {
                         out.u8(TAG_DAMAGED);
                         out.varint(entry.version());
                     }
+                    Slot::Shared { .. } => unreachable!("format 2 had no shared entries"),
                     Slot::Data(loc) => {
                         out.u8(if loc.members > 1 {
                             TAG_UNIT_MEMBER
@@ -505,7 +506,10 @@ pub(crate) fn decode_chunk_payload(
                 let end = start
                     .checked_add(blocks)
                     .ok_or("a map page beyond any volume")?;
-                if end > chunk_limit * CHUNK_BLOCKS {
+                // Within the volume, or the shared table's cells (format 5).
+                let in_table = start >= TABLE_BASE
+                    && end <= (TABLE_BASE + VERSION_MAX + 1).next_multiple_of(CHUNK_BLOCKS);
+                if end > chunk_limit * CHUNK_BLOCKS && !in_table {
                     return Err(format!("map page at {start} lies beyond the volume"));
                 }
                 if !(1..=MAP_CHUNK_PAYLOAD_MAX as u64).contains(&payload_len) {

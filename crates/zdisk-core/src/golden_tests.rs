@@ -17,8 +17,9 @@ use crate::map::{Map, MapCounts, PageLoc, PageSource, SnapshotPage};
 use crate::media::MediaGeometry;
 use crate::meta::{CheckpointRoot, DumpRef, MediaKind, OpenSegmentPos, Root, Settings, Superblock};
 use crate::record::{
-    decode_record, decode_unit, encode_record, encode_unit_prefix, range_count,
-    record_len_for_payload, RecordHeader, RecordKey, RecordKind,
+    decode_record, decode_ref, decode_unit, encode_record, encode_ref, encode_unit_prefix,
+    range_count, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RefMember,
+    REF_NO_OWNER,
 };
 use crate::stats::Counters;
 use crate::units::SegmentId;
@@ -30,12 +31,13 @@ const UUID: [u8; 16] = [
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
 ];
 
-/// A version 4 root of a 64 MiB file volume, written cleanly. (Version
-/// 3 roots have the same layout: `meta.rs` tests that one still decodes.)
+/// A version 5 root of a 64 MiB file volume, written cleanly. (Version
+/// 3 and 4 roots have the same layout: `meta.rs` tests that they still
+/// decode.)
 #[rustfmt::skip]
-const ROOT_V4: &[u8] = &[
+const ROOT_V5: &[u8] = &[
     b'Z', b'D', b'I', b'S', b'K', b'M', b'T', b'1', // magic
-    0x04, 0x00, 0x00, 0x00,                         // format_version 4
+    0x05, 0x00, 0x00, 0x00,                         // format_version 5
     0xa8, 0x01, 0x00, 0x00,                         // total_length 424
     0x07, 0, 0, 0, 0, 0, 0, 0,                      // generation 7
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, // uuid
@@ -98,7 +100,7 @@ const ROOT_V4: &[u8] = &[
     0x16, 0x00, 0x16, 0, 0, 0, 0, 0, 0, 0,          //   22 recompress_out_bytes = 22
     CRC_ROOT[0], CRC_ROOT[1], CRC_ROOT[2], CRC_ROOT[3], // crc: CRC32C of every byte above
 ];
-const CRC_ROOT: [u8; 4] = 0x67ff_d585u32.to_le_bytes();
+const CRC_ROOT: [u8; 4] = 0x9316_4078u32.to_le_bytes();
 
 fn root_fields() -> Root {
     let mut counters = Counters::default();
@@ -206,8 +208,8 @@ fn counter_mut<'a>(counters: &'a mut Counters, name: &str) -> &'a mut u64 {
 }
 
 #[test]
-fn root_v4_decodes_to_its_fields() {
-    let root = Root::decode(ROOT_V4).expect("the golden root decodes");
+fn root_v5_decodes_to_its_fields() {
+    let root = Root::decode(ROOT_V5).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
         assert_eq!(
@@ -219,14 +221,14 @@ fn root_v4_decodes_to_its_fields() {
 }
 
 #[test]
-fn root_v4_fields_encode_to_the_golden_bytes() {
-    assert_eq!(root_fields().encode(), ROOT_V4);
+fn root_v5_fields_encode_to_the_golden_bytes() {
+    assert_eq!(root_fields().encode(), ROOT_V5);
 }
 
 #[test]
 fn a_root_with_any_byte_changed_is_refused() {
-    for at in [0, 8, 12, 16, 100, ROOT_V4.len() - 1] {
-        let mut bytes = ROOT_V4.to_vec();
+    for at in [0, 8, 12, 16, 100, ROOT_V5.len() - 1] {
+        let mut bytes = ROOT_V5.to_vec();
         bytes[at] ^= 0x01;
         assert!(Root::decode(&bytes).is_err(), "byte {at} flipped");
     }
@@ -288,6 +290,28 @@ const UNIT_RECORD: &[u8] = &[
 ];
 const CRC_UNIT: [u8; 4] = 0x02de_8ab0u32.to_le_bytes();
 
+/// A reference record (format 5): blocks 0x200 and 0x201, at versions
+/// 1002 and 1003, share content version 1000 (block 0x1234 held it
+/// directly, and becomes shared) and content 900 (shared already).
+#[rustfmt::skip]
+const REF_RECORD: &[u8] = &[
+    0x5a, 0x52,                                     // magic "ZR"
+    0x07,                                           // kind 7 (reference)
+    0x00,                                           // codec 0 (not data)
+    0x29, 0x00, 0x00, 0x00,                         // seg_seq 41
+    0x00, 0x02, 0, 0, 0, 0, 0, 0,                   // lba: first block 0x200
+    0xea, 0x03, 0, 0, 0, 0, 0, 0,                   // version of the first block, 1002
+    0x24, 0x00, 0x00, 0x00,                         // payload_length 36
+    CRC_REF[0], CRC_REF[1], CRC_REF[2], CRC_REF[3], // crc
+    0x02, 0x00, 0x00, 0x00,                         // count 2
+    0xe8, 0x03, 0, 0, 0, 0, 0, 0,                   // block 0x200: content 1000
+    0x34, 0x12, 0, 0, 0, 0, 0, 0,                   //   owner block 0x1234
+    0x84, 0x03, 0, 0, 0, 0, 0, 0,                   // block 0x201: content 900
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, //   no owner: shared already
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,             // zeros to 80
+];
+const CRC_REF: [u8; 4] = 0x1ece_9886u32.to_le_bytes();
+
 struct RecordCase {
     bytes: &'static [u8],
     header: RecordHeader,
@@ -322,6 +346,11 @@ fn record_cases() -> Vec<RecordCase> {
             header: header(RecordKind::Unit, 2, 96, 9, 31, CRC_UNIT),
             payload: unit_payload,
         },
+        RecordCase {
+            bytes: REF_RECORD,
+            header: header(RecordKind::Ref, 0, 0x200, 1002, 36, CRC_REF),
+            payload: encode_ref(&ref_members()),
+        },
     ]
 }
 
@@ -341,6 +370,21 @@ fn records_decode_to_their_fields() {
     assert_eq!(decoded.versions, [7, 9, 8]);
     assert!(decoded.recompressed);
     assert_eq!(decoded.data, [0xc0, 0xff, 0xee]);
+    let reference = &record_cases()[3];
+    assert_eq!(decode_ref(&reference.payload).unwrap(), ref_members());
+}
+
+fn ref_members() -> Vec<RefMember> {
+    vec![
+        RefMember {
+            content: 1000,
+            owner: 0x1234,
+        },
+        RefMember {
+            content: 900,
+            owner: REF_NO_OWNER,
+        },
+    ]
 }
 
 #[test]

@@ -25,8 +25,10 @@ pub use crate::media::META_MAGIC;
 /// and 5), which version 2 cannot read. Version 4 keeps the pages of leaves
 /// that did not change where an earlier checkpoint wrote them (dump item
 /// 6), and a root lists the earlier dumps' segments it still needs, which
-/// version 3 would free.
-pub const FORMAT_VERSION: u32 = 4;
+/// version 3 would free. Version 5 shares records between blocks: shared
+/// map entries (page entry tag 4), the shared table's cells in the map,
+/// and reference records (kind 7), none of which version 4 knows.
+pub const FORMAT_VERSION: u32 = 5;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -544,7 +546,7 @@ mod tests {
     /// Version 1 roots (no staging) still open; a version this zdisk does
     /// not know, such as the next one, does not.
     #[test]
-    fn roots_of_versions_2_and_3_decode_and_unknown_versions_do_not() {
+    fn roots_of_versions_2_to_4_decode_and_unknown_versions_do_not() {
         // Version 1 roots lack fields version 2 added (`unit_blocks`):
         // tests/format_v1.rs opens real version 1 images.
         let root = sample_root();
@@ -556,11 +558,12 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 4);
+        assert_eq!(FORMAT_VERSION, 5);
+        assert_eq!(with_version(5).unwrap(), root);
         assert_eq!(with_version(4).unwrap(), root);
         assert_eq!(with_version(3).unwrap(), root);
         assert_eq!(with_version(2).unwrap(), root);
-        for version in [0, 5] {
+        for version in [0, 6] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

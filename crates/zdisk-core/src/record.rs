@@ -78,6 +78,10 @@ pub enum RecordKind {
     Damaged = 5,
     /// Several consecutive blocks' contents, compressed together (a unit).
     Unit = 6,
+    /// Consecutive blocks that now share contents stored earlier (format
+    /// 5): each names the content version it shares and the block that
+    /// held it (see [`encode_ref`]).
+    Ref = 7,
 }
 
 impl RecordKind {
@@ -89,6 +93,7 @@ impl RecordKind {
             4 => Some(RecordKind::MapChunk),
             5 => Some(RecordKind::Damaged),
             6 => Some(RecordKind::Unit),
+            7 => Some(RecordKind::Ref),
             _ => None,
         }
     }
@@ -206,6 +211,11 @@ impl RecordHeader {
             RecordKind::MapChunk => (1..=MAP_CHUNK_PAYLOAD_MAX).contains(&payload_len),
             RecordKind::Unit => {
                 (UNIT_PREFIX_LEN as u32 + 1..=UNIT_PAYLOAD_MAX).contains(&payload_len)
+            }
+            RecordKind::Ref => {
+                let members = REF_MEMBER_LEN..=REF_MEMBER_LEN * REF_MEMBERS_MAX;
+                members.contains(&payload_len.saturating_sub(REF_PREFIX_LEN))
+                    && (payload_len - REF_PREFIX_LEN).is_multiple_of(REF_MEMBER_LEN)
             }
         };
         if !length_ok {
@@ -560,4 +570,60 @@ mod tests {
             Err(RecordError::BadLength(9))
         );
     }
+}
+
+/// Bytes before a reference record's members: their count (u32).
+const REF_PREFIX_LEN: u32 = 4;
+/// Bytes of each member of a reference record: content version and owner.
+const REF_MEMBER_LEN: u32 = 16;
+/// The most blocks one reference record names.
+pub const REF_MEMBERS_MAX: u32 = 256;
+/// The owner of a member whose content was already shared: none.
+pub const REF_NO_OWNER: u64 = u64::MAX;
+
+/// One block of a reference record: the content version it shares, and
+/// the block whose entry held that content directly when it was first
+/// shared ([`REF_NO_OWNER`] if it was shared already).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefMember {
+    pub content: u64,
+    pub owner: u64,
+}
+
+/// A reference record's payload: the count (u32 LE), then per block its
+/// content version and owner (u64 LE each). The header names the first
+/// block (`lba`) and its version; block `lba + i` has version `version + i`.
+pub fn encode_ref(members: &[RefMember]) -> Vec<u8> {
+    assert!(
+        (1..=REF_MEMBERS_MAX as usize).contains(&members.len()),
+        "{} members in a reference record",
+        members.len()
+    );
+    let mut payload = Vec::with_capacity(REF_PREFIX_LEN as usize + members.len() * 16);
+    payload.extend_from_slice(&(members.len() as u32).to_le_bytes());
+    for member in members {
+        payload.extend_from_slice(&member.content.to_le_bytes());
+        payload.extend_from_slice(&member.owner.to_le_bytes());
+    }
+    payload
+}
+
+/// The members of a reference record's payload (whose length the header
+/// check bounded).
+pub fn decode_ref(payload: &[u8]) -> std::result::Result<Vec<RefMember>, String> {
+    let count = u32::from_le_bytes(payload[..4].try_into().map_err(|_| "short reference")?);
+    let body = &payload[REF_PREFIX_LEN as usize..];
+    if count as usize * REF_MEMBER_LEN as usize != body.len() {
+        return Err(format!(
+            "reference record of {count} blocks has {} bytes of members",
+            body.len()
+        ));
+    }
+    Ok(body
+        .chunks_exact(REF_MEMBER_LEN as usize)
+        .map(|member| RefMember {
+            content: u64::from_le_bytes(member[..8].try_into().expect("8 bytes")),
+            owner: u64::from_le_bytes(member[8..].try_into().expect("8 bytes")),
+        })
+        .collect())
 }

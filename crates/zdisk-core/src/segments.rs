@@ -41,8 +41,8 @@ pub(crate) struct SegmentInfo {
     pub fill_bytes: u64,
     /// Highest version of any record written into this incarnation.
     pub max_version: u64,
-    /// The incarnation holds trim, zero or damaged records (written in this
-    /// run or found by recovery's replay).
+    /// The incarnation holds trim, zero, damaged or reference records
+    /// (written in this run or found by recovery's replay).
     pub holds_ranges: bool,
     /// Bytes of range records appended in this run.
     pub range_bytes: u64,
@@ -109,10 +109,6 @@ impl Members {
             "{blocks} blocks"
         );
         debug_assert!(lba >> (64 - MEMBER_BLOCK_BITS) == 0, "block {lba}");
-        debug_assert!(
-            self.runs.is_empty(),
-            "a record appended to a sealed summary"
-        );
         self.records.push(lba << MEMBER_BLOCK_BITS | (blocks - 1));
         self.count += blocks;
     }
@@ -136,6 +132,12 @@ impl Members {
             let first = end + (head >> 1);
             blocks.extend(first..first + length);
             end = first + length;
+        }
+        // Keys added after sealing (a member that became shared names the
+        // shared table's cell too).
+        if !self.records.is_empty() && !self.runs.is_empty() {
+            blocks.sort_unstable();
+            blocks.dedup();
         }
         blocks
     }
@@ -349,6 +351,12 @@ impl SegmentTable {
             info.holds_ranges = true;
             info.range_bytes += header.record_len();
         }
+        // Reference records too are needed by recovery until a checkpoint
+        // covers them (they are not relocated: the cleaner checkpoints
+        // first, `clean.rs`).
+        if header.kind == RecordKind::Ref {
+            info.holds_ranges = true;
+        }
         if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {
             debug_assert!(blocks >= 1, "a data record without blocks");
             self.members[segment.index()].push(header.lba, blocks);
@@ -476,7 +484,9 @@ impl SegmentTable {
     }
 
     /// Notes that `segment` holds a live record of block `lba` (rebuilding
-    /// the summary after recovery; [`SegmentTable::seal_members`] follows).
+    /// the summary after recovery; [`SegmentTable::seal_members`] follows),
+    /// or of the shared table's cell `lba` (a member that became shared:
+    /// added to the summary, sealed or not).
     pub(crate) fn add_member(&mut self, segment: SegmentId, lba: u64) {
         self.members[segment.index()].push(lba, 1);
     }

@@ -339,6 +339,8 @@ pub struct SimStats {
     pub map_pages_read: u64,
     /// Map pages checkpoints kept where an earlier one wrote them.
     pub map_pages_kept: u64,
+    /// Ranges cloned by reference (shared).
+    pub clones: u64,
 }
 
 impl SimStats {
@@ -355,6 +357,7 @@ impl SimStats {
         self.staged_sectors += other.staged_sectors;
         self.map_pages_read += other.map_pages_read;
         self.map_pages_kept += other.map_pages_kept;
+        self.clones += other.clones;
     }
 }
 
@@ -613,6 +616,7 @@ impl<C: Choices> Run<C> {
     /// Runs operation `choice` and updates the model if it succeeds.
     fn operation(&mut self, step: usize, choice: u32) -> Result<crate::Result<()>, SimFailure> {
         Ok(match choice {
+            0..=44 if self.rng.gen_bool(0.15) => self.clone_blocks(),
             0..=44 => {
                 let (lba, count) = self.block_range();
                 let fua = self.rng.gen_bool(0.1);
@@ -744,6 +748,39 @@ impl<C: Choices> Run<C> {
             }
             _ => unreachable!("choice {choice}"),
         })
+    }
+
+    /// Clones a range of blocks onto another (sharing their records, as
+    /// deduplication does): afterwards the destination reads as the source
+    /// did.
+    fn clone_blocks(&mut self) -> crate::Result<()> {
+        let (source, count) = self.block_range();
+        let dest = self.rng.gen_range(0..=self.config.logical_blocks - count);
+        if source < dest + count && dest < source + count {
+            self.trace.push(format!(
+                "clone {source}+{count} to {dest}: overlaps, skipped"
+            ));
+            return Ok(());
+        }
+        self.trace.push(format!("clone {source}+{count} to {dest}"));
+        let values: Vec<Option<Arc<Vec<u8>>>> = (0..count)
+            .map(|i| self.model.latest(source + i).cloned())
+            .collect();
+        self.attempt = values
+            .iter()
+            .enumerate()
+            .map(|(i, value)| (dest + i as u64, value.clone()))
+            .collect();
+        let result =
+            self.volume
+                .clone_blocks(crate::units::Lba(source), crate::units::Lba(dest), count);
+        if result.is_ok() {
+            self.stats.clones += 1;
+            for (i, value) in values.into_iter().enumerate() {
+                self.model.write(dest + i as u64, value, false);
+            }
+        }
+        result
     }
 
     fn crash(&mut self, step: usize) -> Result<(), SimFailure> {
@@ -1029,6 +1066,10 @@ mod tests {
             assert!(
                 totals.map_pages_kept > 0,
                 "checkpoints must keep map pages in place in the simulation"
+            );
+            assert!(
+                totals.clones > 0,
+                "blocks must be cloned by reference in the simulation"
             );
             assert!(
                 totals.staged_sectors > 0,

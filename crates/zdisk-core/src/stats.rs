@@ -187,6 +187,10 @@ pub struct Stats {
     pub map_cache_peeks: u64,
     pub map_pages_written: u64,
     pub map_pages_kept: u64,
+    /// Blocks that share their stored content with other blocks (a
+    /// reference each), and the contents they share (docs/sharing.md).
+    pub shared_blocks: u64,
+    pub shared_contents: u64,
     /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
     pub segments_by_state: SegmentCounts,
     /// Sealed segments by live fraction: bucket i counts segments that are
@@ -335,6 +339,10 @@ pub const FIELDS: &[Field] = &[
         Counter("Map pages written by checkpoints, since the volume opened."), |s| s.map_pages_written as f64),
     field("map_pages_kept", "pages", "map pages of unchanged leaves checkpoints kept where an earlier one wrote them, since the volume opened",
         Counter("Map pages of unchanged leaves that checkpoints kept in place, since the volume opened."), |s| s.map_pages_kept as f64),
+    field("shared_blocks", "blocks", "blocks that share their stored content with other blocks (clones, and duplicates found by deduplication)",
+        Gauge("Blocks that share their stored content with other blocks."), |s| s.shared_blocks as f64),
+    field("shared_contents", "contents", "the stored contents they share: each is stored once however many blocks name it",
+        Gauge("Stored contents shared by several blocks."), |s| s.shared_contents as f64),
     shown("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
     shown("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
     shown("counters", "various", "cumulative counters, persisted across restarts (listed below); each is exported as zdisk_NAME_total"),

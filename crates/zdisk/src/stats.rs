@@ -299,6 +299,8 @@ mod tests {
             "map_resident_bytes",
             "map_leaves",
             "map_paged_leaves",
+            "shared_blocks",
+            "shared_contents",
         ];
         let counters = [
             "map_cache_hits",

@@ -81,8 +81,34 @@ pub(crate) enum Slot {
     /// Allocated zeros: reads as zeros, takes no payload space.
     Zero,
     Data(Location),
+    /// Its data is a record member other blocks share too: the one the
+    /// block's content was written with, at version `content`. The shared
+    /// table (the map's cell at [`table_key`]`(content)`) says where that
+    /// member lives now and so is the only entry the cleaner updates when
+    /// it moves the record (docs/sharing.md).
+    Shared {
+        content: u64,
+    },
     /// Its data was found damaged; reads fail until it is rewritten.
     Damaged,
+}
+
+/// Where the map keeps the shared table: a cell per shared content at
+/// `TABLE_BASE + content version`, far above any block a volume has
+/// (versions have 48 bits, volumes fewer than 2^52 blocks). A cell is a
+/// data entry at the content's own version; paging, checkpoints and the
+/// cleaner's summaries treat it as any other entry.
+pub(crate) const TABLE_BASE: u64 = 1 << 56;
+
+/// The map key of the shared table's cell for `content`.
+pub(crate) fn table_key(content: u64) -> crate::units::Lba {
+    debug_assert!(content <= VERSION_MAX, "content version {content}");
+    crate::units::Lba(TABLE_BASE + content)
+}
+
+/// The content version a table key names (`None` for a block's key).
+pub(crate) fn table_content(key: u64) -> Option<u64> {
+    key.checked_sub(TABLE_BASE)
 }
 
 /// The states a whole range can be set to at once.
@@ -111,6 +137,9 @@ const STATE_DAMAGED: u64 = 3;
 pub(crate) const VERSION_MAX: u64 = (1 << 48) - 1;
 /// Segments an entry can name: 24 bits (`MediaGeometry` enforces it).
 pub(crate) const SEGMENTS_MAX: u32 = 1 << 24;
+/// The segment field of a shared entry: one `MediaGeometry` never allows
+/// (it keeps segment counts below 2^24 − 1).
+const SHARED_SEGMENT: u64 = (SEGMENTS_MAX - 1) as u64;
 /// Records are at most this long: 14 bits of 16-byte units.
 pub(super) const LEN_MAX: u32 = ((1 << 14) - 1) * 16;
 /// Offsets within a segment: 30 bits of 16-byte units.
@@ -119,6 +148,8 @@ pub(super) const OFFSET_UNITS_MAX: u64 = (1 << 30) - 1;
 /// One packed entry: 16 bytes.
 /// `w0` = segment(24) << 40 | (members − 1)(5) << 35 | member(5) << 30 |
 /// offset/16 (30); `w1` = version(48) << 16 | len/16 (14) << 2 | state(2).
+/// A shared entry is a data entry whose segment is `SHARED_SEGMENT`: `w0`
+/// holds the content version's low 40 bits, the length field its high 8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Entry {
     pub w0: u64,
@@ -149,6 +180,13 @@ impl Entry {
                 w0: 0,
                 w1: version << 16 | STATE_DAMAGED,
             },
+            Slot::Shared { content } => {
+                assert!(content <= VERSION_MAX, "content version {content}");
+                Entry {
+                    w0: SHARED_SEGMENT << 40 | (content & ((1 << 40) - 1)),
+                    w1: version << 16 | (content >> 40) << 2 | STATE_DATA,
+                }
+            }
             Slot::Data(loc) => {
                 assert!(
                     loc.len > 0 && loc.len <= LEN_MAX && loc.len.is_multiple_of(16),
@@ -156,7 +194,7 @@ impl Entry {
                     loc.len
                 );
                 assert!(
-                    loc.segment.0 < SEGMENTS_MAX,
+                    (loc.segment.0 as u64) < SHARED_SEGMENT,
                     "segment {} beyond 24 bits",
                     loc.segment
                 );
@@ -187,6 +225,9 @@ impl Entry {
             STATE_HOLE => Slot::Hole,
             STATE_ZERO => Slot::Zero,
             STATE_DAMAGED => Slot::Damaged,
+            _ if self.w0 >> 40 == SHARED_SEGMENT => Slot::Shared {
+                content: (self.w0 & ((1 << 40) - 1)) | ((self.w1 >> 2) & 0xFF) << 40,
+            },
             _ => Slot::Data(Location {
                 segment: SegmentId((self.w0 >> 40) as u32),
                 offset: ((self.w0 & OFFSET_UNITS_MAX) * 16) as u32,
@@ -201,13 +242,14 @@ impl Entry {
         self.w1 >> 16
     }
 
-    /// True for a data entry (the only kind whose `w0` is used).
+    /// True for a data entry, shared or not (the only kinds whose `w0`
+    /// is used).
     pub(super) fn is_data(self) -> bool {
         self.w1 & 3 == STATE_DATA
     }
 
     /// True for a hole (unwritten or trimmed), whatever its version.
-    pub(super) fn is_hole(self) -> bool {
+    pub(crate) fn is_hole(self) -> bool {
         self.w1 & 3 == STATE_HOLE
     }
 
@@ -225,6 +267,8 @@ impl Entry {
     /// True if the bits are laid out as `new` lays them out.
     pub(super) fn is_well_formed(self) -> bool {
         match self.w1 & 3 {
+            // The length field holds the content's high 8 bits.
+            STATE_DATA if self.w0 >> 40 == SHARED_SEGMENT => (self.w1 >> 2) & 0x3FFF <= 0xFF,
             STATE_DATA => {
                 let len_units = (self.w1 >> 2) & 0x3FFF;
                 let member = (self.w0 >> 30) & 31;
@@ -265,6 +309,16 @@ impl MapCounts {
         self.stored_bytes += other.stored_bytes;
     }
 
+    /// These counts less `part`'s (which they include).
+    pub(crate) fn without(self, part: MapCounts) -> MapCounts {
+        MapCounts {
+            data_blocks: self.data_blocks - part.data_blocks,
+            zero_blocks: self.zero_blocks - part.zero_blocks,
+            damaged_blocks: self.damaged_blocks - part.damaged_blocks,
+            stored_bytes: self.stored_bytes - part.stored_bytes,
+        }
+    }
+
     pub(super) fn add(&mut self, slot: Slot, count: u64) {
         match slot {
             Slot::Hole => {}
@@ -274,6 +328,8 @@ impl MapCounts {
                 self.data_blocks += count;
                 self.stored_bytes += loc.share() * count;
             }
+            // Its bytes count once, in the table's cell.
+            Slot::Shared { .. } => self.data_blocks += count,
         }
     }
 
@@ -286,6 +342,7 @@ impl MapCounts {
                 self.data_blocks -= count;
                 self.stored_bytes -= loc.share() * count;
             }
+            Slot::Shared { .. } => self.data_blocks -= count,
         }
     }
 }

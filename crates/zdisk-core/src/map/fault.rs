@@ -53,7 +53,7 @@ use crate::media::Media;
 use crate::units::{Lba, SegmentId};
 
 use super::column::alloc_bytes;
-use super::entry::{Entry, CHUNK_SHIFT};
+use super::entry::{table_key, Entry, Slot, CHUNK_SHIFT, TABLE_BASE};
 use super::leaf::Leaf;
 use super::page::{self, PageLoc, PageStore};
 use super::{check_leaf, Map};
@@ -314,6 +314,33 @@ impl Map {
     }
 
     /// True if every leaf holding a block of `first..first+count` is in RAM.
+    /// The shared table's cells that shared entries in `ranges` name and
+    /// that are paged out: what must be read in beside the ranges, so that
+    /// changing or reading those blocks finds their cells. Only ranges in
+    /// RAM are looked at (the others' cells come once they are in).
+    pub(crate) fn paged_cells(&self, ranges: &[(Lba, u64)]) -> Vec<(Lba, u64)> {
+        if self.paged_leaves == 0 {
+            return Vec::new();
+        }
+        let mut cells = Vec::new();
+        for &(first, count) in ranges {
+            if first.0 >= TABLE_BASE || !self.is_resident(first, count) {
+                continue;
+            }
+            self.for_each_in(first, count, |_, entry| {
+                if let Slot::Shared { content } = entry.slot() {
+                    let cell = table_key(content);
+                    if !self.is_resident(cell, 1) {
+                        cells.push((cell, 1));
+                    }
+                }
+            });
+        }
+        cells.sort_unstable();
+        cells.dedup();
+        cells
+    }
+
     pub(crate) fn is_resident(&self, first: Lba, count: u64) -> bool {
         self.paged_leaves == 0 || self.paged_starts(first, count).next().is_none()
     }

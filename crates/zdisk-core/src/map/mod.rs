@@ -55,7 +55,7 @@ mod page_golden_tests;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
@@ -69,7 +69,8 @@ use column::alloc_bytes;
 /// [`Map::dirty_over_cache`].
 const DIRTY_SLACK_BYTES: u64 = 1 << 20;
 pub(crate) use entry::{
-    Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS, VERSION_MAX,
+    table_content, table_key, Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS,
+    TABLE_BASE, VERSION_MAX,
 };
 use entry::{CHUNK_MASK, CHUNK_SHIFT};
 pub(crate) use fault::{Fault, FaultPin, ReadLeaf};
@@ -84,6 +85,12 @@ pub(crate) struct Map {
     /// Leaves by their first block.
     leaves: BTreeMap<u64, Leaf>,
     counts: MapCounts,
+    /// The part of `counts` the shared table's cells make (kept by `set`,
+    /// the only way a cell changes, once `table_counted`).
+    table_counts: MapCounts,
+    /// False while a dump's totals hold cells not counted yet (from
+    /// `add_paged_counts` until `recount_table`).
+    table_counted: bool,
     /// Keep trimmed entries with their versions (during recovery).
     keep_tombstones: bool,
     /// Chunks a checkpoint dump of the map records.
@@ -180,6 +187,8 @@ impl Map {
         Map {
             leaves: BTreeMap::new(),
             counts: MapCounts::default(),
+            table_counts: MapCounts::default(),
+            table_counted: true,
             keep_tombstones,
             chunk_items: 0,
             leaf_heap_bytes: 0,
@@ -196,8 +205,40 @@ impl Map {
         }
     }
 
+    /// Counts of every entry, the shared table's cells included (what a
+    /// dump records).
     pub(crate) fn counts(&self) -> MapCounts {
         self.counts
+    }
+
+    /// Counts of the volume's blocks: a shared block counts as data
+    /// taking no bytes, its content's cell as the bytes alone.
+    pub(crate) fn block_counts(&self) -> MapCounts {
+        let cells = MapCounts {
+            data_blocks: self.table_counts.data_blocks,
+            damaged_blocks: self.table_counts.damaged_blocks,
+            ..MapCounts::default()
+        };
+        self.counts.without(cells)
+    }
+
+    /// Counts the shared table's cells again (after recovery's replay).
+    pub(crate) fn recount_table(&mut self, media: &dyn Media) -> Result<()> {
+        let mut counts = MapCounts::default();
+        self.for_each_leaf_from(media, TABLE_BASE, |start, leaf| {
+            let _ = leaf.visit(start, start, start + leaf.blocks(), &mut |piece| {
+                match piece {
+                    Piece::One(_, entry) => counts.add(entry.slot(), 1),
+                    Piece::Same(from, to, entry) => counts.add(entry.slot(), to - from),
+                    Piece::Gap(..) => {}
+                }
+                ControlFlow::Continue(())
+            });
+            Ok(())
+        })?;
+        self.table_counts = counts;
+        self.table_counted = true;
+        Ok(())
     }
 
     /// Heap bytes used: the cells and keys of the leaves in RAM with the
@@ -293,6 +334,10 @@ impl Map {
         let old = self.put(lba.0, new);
         self.counts.sub(old.slot(), 1);
         self.counts.add(slot, 1);
+        if lba.0 >= TABLE_BASE && self.table_counted {
+            self.table_counts.sub(old.slot(), 1);
+            self.table_counts.add(slot, 1);
+        }
         debug_assert_eq!(self.get(lba).slot(), slot);
         old
     }
@@ -722,7 +767,7 @@ impl Map {
 
     /// Sets whole chunks `from..to` to `entry`: their leaves go, a run
     /// comes (none for a trim outside recovery).
-    fn replace(&mut self, from: u64, to: u64, entry: Entry, displaced: &mut dyn FnMut(Location)) {
+    fn replace(&mut self, from: u64, to: u64, entry: Entry, displaced: &mut dyn FnMut(Slot)) {
         debug_assert!(from & CHUNK_MASK == 0 && to & CHUNK_MASK == 0 && from < to);
         self.carve(from);
         self.carve(to);
@@ -740,8 +785,8 @@ impl Map {
                     Piece::Same(first, end, entry) => counts.sub(entry.slot(), end - first),
                     Piece::One(_, entry) => {
                         counts.sub(entry.slot(), 1);
-                        if let Slot::Data(loc) = entry.slot() {
-                            displaced(loc);
+                        if entry.is_data() {
+                            displaced(entry.slot());
                         }
                     }
                 }
@@ -768,7 +813,7 @@ impl Map {
         to: u64,
         entry: Entry,
         only_newer: bool,
-        displaced: &mut dyn FnMut(Location),
+        displaced: &mut dyn FnMut(Slot),
     ) {
         let untouched =
             self.leaf_at(from).is_none() && self.leaves.range(from..to).next().is_none();
@@ -782,8 +827,8 @@ impl Map {
             let old = self.put(lba, entry);
             self.counts.sub(old.slot(), 1);
             self.counts.add(entry.slot(), 1);
-            if let Slot::Data(loc) = old.slot() {
-                displaced(loc);
+            if old.is_data() {
+                displaced(old.slot());
             }
         }
     }
@@ -796,7 +841,7 @@ impl Map {
         to: u64,
         entry: Entry,
         only_newer: bool,
-        displaced: &mut dyn FnMut(Location),
+        displaced: &mut dyn FnMut(Slot),
     ) {
         // The ranges not replaced whole: (first, end, block by block).
         let mut spared: Vec<(u64, u64, bool)> = Vec::new();
@@ -850,7 +895,8 @@ impl Map {
     }
 
     /// Sets `count` blocks from `first` to `state`, calling `displaced` with
-    /// every data location that stops being referenced. With `only_newer`,
+    /// every data or shared entry's slot it replaces (a record share that
+    /// dies, or a reference to shared content that goes). With `only_newer`,
     /// blocks holding a higher version are left alone (recovery).
     pub(crate) fn set_range(
         &mut self,
@@ -859,7 +905,7 @@ impl Map {
         state: RangeState,
         version: u64,
         only_newer: bool,
-        displaced: &mut dyn FnMut(Location),
+        displaced: &mut dyn FnMut(Slot),
     ) {
         let end = first.0.checked_add(count).expect("range overflows");
         let entry = Entry::new(state.slot(), version);
@@ -1148,7 +1194,11 @@ impl Map {
     }
 
     /// Every entry held in a dense or sparse leaf, in block order.
-    fn for_each_stored(&self, media: &dyn Media, mut f: impl FnMut(u64, Entry)) -> Result<()> {
+    pub(crate) fn for_each_stored(
+        &self,
+        media: &dyn Media,
+        mut f: impl FnMut(u64, Entry),
+    ) -> Result<()> {
         self.for_each_leaf(media, |start, leaf| {
             match leaf {
                 Leaf::Run { .. } | Leaf::Paged { .. } => {}
@@ -1170,9 +1220,35 @@ impl Map {
     fn for_each_leaf(
         &self,
         media: &dyn Media,
+        f: impl FnMut(u64, &Leaf) -> Result<()>,
+    ) -> Result<()> {
+        self.for_each_leaf_from(media, 0, f)
+    }
+
+    /// Every shared content whose cell holds data or damage.
+    pub(crate) fn table_contents(&self, media: &dyn Media) -> Result<HashSet<u64>> {
+        let mut contents = HashSet::new();
+        self.for_each_leaf_from(media, TABLE_BASE, |start, leaf| {
+            let _ = leaf.visit(start, start, start + leaf.blocks(), &mut |piece| {
+                if let Piece::One(key, entry) = piece {
+                    if !entry.is_hole() {
+                        contents.insert(key - TABLE_BASE);
+                    }
+                }
+                ControlFlow::Continue(())
+            });
+            Ok(())
+        })?;
+        Ok(contents)
+    }
+
+    fn for_each_leaf_from(
+        &self,
+        media: &dyn Media,
+        from: u64,
         mut f: impl FnMut(u64, &Leaf) -> Result<()>,
     ) -> Result<()> {
-        for (&start, leaf) in &self.leaves {
+        for (&start, leaf) in self.leaves.range(from..) {
             if leaf.is_resident() {
                 f(start, leaf)?;
             } else {
@@ -1389,6 +1465,8 @@ impl Map {
     /// Adds the counts of leaves installed paged out (a dump's totals).
     pub(crate) fn add_paged_counts(&mut self, counts: MapCounts) {
         self.counts.merge(counts);
+        // They may include cells: `recount_table` tells.
+        self.table_counted = false;
     }
 
     /// Where paged-out leaves are read from (after a dump was loaded).

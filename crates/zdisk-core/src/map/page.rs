@@ -38,6 +38,8 @@ const TAG_HOLE: u8 = 0;
 const TAG_ZERO: u8 = 1;
 const TAG_DATA: u8 = 2;
 const TAG_DAMAGED: u8 = 3;
+/// Format 5: a shared entry (its content version, then its version).
+const TAG_SHARED: u8 = 4;
 
 /// The largest uncompressed page a payload may claim: a full sparse leaf
 /// takes under 7 KiB.
@@ -85,6 +87,11 @@ fn put_entry(out: &mut ByteWriter, entry: Entry, previous: &mut Previous) {
             out.u8(TAG_DAMAGED);
             out.varint(entry.version());
         }
+        Slot::Shared { content } => {
+            out.u8(TAG_SHARED);
+            out.varint(content);
+            out.varint(entry.version());
+        }
         Slot::Data(loc) => {
             out.u8(TAG_DATA);
             out.zigzag(loc.segment.0 as i64 - previous.segment);
@@ -106,6 +113,10 @@ fn put_entry(out: &mut ByteWriter, entry: Entry, previous: &mut Previous) {
 /// skipping to the entries it wants follows, cheaply.
 enum RawEntry {
     Other(Slot, u64),
+    Shared {
+        content: u64,
+        version: u64,
+    },
     Data {
         segment: i64,
         offset: i64,
@@ -125,6 +136,10 @@ fn get_raw_entry(input: &mut ByteReader, previous: &mut Previous) -> Result<RawE
         TAG_HOLE => other(input, Slot::Hole),
         TAG_ZERO => other(input, Slot::Zero),
         TAG_DAMAGED => other(input, Slot::Damaged),
+        TAG_SHARED => Ok(RawEntry::Shared {
+            content: input.varint()?,
+            version: input.varint()?,
+        }),
         TAG_DATA => {
             let add = |base: i64, delta: i64| {
                 base.checked_add(delta)
@@ -161,6 +176,14 @@ fn check_entry(raw: RawEntry, segment_count: u32) -> Result<Entry, String> {
                 return Err(format!("version {version} out of range"));
             }
             Ok(Entry::new(slot, version))
+        }
+        RawEntry::Shared { content, version } => {
+            if content > VERSION_MAX || version > VERSION_MAX {
+                return Err(format!(
+                    "shared entry: content version {content} or version {version} out of range"
+                ));
+            }
+            Ok(Entry::new(Slot::Shared { content }, version))
         }
         RawEntry::Data {
             segment,

@@ -1,7 +1,7 @@
 //! Golden bytes of map pages (docs/format.md, "Page records"), written by
 //! hand: a run leaf and a sparse leaf with a zero entry, a one-block data
-//! record and a unit member (whose offset and version are deltas against
-//! the data entry before it). Decoding the golden payload gives the
+//! record, a unit member (whose offset and version are deltas against
+//! the data entry before it) and a shared entry (format 5). Decoding the golden payload gives the
 //! entries; encoding the leaf gives the golden uncompressed stream (the
 //! LZ4 block around it is any valid one: the golden payloads here are
 //! literal-only LZ4 blocks, which any decoder reads).
@@ -22,12 +22,13 @@ const RUN_RAW: &[u8] = &[
 
 /// A sparse leaf of one chunk: block 3 zero at version 5, block 10 a data
 /// record (segment 2, offset 4096, 4128 bytes) at version 7, block 11
-/// member 1 of a 3-block unit right after it (1024 bytes) at version 6.
+/// member 1 of a 3-block unit right after it (1024 bytes) at version 6,
+/// block 20 sharing content version 1000 at version 1005.
 #[rustfmt::skip]
 const SPARSE_RAW: &[u8] = &[
     0x02,                                           // form 2 sparse
     0x80, 0x02,                                     // blocks 256 (varint)
-    0x03,                                           // count 3
+    0x04,                                           // count 4
     0x03,                                           // key delta 3: block 3
     0x01, 0x05,                                     //   zero (tag 1), version 5
     0x07,                                           // key delta 7: block 10
@@ -44,6 +45,10 @@ const SPARSE_RAW: &[u8] = &[
     0x80, 0x08,                                     //   record length 1024
     0x01, 0x03,                                     //   member 1 of 3
     0x01,                                           //   version delta -1 (zigzag)
+    0x09,                                           // key delta 9: block 20
+    0x04,                                           //   shared (tag 4)
+    0xe8, 0x07,                                     //   content version 1000 (varint)
+    0xed, 0x07,                                     //   version 1005 (varint)
 ];
 
 /// A page payload: the uncompressed length (u32), then a literal-only LZ4
@@ -69,11 +74,12 @@ fn data(segment: u32, offset: u32, len: u32, member: u8, members: u8, version: u
 fn sparse_leaf() -> Leaf {
     Leaf::sparse(
         256,
-        vec![3, 10, 11],
+        vec![3, 10, 11, 20],
         &[
             Entry::new(Slot::Zero, 5),
             data(2, 4096, 4128, 0, 1, 7),
             data(2, 8224, 1024, 1, 3, 6),
+            Entry::new(Slot::Shared { content: 1000 }, 1005),
         ],
     )
 }
@@ -99,6 +105,10 @@ fn golden_pages_decode_to_their_entries() {
     }
     assert_eq!(sparse.get(10), data(2, 4096, 4128, 0, 1, 7));
     assert_eq!(sparse.get(11), data(2, 8224, 1024, 1, 3, 6));
+    assert_eq!(
+        sparse.get(20),
+        Entry::new(Slot::Shared { content: 1000 }, 1005)
+    );
     assert_eq!(
         sparse.get(4),
         Entry::default(),

@@ -103,7 +103,7 @@ fn entries_pack_and_unpack() {
         Slot::Zero,
         Slot::Damaged,
         loc(7, 123_456, 4128),
-        loc(SEGMENTS_MAX - 1, u32::MAX - 15, 48),
+        loc(SEGMENTS_MAX - 2, u32::MAX - 15, 48),
         Slot::Data(Location::unit_member(
             SegmentId(3),
             1 << 20,
@@ -112,6 +112,13 @@ fn entries_pack_and_unpack() {
             32,
         )),
         Slot::Data(Location::unit_member(SegmentId(0), 0, 16, 0, 2)),
+        Slot::Shared { content: 0 },
+        Slot::Shared {
+            content: (1 << 40) + 5,
+        },
+        Slot::Shared {
+            content: VERSION_MAX,
+        },
     ] {
         let entry = Entry::new(slot, VERSION_MAX);
         assert_eq!(entry.slot(), slot);
@@ -446,6 +453,9 @@ impl Trial {
                 0 => Slot::Zero,
                 1 => Slot::Damaged,
                 2 => Slot::Hole,
+                3 => Slot::Shared {
+                    content: self.rng.gen_range(0..=VERSION_MAX),
+                },
                 _ => {
                     self.writes += 1;
                     data(self.writes)
@@ -484,10 +494,18 @@ impl Trial {
             let new = Entry::new(state.slot(), version);
             let only_newer = self.tombstones;
             let mut displaced = Vec::new();
-            self.map
-                .set_range(Lba(first), count, state, version, only_newer, &mut |loc| {
-                    displaced.push(loc)
-                });
+            self.map.set_range(
+                Lba(first),
+                count,
+                state,
+                version,
+                only_newer,
+                &mut |slot| match slot {
+                    Slot::Data(loc) => displaced.push(loc),
+                    Slot::Shared { .. } => {}
+                    other => panic!("displaced {other:?}"),
+                },
+            );
             let mut replaced: Vec<Location> = self
                 .model
                 .update(first, first + count, |old| {
@@ -597,7 +615,7 @@ impl Trial {
             .model
             .intervals
             .iter()
-            .filter(|(_, (_, entry))| entry.is_data())
+            .filter(|(_, (_, entry))| matches!(entry.slot(), Slot::Data(_)))
             .map(|(&start, &(_, entry))| (start, entry.slot(), entry.version()))
             .collect();
         assert_eq!(data_blocks, want);

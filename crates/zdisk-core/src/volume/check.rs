@@ -6,6 +6,10 @@
 //! - every segment's live bytes equal the bytes of map entries pointing into it;
 //! - every data entry points into an open or sealed segment, inside its
 //!   written part, and no two entries overlap;
+//! - shared entries: every one names a content whose cell exists, every
+//!   cell is named by at least one, and the volume's reference counts
+//!   equal a recount; a damaged or unreadable shared record is reported
+//!   for every block that shares it;
 //! - the free list and segment states agree;
 //! - with `verify_data`, every live extent decodes: right block, right
 //!   version, checksum good, decompresses to one block: a map entry whose
@@ -27,12 +31,12 @@
 //! cleaner emptied, or like writes a crash lost before a flush; format v1
 //! records nowhere which segments the log spans.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::map::Location;
+use crate::map::{table_content, Location, Slot};
 use crate::record::RecordKind;
 use crate::segments::SegmentState;
 use crate::units::{Lba, BLOCK_SIZE};
@@ -105,6 +109,16 @@ impl Volume {
         }
         check_extents(&state, &mut extents, &mut report.errors);
         check_segments(&state, &extents, &mut report.errors);
+        let referrers = match check_shared(&state, media) {
+            Ok((referrers, errors)) => {
+                report.errors.extend(errors);
+                referrers
+            }
+            Err(error) => {
+                report.errors.push(format!("map: {error}"));
+                HashMap::new()
+            }
+        };
         let walked = state
             .map()
             .for_each_damaged(media, |lba| report.damaged_blocks.push(lba.0));
@@ -114,6 +128,14 @@ impl Volume {
         if verify_data {
             self.verify_extents(&state, &extents, &mut report, progress)?;
         }
+        // A damaged cell is reported as every block that shares it.
+        report.damaged_blocks = std::mem::take(&mut report.damaged_blocks)
+            .into_iter()
+            .flat_map(|key| match table_content(key) {
+                Some(content) => referrers.get(&content).cloned().unwrap_or_default(),
+                None => vec![key],
+            })
+            .collect();
         report.damaged_blocks.sort_unstable();
         report.damaged_blocks.dedup();
         Ok(report)
@@ -171,20 +193,35 @@ impl Volume {
         };
         report.extents_verified += members.len() as u64;
         report.bytes_verified += loc.len as u64;
-        // Blocks are placed by their member number from the unit's first block.
-        let Some(base) = members[0].1 .0.checked_sub(loc.member as u64) else {
-            report.damaged_blocks.push(members[0].1 .0);
-            return Ok(());
+        // Blocks are placed by their member number, from the unit's first
+        // block as its direct members say (a cell's key says nothing of it).
+        let direct = members
+            .iter()
+            .find(|(_, key, _)| table_content(key.0).is_none());
+        let base = match direct {
+            Some(&(loc, lba, _)) => match lba.0.checked_sub(loc.member as u64) {
+                Some(base) => base,
+                None => {
+                    report.damaged_blocks.push(lba.0);
+                    return Ok(());
+                }
+            },
+            None => 0,
         };
         let mut wanted = Vec::with_capacity(members.len());
-        for &(loc, lba, version) in members {
-            match lba.0.checked_sub(base) {
-                Some(index) if index == loc.member as u64 => wanted.push(Wanted {
-                    index: index as usize,
+        let mut keys = Vec::with_capacity(members.len());
+        for &(loc, key, version) in members {
+            let shared = table_content(key.0).is_some();
+            if shared || key.0.checked_sub(base) == Some(loc.member as u64) {
+                wanted.push(Wanted {
+                    index: loc.member as usize,
                     loc,
                     version,
-                }),
-                _ => report.damaged_blocks.push(lba.0),
+                    shared,
+                });
+                keys.push(key.0);
+            } else {
+                report.damaged_blocks.push(key.0);
             }
         }
         let mut blocks = vec![0u8; loc.members as usize * BLOCK_SIZE];
@@ -199,7 +236,12 @@ impl Volume {
         );
         report
             .damaged_blocks
-            .extend(failed.iter().map(|(index, _)| base + *index as u64));
+            .extend(failed.iter().filter_map(|(index, _)| {
+                wanted
+                    .iter()
+                    .position(|w| w.index == *index)
+                    .map(|at| keys[at])
+            }));
         Ok(())
     }
 
@@ -270,10 +312,14 @@ fn check_extents(state: &State, extents: &mut [Extent], errors: &mut Vec<String>
         if a.record_key() == b.record_key() {
             // Two blocks of one unit: same record, different places in it,
             // counted from the same first block.
+            // (A cell's key says nothing of the unit's first block.)
+            let cell = table_content(a_lba.0).is_some() || table_content(b_lba.0).is_some();
             let same_unit = a.len == b.len
                 && a.members == b.members
                 && a.member < b.member
-                && a_lba.0.checked_sub(a.member as u64) == b_lba.0.checked_sub(b.member as u64);
+                && (cell
+                    || a_lba.0.checked_sub(a.member as u64)
+                        == b_lba.0.checked_sub(b.member as u64));
             if !same_unit {
                 errors.push(format!(
                     "blocks {a_lba} and {b_lba} claim one record in segment {} differently \
@@ -366,4 +412,71 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
             ));
         }
     }
+}
+
+/// The blocks sharing each content.
+type Referrers = HashMap<u64, Vec<u64>>;
+
+/// Shared entries against the shared table and the volume's counts:
+/// returns the blocks sharing each content, and the errors found.
+fn check_shared(
+    state: &State,
+    media: &dyn crate::media::Media,
+) -> Result<(Referrers, Vec<String>)> {
+    let mut errors = Vec::new();
+    let mut referrers: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut cells: HashMap<u64, Slot> = HashMap::new();
+    let shared = state.shared();
+    state.map().for_each_stored(media, |key, entry| {
+        match (table_content(key), entry.slot()) {
+            (Some(_), Slot::Hole) => {}
+            (Some(content), Slot::Data(_)) if entry.version() != content => errors.push(format!(
+                "the cell of shared content {content} holds version {}",
+                entry.version()
+            )),
+            (Some(content), slot @ (Slot::Data(_) | Slot::Damaged)) => {
+                cells.insert(content, slot);
+            }
+            (Some(content), slot) => {
+                errors.push(format!("the cell of shared content {content} is {slot:?}"))
+            }
+            (None, Slot::Shared { content }) => referrers.entry(content).or_default().push(key),
+            // A shared content has one direct referrer: its cell.
+            (None, Slot::Data(_)) if shared.count(entry.version()) > 0 => errors.push(format!(
+                "block {key} holds shared content {} directly",
+                entry.version()
+            )),
+            (None, _) => {}
+        }
+    })?;
+    for (&content, blocks) in &referrers {
+        if !cells.contains_key(&content) {
+            errors.push(format!(
+                "blocks {:?} share content {content}, which has no cell",
+                &blocks[..blocks.len().min(8)]
+            ));
+        }
+        if shared.count(content) as usize != blocks.len() {
+            errors.push(format!(
+                "content {content} has {} references but {} blocks share it",
+                shared.count(content),
+                blocks.len()
+            ));
+        }
+    }
+    for &content in cells.keys() {
+        if !referrers.contains_key(&content) {
+            errors.push(format!(
+                "shared content {content} has a cell but no block shares it"
+            ));
+        }
+    }
+    if shared.contents() as usize != referrers.len() {
+        errors.push(format!(
+            "{} contents are counted as shared but {} are",
+            shared.contents(),
+            referrers.len()
+        ));
+    }
+    Ok((referrers, errors))
 }

@@ -29,7 +29,7 @@ use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{apply, by_record, moves_ranges, plan_record, LiveExtent, Move};
+use super::moves::{apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
 use super::state::{State, StreamKind, Tally};
@@ -369,15 +369,17 @@ impl Volume {
                 let ranges: Vec<(Lba, u64)> = scan
                     .records
                     .iter()
-                    .map(|record| scanned_range(&record.header, &bytes[record.payload.clone()]))
+                    .flat_map(|record| {
+                        scanned_ranges(&record.header, &bytes[record.payload.clone()])
+                    })
                     .collect();
                 let Some(mut state) = self.room_to_relocate(segment, range_bytes, &ranges)? else {
                     return Ok(None);
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(victim.fill_bytes));
-                relocate_scanned(&mut state, segment, &bytes, &scan)?;
-                checkpoint_first = scan.first_error.is_some();
+                let refs = relocate_scanned(&mut state, segment, &bytes, &scan)?;
+                checkpoint_first = scan.first_error.is_some() || refs;
                 (state, before)
             }
             Contents::Live { moves, read_bytes } => {
@@ -456,24 +458,35 @@ impl Volume {
 }
 
 /// The blocks a scanned record names.
-fn scanned_range(header: &RecordHeader, payload: &[u8]) -> (Lba, u64) {
+fn scanned_ranges(header: &RecordHeader, payload: &[u8]) -> Vec<(Lba, u64)> {
     let count = match header.kind {
         RecordKind::Unit => payload.first().copied().unwrap_or(1) as u64,
         RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => range_count(payload),
+        // Not relocated (see `relocate_scanned`).
+        RecordKind::Ref => return Vec::new(),
         _ => 1,
     };
-    (Lba(header.lba), count.max(1))
+    let mut ranges = vec![(Lba(header.lba), count.max(1))];
+    if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {
+        // The cells of its members, if they are shared.
+        ranges.extend(member_cells(header, payload));
+    }
+    ranges
 }
 
 /// Relocates, from a scanned victim, each data record the map still points
 /// at, and each range record that still determines a block (recovery from
-/// the durable checkpoint needs it).
+/// the durable checkpoint needs it). Returns true if the victim holds a
+/// reference record: those are never copied (replayed after the records
+/// written after them, they could find their content's owner overwritten),
+/// so the victim waits for a checkpoint instead.
 fn relocate_scanned(
     state: &mut State,
     segment: SegmentId,
     bytes: &[u8],
     scan: &ScanResult,
-) -> Result<()> {
+) -> Result<bool> {
+    let mut refs = false;
     for record in &scan.records {
         let header = record.header;
         let payload = &bytes[record.payload.clone()];
@@ -503,8 +516,9 @@ fn relocate_scanned(
                     state.relocate_range(header, payload)?;
                 }
             }
+            RecordKind::Ref => refs = true,
             RecordKind::MapChunk => {}
         }
     }
-    Ok(())
+    Ok(refs)
 }

@@ -63,8 +63,11 @@ impl Volume {
         let mut rounds = 0;
         let result = loop {
             let mut seen = HashSet::new();
+            // The cells of the shared entries in the ranges come too.
+            let cells = state.map().paged_cells(ranges);
             let wanted: Vec<(Lba, u64, Vec<Fault>)> = ranges
                 .iter()
+                .chain(&cells)
                 .filter_map(|&(first, count)| {
                     let mut faults = state.map().faults(first, count);
                     // A leaf shared by two ranges is read once.

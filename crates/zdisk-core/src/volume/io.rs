@@ -25,7 +25,7 @@ use crate::codec::{
     RunPiece,
 };
 use crate::error::{Error, Result};
-use crate::map::{Entry, Location, Slot};
+use crate::map::{table_key, Entry, Location, Slot};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
     decode_record, decode_unit, record_len_for_payload, unit_prefix_head, RecordKey, RecordKind,
@@ -266,10 +266,14 @@ impl Volume {
             let state = self.lock_shared();
             if state.map().is_resident(first, count) {
                 state.map().count_hit_shared();
-                look_up_in(&state, first, out, &mut lookup)?;
-                return Ok(lookup);
+                if look_up_in(&state, first, out, &mut lookup)? {
+                    return Ok(lookup);
+                }
+                lookup.clear();
+                None
+            } else {
+                state.map().peek_fault(first, count)
             }
-            state.map().peek_fault(first, count)
         };
         // With the cache full, a leaf met once is read from its page
         // without being kept (`Map::peek_fault`): no exclusive lock, no
@@ -285,13 +289,23 @@ impl Volume {
                     for (at, entry) in (first.0..).zip(entries) {
                         finder.add(Lba(at), entry);
                     }
-                    finder.finish()?;
-                    return Ok(lookup);
+                    if finder.finish()? {
+                        return Ok(lookup);
+                    }
+                    lookup.clear();
                 }
             }
         }
+        // Brings in the cells of the range's shared blocks too.
         let state = self.lock_resident(first, count)?;
-        look_up_in(&state, first, out, &mut lookup)?;
+        let complete = look_up_in(&state, first, out, &mut lookup)?;
+        debug_assert!(complete, "cells of blocks {first}+{count} are in RAM");
+        if !complete {
+            return Err(Error::io(
+                format!("looking up blocks {first}+{count}"),
+                std::io::Error::other("a shared block's map page could not be kept in RAM"),
+            ));
+        }
         Ok(lookup)
     }
 
@@ -438,16 +452,21 @@ impl Volume {
     fn reread_block(&self, lba: Lba, out: &mut [u8], mut error: Error) -> Result<()> {
         let mut previous = None;
         for _ in 0..4 {
-            let entry = {
+            // A shared block is read where its content's cell says.
+            let (entry, shared) = {
                 let state = self.lock_resident(lba, 1)?;
-                state.map().get(lba)
+                let entry = state.map().get(lba);
+                match entry.slot() {
+                    Slot::Shared { content } => (state.map().get(table_key(content)), true),
+                    _ => (entry, false),
+                }
             };
             if previous == Some(entry) {
                 break;
             }
             previous = Some(entry);
             let mut block = vec![0u8; BLOCK_SIZE];
-            match self.read_block_once(lba, entry, &mut block) {
+            match self.read_block_once(lba, entry, shared, &mut block) {
                 Ok(()) => {
                     out.copy_from_slice(&block);
                     return Ok(());
@@ -459,8 +478,18 @@ impl Volume {
         Err(error)
     }
 
-    fn read_block_once(&self, lba: Lba, entry: Entry, out: &mut [u8]) -> Result<()> {
+    /// Reads block `lba`, whose entry is `entry` (for a shared block, its
+    /// content's cell).
+    fn read_block_once(&self, lba: Lba, entry: Entry, shared: bool, out: &mut [u8]) -> Result<()> {
         match entry.slot() {
+            Slot::Hole if shared => Err(damaged_earlier(
+                lba,
+                "the data it shares is no longer stored",
+            )),
+            Slot::Shared { .. } => Err(damaged_earlier(
+                lba,
+                "the data it shares names other shared data",
+            )),
             Slot::Hole | Slot::Zero => {
                 out.fill(0);
                 Ok(())
@@ -481,6 +510,7 @@ impl Volume {
                     index: 0,
                     loc,
                     version: entry.version(),
+                    shared,
                 }];
                 let mut failed = Vec::new();
                 decode_into(&self.record_key, lba, &bytes, &wanted, out, &mut failed);
@@ -713,7 +743,12 @@ pub(crate) struct Wanted {
     /// Its position in the request.
     pub index: usize,
     pub loc: Location,
+    /// The version the record holds it at: the block's own, or for a
+    /// shared block, its content's.
     pub version: u64,
+    /// The block shares its content: the record was written for another
+    /// block, so only the version identifies it.
+    pub shared: bool,
 }
 
 /// Why block `wanted` of a read from block `first` failed: reading its record did.
@@ -726,7 +761,8 @@ fn read_failed(first: Lba, wanted: &Wanted, error: &Error) -> Error {
 }
 
 /// The lookup [`Volume::look_up`] makes under the lock, shared or not.
-fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) -> Result<()> {
+/// Ok(false) if a shared block's cell was paged out (`Finder::finish`).
+fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) -> Result<bool> {
     let count = (out.len() / BLOCK_SIZE) as u64;
     let mut finder = Finder::new(state, first, out, lookup);
     state
@@ -746,6 +782,8 @@ struct Finder<'a, 'b> {
     /// Records not on the medium yet, by where they start.
     copied: HashMap<(SegmentId, u32), usize>,
     error: Option<Error>,
+    /// A shared block's cell was not in RAM.
+    cells_paged: bool,
 }
 
 impl<'a, 'b> Finder<'a, 'b> {
@@ -757,6 +795,7 @@ impl<'a, 'b> Finder<'a, 'b> {
             lookup,
             copied: HashMap::new(),
             error: None,
+            cells_paged: false,
         }
     }
 
@@ -773,40 +812,60 @@ impl<'a, 'b> Finder<'a, 'b> {
                     "its data was found damaged earlier; rewrite the block to clear",
                 ))
             }
-            Slot::Data(loc) => {
-                let wanted = Wanted {
-                    index,
-                    loc,
-                    version: entry.version(),
-                };
-                if let Some(&at) = self.copied.get(&loc.record_key()) {
-                    self.lookup.buffered[at].1.push(wanted);
+            Slot::Data(loc) => self.add_stored(index, loc, entry.version(), false),
+            Slot::Shared { content } => {
+                let cell = table_key(content);
+                if !self.state.map().is_resident(cell, 1) {
+                    self.cells_paged = true;
                     return;
                 }
-                match self.state.read_buffered(loc) {
-                    Ok(Some(bytes)) => {
-                        self.copied
-                            .insert(loc.record_key(), self.lookup.buffered.len());
-                        self.lookup.buffered.push((bytes, vec![wanted]));
-                    }
-                    Ok(None) => {
-                        self.lookup.wanted.push(wanted);
-                        let segment = loc.segment;
-                        if !self.lookup.incarnations.iter().any(|&(s, _)| s == segment) {
-                            let seq = self.state.space().segment(segment).seq;
-                            self.lookup.incarnations.push((segment, seq));
-                        }
-                    }
-                    Err(e) => self.error = Some(e),
+                match self.state.map().get(cell).slot() {
+                    Slot::Data(loc) => self.add_stored(index, loc, content, true),
+                    _ => self.error = Some(damaged_earlier(
+                        lba,
+                        "the data it shares was found damaged earlier; rewrite the block to clear",
+                    )),
                 }
             }
         }
     }
 
-    fn finish(self) -> Result<()> {
+    /// Block `index` is in the record at `loc`, at `version`.
+    fn add_stored(&mut self, index: usize, loc: Location, version: u64, shared: bool) {
+        let wanted = Wanted {
+            index,
+            loc,
+            version,
+            shared,
+        };
+        if let Some(&at) = self.copied.get(&loc.record_key()) {
+            self.lookup.buffered[at].1.push(wanted);
+            return;
+        }
+        match self.state.read_buffered(loc) {
+            Ok(Some(bytes)) => {
+                self.copied
+                    .insert(loc.record_key(), self.lookup.buffered.len());
+                self.lookup.buffered.push((bytes, vec![wanted]));
+            }
+            Ok(None) => {
+                self.lookup.wanted.push(wanted);
+                let segment = loc.segment;
+                if !self.lookup.incarnations.iter().any(|&(s, _)| s == segment) {
+                    let seq = self.state.space().segment(segment).seq;
+                    self.lookup.incarnations.push((segment, seq));
+                }
+            }
+            Err(e) => self.error = Some(e),
+        }
+    }
+
+    /// Ok(false) if a shared block's cell was paged out: the lookup must
+    /// be made again with it in RAM.
+    fn finish(self) -> Result<bool> {
         match self.error {
             Some(error) => Err(error),
-            None => Ok(()),
+            None => Ok(!self.cells_paged),
         }
     }
 }
@@ -818,6 +877,15 @@ struct Lookup {
     incarnations: Vec<(SegmentId, u64)>,
     /// Records not on the medium yet, copied, with the blocks wanted of each.
     buffered: Vec<(Buffered, Vec<Wanted>)>,
+}
+
+impl Lookup {
+    /// Forgets a lookup to be made again.
+    fn clear(&mut self) {
+        self.wanted.clear();
+        self.incarnations.clear();
+        self.buffered.clear();
+    }
 }
 
 /// Groups wanted blocks by record, in medium order.
@@ -890,6 +958,7 @@ pub(crate) fn decode_block(
     key: &RecordKey,
     lba: Lba,
     version: u64,
+    shared: bool,
     bytes: &[u8],
     loc: Location,
     out: &mut [u8],
@@ -913,7 +982,13 @@ pub(crate) fn decode_block(
         }
         Err(e) => return Err(damaged(e.to_string())),
     };
-    if header.kind != RecordKind::Data || header.lba != lba.0 || header.version != version {
+    // A shared block's record was written for another block (or names its
+    // content's cell): versions are never reused, so the version alone
+    // says the record holds the content.
+    if header.kind != RecordKind::Data
+        || (header.lba != lba.0 && !shared)
+        || header.version != version
+    {
         return Err(damaged(format!(
             "found {:?} record of block {} version {}, expected block {lba} version {version}",
             header.kind, header.lba, header.version
@@ -964,6 +1039,7 @@ pub(crate) fn decode_into(
                     key,
                     lba_of(wanted),
                     wanted.version,
+                    wanted.shared,
                     bytes,
                     wanted.loc,
                     block,
@@ -1008,7 +1084,8 @@ pub(crate) fn decode_into(
     let mut good: Vec<&Wanted> = Vec::with_capacity(members.len());
     for wanted in members {
         let member = wanted.loc.member as usize;
-        let expected = lba_of(wanted).0.checked_sub(member as u64) == Some(header.lba)
+        let expected = (wanted.shared
+            || lba_of(wanted).0.checked_sub(member as u64) == Some(header.lba))
             && wanted.loc.members as usize == count
             && unit.versions.get(member) == Some(&wanted.version);
         if expected {

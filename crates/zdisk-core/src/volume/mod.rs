@@ -37,6 +37,7 @@ mod recovery;
 mod room;
 mod roots;
 pub(crate) mod scan;
+mod share;
 mod space;
 pub(crate) mod staging;
 mod state;
@@ -459,6 +460,18 @@ impl Volume {
         let entry = state.map().get(Lba(lba));
         let segment = match entry.slot() {
             Slot::Data(loc) => format!("{:?}", state.space().segment(loc.segment)),
+            Slot::Shared { content } => {
+                let cell = crate::map::table_key(content);
+                match state.map().is_resident(cell, 1) {
+                    true => format!(
+                        "(cell {:?} v{}, {} references)",
+                        state.map().get(cell).slot(),
+                        state.map().get(cell).version(),
+                        state.shared().count(content)
+                    ),
+                    false => "(cell paged out)".into(),
+                }
+            }
             _ => String::new(),
         };
         format!(
@@ -487,7 +500,7 @@ impl Volume {
         // Outside the state lock: a medium may take locks of its own.
         let media_stats = self.media.media_stats();
         let state = self.lock();
-        let counts = state.map().counts();
+        let counts = state.map().block_counts();
         let cache = state.map().cache_counts();
         let (map_leaves, map_paged_leaves) = state.map().leaf_counts();
         let segment_size = self.geometry.segment_size_bytes;
@@ -552,6 +565,8 @@ impl Volume {
             map_cache_peeks: cache.peeks,
             map_pages_written: cache.pages_written,
             map_pages_kept: cache.pages_kept,
+            shared_blocks: state.shared().references(),
+            shared_contents: state.shared().contents(),
             segments_by_state: usage.by_state,
             sealed_utilization_histogram: usage.histogram,
             counters,
@@ -661,6 +676,7 @@ fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead:
     let Recovered {
         roots,
         map,
+        shared,
         segments,
         next_seq,
         next_version,
@@ -677,6 +693,7 @@ fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead:
     );
     let start = Start {
         map,
+        shared,
         space,
         counters,
         generation: root.generation,
@@ -833,7 +850,7 @@ impl BlockDevice for Volume {
                 let state = match slot {
                     Slot::Hole => ExtentState::Hole,
                     Slot::Zero => ExtentState::Zero,
-                    Slot::Data(_) | Slot::Damaged => ExtentState::Data,
+                    Slot::Data(_) | Slot::Shared { .. } | Slot::Damaged => ExtentState::Data,
                 };
                 extents.push(Extent {
                     length_bytes: run_end - position,

@@ -27,13 +27,14 @@
 
 use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, RunPiece};
 use crate::error::Result;
-use crate::map::{Location, Slot};
+use crate::map::{table_key, Location, Slot, TABLE_BASE};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
 use crate::units::{Lba, BLOCK_SIZE};
 
 use super::state::State;
 
-/// A live block of a victim: its number, where its record is, its version.
+/// A live member of a victim: the key of the entry naming it (its block,
+/// or its cell if it is shared), where its record is, its version.
 pub(crate) type LiveExtent = (Lba, Location, u64);
 
 /// Consecutive blocks of one record, stored again as a new record.
@@ -105,8 +106,8 @@ pub(crate) fn plan_record(
     };
     match header.kind {
         RecordKind::Data => {
-            let (lba, _, version) = live[0];
-            if live.len() != 1 || header.lba != lba.0 || header.version != version {
+            let (key, _, version) = live[0];
+            if live.len() != 1 || !names_member(key, &header, 0, version) {
                 return damaged();
             }
             copy()
@@ -115,11 +116,11 @@ pub(crate) fn plan_record(
             let Ok(unit) = decode_unit(&header, payload) else {
                 return damaged();
             };
-            let matches = live.iter().all(|&(lba, loc, version)| {
+            let matches = live.iter().all(|&(key, loc, version)| {
                 let member = loc.member as usize;
                 loc.members as usize == unit.count()
-                    && lba.0.checked_sub(header.lba) == Some(member as u64)
                     && unit.versions[member] == version
+                    && names_member(key, &header, member, version)
             });
             if !matches {
                 return damaged();
@@ -129,13 +130,35 @@ pub(crate) fn plan_record(
             }
             match decompress_unit(&header, unit.data, unit.count()) {
                 Some(blocks) => Move::Rewrite(
-                    rewrite_live(&blocks, header.lba, &unit.versions, live, codec, false),
+                    rewrite_live(&blocks, &unit.versions, live, codec, false),
                     codec,
                 ),
                 None => damaged(),
             }
         }
         _ => damaged(),
+    }
+}
+
+/// True if the entry at `key` may name member `member` (at `version`) of
+/// the record `header`: the member's own block, or its cell.
+fn names_member(key: Lba, header: &RecordHeader, member: usize, version: u64) -> bool {
+    key.0.checked_sub(header.lba) == Some(member as u64) || key == table_key(version)
+}
+
+/// The cells of the members of the data or unit record `header`, were
+/// they shared (none for a record that names cells itself): the map
+/// ranges moving it touches besides its blocks.
+pub(crate) fn member_cells(header: &RecordHeader, payload: &[u8]) -> Vec<(Lba, u64)> {
+    if header.lba >= TABLE_BASE {
+        return Vec::new();
+    }
+    match header.kind {
+        RecordKind::Data => vec![(table_key(header.version), 1)],
+        RecordKind::Unit => decode_unit(header, payload)
+            .map(|unit| unit.versions.iter().map(|&v| (table_key(v), 1)).collect())
+            .unwrap_or_default(),
+        _ => Vec::new(),
     }
 }
 
@@ -164,31 +187,36 @@ pub(super) fn decompress_unit(header: &RecordHeader, data: &[u8], count: usize) 
     Some(blocks)
 }
 
-/// The blocks of `live` (which lie in a unit whose first block is
-/// `first`, decompressed as `blocks`, at `versions`), in runs of
-/// consecutive blocks, each compressed again.
+/// The members `live` of a unit (decompressed as `blocks`, at
+/// `versions`), in runs of consecutive keys, each compressed again: runs
+/// of blocks, and runs of cells (consecutive versions), which the new
+/// record names as its blocks.
 fn rewrite_live(
     blocks: &[u8],
-    first: u64,
     versions: &[u64],
     live: &[LiveExtent],
     codec: Codec,
     cold: bool,
 ) -> Vec<Rewritten> {
+    let mut sorted = live.to_vec();
+    sorted.sort_by_key(|&(key, _, _)| key.0);
     let mut out = Vec::new();
-    for run in consecutive_runs(live) {
-        let start = (run[0].0 .0 - first) as usize;
-        let bytes = &blocks[start * BLOCK_SIZE..(start + run.len()) * BLOCK_SIZE];
+    for run in consecutive_runs(&sorted) {
+        let mut bytes = Vec::with_capacity(run.len() * BLOCK_SIZE);
+        for &(_, loc, _) in run {
+            let member = loc.member as usize;
+            bytes.extend_from_slice(&blocks[member * BLOCK_SIZE..(member + 1) * BLOCK_SIZE]);
+        }
         let run_versions: Vec<u64> = run
             .iter()
-            .map(|&(lba, _, _)| versions[(lba.0 - first) as usize])
+            .map(|&(_, loc, _)| versions[loc.member as usize])
             .collect();
-        out.extend(compress_run(bytes, run, &run_versions, codec, cold));
+        out.extend(compress_run(&bytes, run, &run_versions, codec, cold));
     }
     out
 }
 
-/// Splits `extents` (sorted by block) into runs of consecutive blocks.
+/// Splits `extents` (sorted by key) into runs of consecutive keys.
 fn consecutive_runs(extents: &[LiveExtent]) -> Vec<&[LiveExtent]> {
     let mut runs = Vec::new();
     let mut start = 0;
@@ -255,6 +283,7 @@ pub(crate) fn moves_ranges(moves: &[Move]) -> Vec<(Lba, u64)> {
                     _ => 1,
                 };
                 ranges.push((Lba(header.lba), blocks.max(1)));
+                ranges.extend(member_cells(header, payload));
             }
             Move::Rewrite(records, _) => {
                 ranges.extend(
@@ -287,11 +316,11 @@ pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
                     let unit = decode_unit(&header, &payload)
                         .expect("a unit that passed its checksum decodes");
                     if let Some(blocks) = decompress_unit(&header, unit.data, unit.count()) {
-                        let still = still_live(state, header.lba, &unit.versions, |member| {
+                        let keys = state.member_keys(header.lba, &unit.versions)?;
+                        let still = still_live(state, &keys, &unit.versions, |member| {
                             from.with_member_of(member as u8, unit.count() as u8)
                         });
-                        let records =
-                            rewrite_live(&blocks, header.lba, &unit.versions, &still, codec, false);
+                        let records = rewrite_live(&blocks, &unit.versions, &still, codec, false);
                         moved += apply_rewrites(state, records, codec)?;
                     }
                 }
@@ -327,17 +356,30 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
             moved += record.versions.len() as u64;
             continue;
         }
-        let still = still_live(state, record.first.0, &record.versions, |i| {
-            record.sources[i]
-        });
+        // Its keys are consecutive: blocks, or cells.
+        let keys: Vec<Lba> = (0..record.versions.len() as u64)
+            .map(|i| Lba(record.first.0 + i))
+            .collect();
+        let still = still_live(state, &keys, &record.versions, |i| record.sources[i]);
         if still.is_empty() {
             continue;
         }
+        // `raw` holds the record's blocks in order: as member i of a unit.
+        let as_members: Vec<LiveExtent> = still
+            .iter()
+            .map(|&(key, loc, version)| {
+                let i = (key.0 - record.first.0) as u8;
+                (
+                    key,
+                    loc.with_member_of(i, record.versions.len() as u8),
+                    version,
+                )
+            })
+            .collect();
         let again = rewrite_live(
             &record.raw,
-            record.first.0,
             &record.versions,
-            &still,
+            &as_members,
             codec,
             record.cold,
         );
@@ -357,19 +399,19 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
     Ok(moved)
 }
 
-/// The blocks `first + i` that still live at `source(i)` at `versions[i]`.
+/// The members whose entries (at `keys[i]`) still name `source(i)` at
+/// `versions[i]`.
 fn still_live(
     state: &State,
-    first: u64,
+    keys: &[Lba],
     versions: &[u64],
     source: impl Fn(usize) -> Location,
 ) -> Vec<LiveExtent> {
     (0..versions.len())
         .filter_map(|i| {
-            let lba = Lba(first + i as u64);
-            let entry = state.map().get(lba);
+            let entry = state.map().get(keys[i]);
             (entry.slot() == Slot::Data(source(i)) && entry.version() == versions[i]).then_some((
-                lba,
+                keys[i],
                 source(i),
                 versions[i],
             ))

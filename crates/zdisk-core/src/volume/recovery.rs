@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::dump::load_dump;
 use crate::error::Result;
-use crate::map::{Location, Map, RangeState, Slot};
+use crate::map::{table_content, table_key, Location, Map, RangeState, Slot, TABLE_BASE};
 use crate::media::Media;
 use crate::meta::{RetainedRoot, Root};
 use crate::record::{
@@ -39,6 +39,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use super::scan::{scan_segment, Scanned};
 use super::staging::{lay_over, recover_staged, Staged};
+use super::state::SharedCounts;
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -84,6 +85,8 @@ fn first_record_seq(bytes: &[u8], key: &RecordKey) -> Option<u32> {
 pub(crate) struct Recovered {
     pub roots: [Option<RetainedRoot>; 2],
     pub map: Map,
+    /// References to each shared content, counted from the map.
+    pub shared: SharedCounts,
     pub segments: SegmentTable,
     pub next_seq: u64,
     pub next_version: u64,
@@ -134,6 +137,10 @@ struct Recovery<'a> {
     next_seq: u64,
     next_version: u64,
     ranges: Vec<ReplayedRange>,
+    /// Reference records replayed (`count` blocks from `first`, versions
+    /// from `version`).
+    refs: Vec<ReplayedRange>,
+    shared: SharedCounts,
     /// Sectors found only in staging slots, read as if they were in place.
     staged: Vec<Staged>,
     report: OpenReport,
@@ -219,6 +226,8 @@ impl<'a> Recovery<'a> {
             next_seq: checkpoint.next_seq.max(checkpoint.seq_reserved),
             next_version: checkpoint.next_version.max(checkpoint.version_reserved),
             ranges: Vec::new(),
+            refs: Vec::new(),
+            shared: SharedCounts::default(),
             staged: Vec::new(),
             report: OpenReport {
                 clean: checkpoint.clean && trust_clean,
@@ -363,16 +372,29 @@ impl<'a> Recovery<'a> {
                     },
                     _ => vec![header.version],
                 };
-                let beyond = header
-                    .lba
-                    .checked_add(versions.len() as u64)
-                    .is_none_or(|end| end > self.logical_blocks);
+                // A record the cleaner rewrote from shared members names
+                // their cells: member i at `TABLE_BASE + versions[i]`.
+                let cells = header.lba >= TABLE_BASE;
+                let beyond = if cells {
+                    (0..versions.len())
+                        .any(|i| table_content(header.lba + i as u64) != Some(versions[i]))
+                } else {
+                    header
+                        .lba
+                        .checked_add(versions.len() as u64)
+                        .is_none_or(|end| end > self.logical_blocks)
+                };
                 if beyond {
                     return Ok(());
                 }
                 self.report.replayed_records += 1;
                 self.map
                     .load(self.media, Lba(header.lba), versions.len() as u64)?;
+                if !cells {
+                    for &version in &versions {
+                        self.map.load(self.media, table_key(version), 1)?;
+                    }
+                }
                 let len = header.record_len() as u32;
                 if is_cold_unit(&header, payload) {
                     self.infos[segment.index()].cold_bytes += len as u64;
@@ -386,12 +408,32 @@ impl<'a> Recovery<'a> {
                         member as u8,
                         members,
                     );
+                    // A shared member's copy updates its cell, whichever
+                    // block the record was written for.
                     let lba = Lba(header.lba + member as u64);
-                    self.map.set_if_newer(lba, Slot::Data(loc), version);
+                    let key = if cells || self.map.get(table_key(version)).is_hole() {
+                        lba
+                    } else {
+                        table_key(version)
+                    };
+                    self.map.set_if_newer(key, Slot::Data(loc), version);
                     if version >= self.root.checkpoint.next_version && versions_seen.insert(version)
                     {
                         self.counters.host_write_bytes += BLOCK_SIZE_U64;
                     }
+                }
+            }
+            // A shared content found damaged: its cell is marked.
+            RecordKind::Damaged
+                if header.lba >= TABLE_BASE
+                    && range_count(payload) == 1
+                    && table_content(header.lba).is_some_and(|c| c <= crate::map::VERSION_MAX) =>
+            {
+                self.report.replayed_records += 1;
+                self.map.load(self.media, Lba(header.lba), 1)?;
+                if !self.map.get(Lba(header.lba)).is_hole() {
+                    self.map
+                        .set_if_newer(Lba(header.lba), Slot::Damaged, header.version);
                 }
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
@@ -426,7 +468,110 @@ impl<'a> Recovery<'a> {
                     &mut |_| {},
                 );
             }
+            RecordKind::Ref => self.replay_ref(seq, segment, record, payload, versions_seen)?,
             RecordKind::MapChunk => {}
+        }
+        Ok(())
+    }
+
+    /// Replays a reference record: each block shares the content it names,
+    /// whose owner becomes shared first if its cell is not there yet. A
+    /// content found nowhere leaves its block as it was: the reference was
+    /// not flushed (the crash lost the earlier record that shared its
+    /// content, as it may lose any unflushed write), or the block changed
+    /// since anyway (the content went with its last reference before the
+    /// checkpoint). A flushed reference always finds its content: the
+    /// records before it were flushed with it.
+    fn replay_ref(
+        &mut self,
+        seq: u64,
+        segment: SegmentId,
+        record: &Scanned,
+        payload: &[u8],
+        versions_seen: &mut HashSet<u64>,
+    ) -> Result<()> {
+        let header = record.header;
+        let members = match crate::record::decode_ref(payload) {
+            Ok(members) => members,
+            Err(why) => {
+                self.report.replay_damage.push(format!(
+                    "segment {segment} (seq {seq}) at offset {}: {why}",
+                    record.offset
+                ));
+                return Ok(());
+            }
+        };
+        let count = members.len() as u64;
+        let beyond = header
+            .lba
+            .checked_add(count)
+            .is_none_or(|end| end > self.logical_blocks)
+            || header.version + count > crate::map::VERSION_MAX + 1
+            || members
+                .iter()
+                .any(|m| m.content > crate::map::VERSION_MAX || m.content >= header.version);
+        if beyond {
+            self.report.replay_damage.push(format!(
+                "segment {segment} (seq {seq}) at offset {}: reference record out of range",
+                record.offset
+            ));
+            return Ok(());
+        }
+        self.report.replayed_records += 1;
+        self.next_version = self.next_version.max(header.version + count);
+        self.map.load(self.media, Lba(header.lba), count)?;
+        self.refs.push(ReplayedRange {
+            seq,
+            segment,
+            first: header.lba,
+            count,
+            version: header.version,
+        });
+        // Owners become shared first, as `State::apply_ref` did it: a block
+        // both owner and target is shared before it changes.
+        let mut found = Vec::with_capacity(members.len());
+        for member in &members {
+            let cell = table_key(member.content);
+            self.map.load(self.media, cell, 1)?;
+            let owner = (member.owner < self.logical_blocks).then_some(Lba(member.owner));
+            if let Some(owner) = owner {
+                self.map.load(self.media, owner, 1)?;
+            }
+            let mut stored = !self.map.get(cell).is_hole();
+            if let Some(owner) = owner {
+                let entry = self.map.get(owner);
+                if let (Slot::Data(loc), true) = (entry.slot(), entry.version() == member.content) {
+                    // The owner holds the content directly: it becomes
+                    // shared. Its cell may be there already, if a copy the
+                    // cleaner wrote of the shared member (naming the cell)
+                    // replayed first: the cell keeps that copy.
+                    if !stored {
+                        self.map.set(cell, Slot::Data(loc), member.content);
+                    }
+                    self.map.set(
+                        owner,
+                        Slot::Shared {
+                            content: member.content,
+                        },
+                        member.content,
+                    );
+                    stored = true;
+                }
+            }
+            found.push(stored);
+        }
+        for (i, (member, stored)) in members.iter().zip(found).enumerate() {
+            let version = header.version + i as u64;
+            if stored {
+                let slot = Slot::Shared {
+                    content: member.content,
+                };
+                self.map
+                    .set_if_newer(Lba(header.lba + i as u64), slot, version);
+            }
+            if version >= self.root.checkpoint.next_version && versions_seen.insert(version) {
+                self.counters.host_write_bytes += BLOCK_SIZE_U64;
+            }
         }
         Ok(())
     }
@@ -452,37 +597,121 @@ impl<'a> Recovery<'a> {
                 kept_versions.insert(range.version);
             }
         }
+        for replayed in &self.refs {
+            if holds_ranges.contains(&replayed.segment) {
+                continue;
+            }
+            self.map
+                .load(self.media, Lba(replayed.first), replayed.count)?;
+            let needed = (0..replayed.count)
+                .any(|i| self.map.get(Lba(replayed.first + i)).version() == replayed.version + i);
+            if needed {
+                holds_ranges.insert(replayed.segment);
+            }
+        }
         Ok(holds_ranges)
     }
 
     /// Rebuilds live bytes from the map; entries that point nowhere valid
     /// (only possible on a damaged image) become damaged markers.
+    ///
+    /// Also counts the references to each shared content, and settles
+    /// what a crash may have left half done:
+    /// - a block that holds a shared content directly (its reference
+    ///   record was lost, unflushed, but a copy the cleaner wrote of the
+    ///   shared member, naming the cell, was not) becomes shared: the cell
+    ///   holds the content, once;
+    /// - a cell nothing references any more (its last reference went after
+    ///   the checkpoint) goes, without counting. The walk meets every
+    ///   block's entry before any cell (cells' keys are higher), so the
+    ///   counts are known when the cells are met;
+    /// - a shared entry whose cell is missing (damage) becomes damaged.
     fn count_live_bytes(&mut self) -> Result<()> {
         let segment_size = self.media.geometry().segment_size_bytes;
+        let cells = self.map.table_contents(self.media)?;
         let mut dangling = Vec::new();
+        let mut orphans = Vec::new();
+        let mut owners = Vec::new();
         let Recovery {
             media,
             map,
             infos,
             dump_segments,
+            shared,
             ..
         } = self;
-        map.for_each_data(*media, |lba, loc, _| {
-            let valid = (loc.segment.0 as usize) < infos.len()
-                && !dump_segments.contains(&loc.segment)
-                && loc.offset as u64 + loc.len as u64 <= segment_size;
-            if valid {
-                infos[loc.segment.index()].live_bytes += loc.share();
-            } else {
-                dangling.push(lba);
+        map.for_each_stored(*media, |key, entry| {
+            let slot = entry.slot();
+            match table_content(key) {
+                Some(content) => {
+                    if entry.is_hole() {
+                        return;
+                    }
+                    let moved_on = matches!(slot, Slot::Data(_)) && entry.version() != content;
+                    if shared.count(content) == 0 || moved_on {
+                        orphans.push(Lba(key));
+                        return;
+                    }
+                }
+                None => {
+                    if let (Slot::Data(_), true) = (slot, cells.contains(&entry.version())) {
+                        owners.push((Lba(key), entry.version()));
+                        shared.add(entry.version());
+                        return;
+                    }
+                }
+            }
+            match slot {
+                Slot::Shared { content } => shared.add(content),
+                Slot::Data(loc) => {
+                    let valid = (loc.segment.0 as usize) < infos.len()
+                        && !dump_segments.contains(&loc.segment)
+                        && loc.offset as u64 + loc.len as u64 <= segment_size;
+                    if valid {
+                        infos[loc.segment.index()].live_bytes += loc.share();
+                    } else {
+                        dangling.push(Lba(key));
+                    }
+                }
+                _ => {}
             }
         })?;
+        for (lba, content) in owners {
+            self.map.load(self.media, lba, 1)?;
+            self.map.set(lba, Slot::Shared { content }, content);
+        }
+        for key in orphans {
+            self.map.load(self.media, key, 1)?;
+            self.map.set(key, Slot::Hole, 0);
+        }
         for lba in &dangling {
             self.map.load(self.media, *lba, 1)?;
             let version = self.map.get(*lba).version();
             self.map.set(*lba, Slot::Damaged, version);
         }
-        self.report.dangling_entries = dangling.len() as u64;
+        let mut lost = 0;
+        if self
+            .shared
+            .iter()
+            .any(|(content, _)| !cells.contains(&content))
+        {
+            // Shared entries naming a content with no cell: damage.
+            let mut referrers = Vec::new();
+            self.map.for_each_stored(self.media, |key, entry| {
+                if let Slot::Shared { content } = entry.slot() {
+                    if !cells.contains(&content) {
+                        referrers.push((Lba(key), content, entry.version()));
+                    }
+                }
+            })?;
+            for (lba, content, version) in referrers {
+                self.map.load(self.media, lba, 1)?;
+                self.map.set(lba, Slot::Damaged, version);
+                self.shared.remove(content);
+                lost += 1;
+            }
+        }
+        self.report.dangling_entries = dangling.len() as u64 + lost;
         Ok(())
     }
 
@@ -537,6 +766,7 @@ impl<'a> Recovery<'a> {
         let holds_ranges = self.segments_holding_needed_ranges()?;
         self.map.compact();
         self.count_live_bytes()?;
+        self.map.recount_table(self.media)?;
         for (index, info) in self.infos.iter_mut().enumerate() {
             let segment = SegmentId(index as u32);
             info.state = if self.dump_segments.contains(&segment) {
@@ -577,6 +807,7 @@ impl<'a> Recovery<'a> {
         Ok(Recovered {
             roots: self.roots,
             map: self.map,
+            shared: self.shared,
             segments,
             next_seq: self.next_seq,
             next_version: self.next_version,

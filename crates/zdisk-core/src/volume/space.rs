@@ -458,6 +458,12 @@ impl Space {
     }
 
     /// `bytes` in `segment` became live (a map entry points at them).
+    /// Lists the shared table's cell `key` in `segment`'s summary (its
+    /// member became shared).
+    pub(crate) fn add_member(&mut self, segment: SegmentId, key: u64) {
+        self.table.add_member(segment, key);
+    }
+
     pub(crate) fn add_live(&mut self, segment: SegmentId, bytes: u64) {
         self.table.add_live(segment, bytes);
         let info = self.table.get(segment);

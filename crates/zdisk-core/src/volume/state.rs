@@ -45,6 +45,9 @@ use super::staging::{Staged, StagingSlots};
 use super::tallies::Tallies;
 pub(crate) use super::tallies::Tally;
 
+mod shares;
+pub(crate) use shares::SharedCounts;
+
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StreamKind {
@@ -115,6 +118,8 @@ pub(crate) struct State {
     logical_blocks: u64,
     write_batch_bytes: usize,
     map: Map,
+    /// References to each shared content (`shares.rs`).
+    shared: SharedCounts,
     space: Space,
     streams: [Stream; 2],
     /// Whole pages appended and not yet on the medium (see `outbound.rs`).
@@ -140,6 +145,7 @@ pub(crate) struct State {
 /// What a State starts from: recovery's findings.
 pub(crate) struct Start {
     pub map: Map,
+    pub shared: SharedCounts,
     pub space: Space,
     pub counters: Counters,
     pub generation: u64,
@@ -166,6 +172,7 @@ impl State {
             logical_blocks,
             write_batch_bytes: write_batch_bytes.max(geometry.page_size_bytes as usize),
             map: start.map,
+            shared: start.shared,
             space: start.space,
             streams: [Stream::default(), Stream::default()],
             outbound: Outbound::default(),
@@ -497,7 +504,7 @@ impl State {
         };
         let loc = self.append(StreamKind::Host, header, payload, payload_crc, floor)?;
         debug_assert_eq!(loc.len as u64, record_len_for_payload(payload.len()));
-        self.repoint(lba, loc, version);
+        self.repoint(lba, loc, version)?;
         Ok(())
     }
 
@@ -541,10 +548,23 @@ impl State {
             crc32c::crc32c(&payload),
             floor,
         )?;
+        let mut unshared = Vec::new();
         let State { map, space, .. } = self;
-        map.set_range(first, count, state, version, false, &mut |loc| {
-            space.kill(loc.segment, loc.share())
-        });
+        map.set_range(
+            first,
+            count,
+            state,
+            version,
+            false,
+            &mut |slot| match slot {
+                Slot::Data(loc) => space.kill(loc.segment, loc.share()),
+                Slot::Shared { content } => unshared.push(content),
+                _ => {}
+            },
+        );
+        for content in unshared {
+            self.release_shared(content)?;
+        }
         debug_assert!(
             state == RangeState::Hole || self.map.get(first).slot() == state.slot(),
             "block {first} after a {kind:?} range"
@@ -589,7 +609,7 @@ impl State {
         let record = self.append(StreamKind::Host, header, payload, payload_crc, floor)?;
         for (member, &version) in versions.iter().enumerate() {
             let loc = record.with_member_of(member as u8, count as u8);
-            self.repoint(Lba(first.0 + member as u64), loc, version);
+            self.repoint(Lba(first.0 + member as u64), loc, version)?;
         }
         Ok(())
     }
@@ -608,8 +628,8 @@ impl State {
         payload: &[u8],
     ) -> Result<bool> {
         let versions = record_versions(&header, payload);
-        self.load_map(Lba(header.lba), versions.len() as u64)?;
-        if !self.all_live_at(Lba(header.lba), &versions, |member| {
+        let keys = self.member_keys(header.lba, &versions)?;
+        if !self.all_live_at(&keys, &versions, |member| {
             from.with_member_of(member as u8, versions.len() as u8)
         }) {
             return Ok(false);
@@ -622,21 +642,43 @@ impl State {
         }
         for (member, &version) in versions.iter().enumerate() {
             let loc = moved.with_member_of(member as u8, versions.len() as u8);
-            self.repoint(Lba(header.lba + member as u64), loc, version);
+            if keys[member].0 != header.lba + member as u64 {
+                // A shared member: the copy's summary lists its block, and
+                // must list its cell too.
+                self.space.add_member(moved.segment, keys[member].0);
+            }
+            self.repoint(keys[member], loc, version)?;
         }
         Ok(true)
     }
 
-    /// True if block `first + i` lives at `source(i)` at `versions[i]`, for
-    /// every `i`.
+    /// The keys of the entries naming the members at `versions` of a
+    /// record whose header names block `lba` ([`State::member_key`]), their
+    /// leaves read in.
+    pub(crate) fn member_keys(&mut self, lba: u64, versions: &[u64]) -> Result<Vec<Lba>> {
+        self.load_map(Lba(lba), versions.len() as u64)?;
+        if lba < crate::map::TABLE_BASE {
+            for &version in versions {
+                self.load_map(crate::map::table_key(version), 1)?;
+            }
+        }
+        Ok(versions
+            .iter()
+            .enumerate()
+            .map(|(i, &version)| self.member_key(lba + i as u64, version))
+            .collect())
+    }
+
+    /// True if the entry at `keys[i]` names `source(i)` at `versions[i]`,
+    /// for every `i`.
     pub(crate) fn all_live_at(
         &self,
-        first: Lba,
+        keys: &[Lba],
         versions: &[u64],
         source: impl Fn(usize) -> Location,
     ) -> bool {
         versions.iter().enumerate().all(|(i, &version)| {
-            let entry = self.map.get(Lba(first.0 + i as u64));
+            let entry = self.map.get(keys[i]);
             entry.slot() == Slot::Data(source(i)) && entry.version() == version
         })
     }
@@ -658,7 +700,10 @@ impl State {
     ) -> Result<bool> {
         assert_eq!(versions.len(), sources.len(), "a version per source");
         self.load_map(first, versions.len() as u64)?;
-        if !self.all_live_at(first, versions, |i| sources[i]) {
+        let keys: Vec<Lba> = (0..versions.len() as u64)
+            .map(|i| Lba(first.0 + i))
+            .collect();
+        if !self.all_live_at(&keys, versions, |i| sources[i]) {
             return Ok(false);
         }
         let (kind, payload) = if versions.len() == 1 {
@@ -681,7 +726,7 @@ impl State {
         let moved = self.append_gc(header, &payload)?;
         for (i, &version) in versions.iter().enumerate() {
             let loc = moved.with_member_of(i as u8, versions.len() as u8);
-            self.repoint(Lba(first.0 + i as u64), loc, version);
+            self.repoint(Lba(first.0 + i as u64), loc, version)?;
         }
         if cold {
             self.space.add_cold(moved.segment, moved.len as u64);
@@ -729,16 +774,14 @@ impl State {
         )?;
         let old = self.map.set(lba, Slot::Damaged, version);
         debug_assert!(old.version() < version, "block {lba} went back in time");
-        if let Slot::Data(loc) = old.slot() {
-            self.space.kill(loc.segment, loc.share());
-        }
+        self.drop_slot(old.slot())?;
         self.counters.damaged_blocks_found += 1;
         Ok(())
     }
 
     /// Points `lba` at the live record `loc` (version `version`), and the
     /// record it pointed at dies.
-    fn repoint(&mut self, lba: Lba, loc: Location, version: u64) {
+    fn repoint(&mut self, lba: Lba, loc: Location, version: u64) -> Result<()> {
         self.space.add_live(loc.segment, loc.share());
         let old = self.map.set(lba, Slot::Data(loc), version);
         debug_assert!(
@@ -746,11 +789,14 @@ impl State {
             "block {lba}: version {} replaced by older {version}",
             old.version()
         );
-        if let Slot::Data(old_loc) = old.slot() {
-            debug_assert_ne!(old_loc, loc, "block {lba} repointed at itself");
-            self.space.kill(old_loc.segment, old_loc.share());
-        }
+        debug_assert_ne!(
+            old.slot(),
+            Slot::Data(loc),
+            "block {lba} repointed at itself"
+        );
+        self.drop_slot(old.slot())?;
         debug_assert_eq!(self.map.get(lba).slot(), Slot::Data(loc));
+        Ok(())
     }
 
     fn append_gc(&mut self, header: RecordHeader, payload: &[u8]) -> Result<Location> {

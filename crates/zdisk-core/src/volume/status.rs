@@ -21,7 +21,7 @@ use std::ops::ControlFlow;
 use crate::codec::CodecId;
 use crate::device::{Stored, StoredExtent};
 use crate::error::Result;
-use crate::map::{Location, Slot};
+use crate::map::{table_key, Location, Slot};
 use crate::record::{RecordHeader, RecordKind, HEADER_SIZE, RAW_RECORD_LEN};
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
@@ -128,8 +128,17 @@ impl Volume {
         state
             .map()
             .for_each_run(from, end - from.0, |lba, blocks, entry| {
-                let piece = match entry.slot() {
+                // A shared block is stored where its content's cell says.
+                let slot = match entry.slot() {
+                    Slot::Shared { content } => match state.map().get(table_key(content)).slot() {
+                        Slot::Data(loc) => Slot::Data(loc),
+                        _ => Slot::Damaged,
+                    },
+                    slot => slot,
+                };
+                let piece = match slot {
                     Slot::Hole => Found::Known(Stored::Hole, blocks),
+                    Slot::Shared { .. } => Found::Known(Stored::Damaged, blocks),
                     Slot::Zero => Found::Known(Stored::Zero, blocks),
                     Slot::Damaged => Found::Known(Stored::Damaged, blocks),
                     Slot::Data(loc) => {

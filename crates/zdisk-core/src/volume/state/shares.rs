@@ -1,0 +1,270 @@
+//! Shared contents: blocks that name a record member other blocks name
+//! too (issue #25; docs/sharing.md, "indirect on share").
+//!
+//! A block's content becomes shared when a reference record (kind 7) makes
+//! another block name it. Its owner's direct entry (`Slot::Data`) then
+//! becomes a shared entry (`Slot::Shared { content }`, content = the
+//! version it was written at), the shared table's cell at
+//! `table_key(content)` takes the location, and the new block gets a
+//! shared entry too. From then on the cell is the member's only direct
+//! referrer: the cleaner and the cold-data pass move the member by
+//! updating the cell (its key is in the segment's summary), never a
+//! block's entry, so moving data never un-shares it.
+//!
+//! Invariants (checked by `check.rs`):
+//! - a record member is named by exactly one data entry: its block's, or
+//!   its cell's; its bytes count once in live bytes either way;
+//! - every shared entry names a content whose cell exists (data, or
+//!   damaged once its record failed verification);
+//! - `SharedCounts` holds, for every cell, the number of shared entries
+//!   naming it (at least one); the cell goes with its last reference, and
+//!   its record share dies then.
+//!
+//! The counts are not stored: recovery derives them from the map
+//! (`recovery.rs`), so they cannot drift from it.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+use crate::map::{table_key, Slot, TABLE_BASE};
+use crate::record::{encode_ref, RecordHeader, RecordKind, RefMember, REF_NO_OWNER};
+use crate::units::Lba;
+
+use super::{State, StreamKind};
+
+/// References to each shared content (its cell's key less `TABLE_BASE`).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct SharedCounts {
+    counts: HashMap<u64, u32>,
+    /// Shared entries in all: the sum of the counts.
+    references: u64,
+}
+
+impl SharedCounts {
+    /// Notes one more shared entry naming `content`.
+    pub(crate) fn add(&mut self, content: u64) {
+        *self.counts.entry(content).or_insert(0) += 1;
+        self.references += 1;
+    }
+
+    /// Notes a shared entry naming `content` gone; true if it was the last.
+    pub(crate) fn remove(&mut self, content: u64) -> bool {
+        let count = self
+            .counts
+            .get_mut(&content)
+            .unwrap_or_else(|| panic!("content {content} has no references to drop"));
+        *count -= 1;
+        self.references -= 1;
+        if *count == 0 {
+            self.counts.remove(&content);
+            return true;
+        }
+        false
+    }
+
+    /// References to `content` (0 if it is not shared).
+    pub(crate) fn count(&self, content: u64) -> u32 {
+        self.counts.get(&content).copied().unwrap_or(0)
+    }
+
+    /// Every content with its count.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.counts
+            .iter()
+            .map(|(&content, &count)| (content, count))
+    }
+
+    /// Contents shared (cells in the table).
+    pub(crate) fn contents(&self) -> u64 {
+        self.counts.len() as u64
+    }
+
+    /// Shared entries in the map.
+    pub(crate) fn references(&self) -> u64 {
+        self.references
+    }
+}
+
+impl State {
+    pub(crate) fn shared(&self) -> &SharedCounts {
+        &self.shared
+    }
+
+    /// Block `lba`'s content as a new reference may share it: a direct
+    /// entry's version with the block as owner (the reference makes it
+    /// shared), or a shared entry's content. `None` for a block without
+    /// readable data. The block's leaf (and, if shared, its cell's) must
+    /// be in RAM.
+    pub(crate) fn content_of(&self, lba: Lba) -> Option<RefMember> {
+        let entry = self.map.get(lba);
+        match entry.slot() {
+            Slot::Data(_) => Some(RefMember {
+                content: entry.version(),
+                owner: lba.0,
+            }),
+            Slot::Shared { content } => {
+                matches!(self.map.get(table_key(content)).slot(), Slot::Data(_)).then_some(
+                    RefMember {
+                        content,
+                        owner: REF_NO_OWNER,
+                    },
+                )
+            }
+            _ => None,
+        }
+    }
+
+    /// The key of the entry that names the member at `version` of the
+    /// record whose header names block `lba`: its cell, if the member is
+    /// shared, else its block (a record the cleaner rewrote from shared
+    /// members names their cells itself). The cell's leaf must be in RAM.
+    pub(crate) fn member_key(&self, lba: u64, version: u64) -> Lba {
+        if lba >= TABLE_BASE {
+            return Lba(lba);
+        }
+        let cell = table_key(version);
+        if self.map.get(cell).is_hole() {
+            Lba(lba)
+        } else {
+            cell
+        }
+    }
+
+    /// Points blocks `first..` at the contents `members` (from
+    /// [`State::content_of`], under this same lock), under a new version
+    /// each, and logs it in a reference record; the entries they replace
+    /// are dropped. Keeps `floor` free segments if a new one must be
+    /// opened.
+    pub(crate) fn apply_ref(
+        &mut self,
+        first: Lba,
+        members: &[RefMember],
+        floor: u64,
+    ) -> Result<()> {
+        let count = members.len() as u64;
+        assert!(
+            first.0 + count <= self.logical_blocks,
+            "reference {first}+{count} beyond the volume"
+        );
+        self.load_map(first, count)?;
+        for member in members {
+            self.load_map(table_key(member.content), 1)?;
+            if member.owner != REF_NO_OWNER {
+                self.load_map(Lba(member.owner), 1)?;
+            }
+            if !self.can_share(member) {
+                return Err(Error::InvalidArgument(format!(
+                    "content version {} (of block {}) is no longer stored",
+                    member.content, member.owner
+                )));
+            }
+        }
+        let version = self.space.take_version();
+        for _ in 1..count {
+            self.space.take_version();
+        }
+        let payload = encode_ref(members);
+        let header = RecordHeader {
+            kind: RecordKind::Ref,
+            codec: 0,
+            seg_seq: 0,
+            lba: first.0,
+            version,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        self.append(
+            StreamKind::Host,
+            header,
+            &payload,
+            crc32c::crc32c(&payload),
+            floor,
+        )?;
+        // Owners become shared before any block changes, so a block that
+        // is both an owner and a target is shared first.
+        for member in members {
+            self.make_shared(member);
+        }
+        for (i, member) in members.iter().enumerate() {
+            let lba = Lba(first.0 + i as u64);
+            let old = self.map.set(
+                lba,
+                Slot::Shared {
+                    content: member.content,
+                },
+                version + i as u64,
+            );
+            self.shared.add(member.content);
+            self.drop_slot(old.slot())?;
+        }
+        Ok(())
+    }
+
+    /// True if `member`'s content is still stored: its cell holds it, or
+    /// its owner does directly.
+    fn can_share(&self, member: &RefMember) -> bool {
+        if matches!(
+            self.map.get(table_key(member.content)).slot(),
+            Slot::Data(_)
+        ) {
+            return true;
+        }
+        member.owner != REF_NO_OWNER && {
+            let entry = self.map.get(Lba(member.owner));
+            matches!(entry.slot(), Slot::Data(_)) && entry.version() == member.content
+        }
+    }
+
+    /// Moves `member`'s content from its owner's direct entry to its cell,
+    /// unless the cell already holds it. Live bytes do not change: the
+    /// member's share moves from one entry to the other.
+    fn make_shared(&mut self, member: &RefMember) {
+        let cell = table_key(member.content);
+        if !self.map.get(cell).is_hole() {
+            return;
+        }
+        let owner = Lba(member.owner);
+        let entry = self.map.get(owner);
+        let Slot::Data(loc) = entry.slot() else {
+            panic!("owner {owner} of content {} holds no data", member.content);
+        };
+        debug_assert_eq!(entry.version(), member.content);
+        self.map.set(cell, Slot::Data(loc), member.content);
+        self.map.set(
+            owner,
+            Slot::Shared {
+                content: member.content,
+            },
+            member.content,
+        );
+        self.shared.add(member.content);
+        // The cleaner finds the member through the cell from now on.
+        self.space.add_member(loc.segment, cell.0);
+    }
+
+    /// What happens to the entry a block had before it changed: a record
+    /// share dies, or a shared content loses a reference.
+    pub(super) fn drop_slot(&mut self, slot: Slot) -> Result<()> {
+        match slot {
+            Slot::Data(loc) => self.space.kill(loc.segment, loc.share()),
+            Slot::Shared { content } => self.release_shared(content)?,
+            Slot::Hole | Slot::Zero | Slot::Damaged => {}
+        }
+        Ok(())
+    }
+
+    /// Drops one reference to `content`; with the last, its cell goes and
+    /// the member's share dies.
+    pub(super) fn release_shared(&mut self, content: u64) -> Result<()> {
+        if !self.shared.remove(content) {
+            return Ok(());
+        }
+        let cell = table_key(content);
+        self.load_map(cell, 1)?;
+        let old = self.map.set(cell, Slot::Hole, 0);
+        if let Slot::Data(loc) = old.slot() {
+            self.space.kill(loc.segment, loc.share());
+        }
+        Ok(())
+    }
+}
