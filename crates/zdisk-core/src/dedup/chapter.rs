@@ -100,7 +100,10 @@ pub fn decode_chapter(bytes: &[u8]) -> Result<(ChapterId, Vec<ChapterEntry>), De
     let id = u64_at(8);
     let count = u32_at(16);
     if count > MAX_CHAPTER_ENTRIES {
-        return Err(DedupError::ChapterTooLarge { count });
+        return Err(DedupError::ChapterTooLarge {
+            count,
+            limit: MAX_CHAPTER_ENTRIES,
+        });
     }
     let expected = encoded_len(count as usize);
     if bytes.len() != expected {
@@ -321,7 +324,10 @@ mod tests {
         huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(
             decode_chapter(&huge),
-            Err(DedupError::ChapterTooLarge { count: u32::MAX })
+            Err(DedupError::ChapterTooLarge {
+                count: u32::MAX,
+                limit: MAX_CHAPTER_ENTRIES
+            })
         );
         let mut content = GOLDEN.to_vec();
         content[CHAPTER_HEADER_LEN + 32] ^= 1;

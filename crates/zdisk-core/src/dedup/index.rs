@@ -354,14 +354,22 @@ impl DedupIndex {
     }
 
     fn decode_as(&mut self, id: ChapterId, bytes: &[u8]) -> Result<Vec<ChapterEntry>, DedupError> {
+        // A chapter larger than this index's would break the RAM bound
+        // (one written with other settings): it is forgotten too.
+        let limit = self.config.chapter_entries;
         let decoded = decode_chapter(bytes).and_then(|(found, entries)| {
-            if found == id {
-                Ok(entries)
-            } else {
+            if found != id {
                 Err(DedupError::ChapterIdMismatch {
                     wanted: id.0,
                     found: found.0,
                 })
+            } else if entries.len() > limit as usize {
+                Err(DedupError::ChapterTooLarge {
+                    count: entries.len() as u32,
+                    limit,
+                })
+            } else {
+                Ok(entries)
             }
         });
         match decoded {

@@ -213,8 +213,8 @@ pub enum DedupError {
     ChapterTruncated { len: usize, needed: usize },
     #[error("dedup chapter has bad magic {found:#018x}")]
     ChapterMagic { found: u64 },
-    #[error("dedup chapter claims {count} entries, more than {MAX_CHAPTER_ENTRIES}")]
-    ChapterTooLarge { count: u32 },
+    #[error("dedup chapter holds {count} entries, more than {limit}")]
+    ChapterTooLarge { count: u32, limit: u32 },
     #[error("dedup chapter is {actual} bytes, its header says {expected}")]
     ChapterLength { expected: usize, actual: usize },
     #[error("dedup chapter checksum mismatch: stored {expected:#010x}, computed {actual:#010x}")]
