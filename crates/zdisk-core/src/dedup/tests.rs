@@ -253,6 +253,84 @@ fn an_ordered_duplicate_run_is_found_on_two_bytes_per_block() {
     assert!(store.reads > 0, "the run's chapters came from the medium");
 }
 
+/// How the copy in `ordered_runs_by_budget` is made.
+#[derive(Clone, Copy, Debug)]
+enum Copy {
+    /// All blocks in their order.
+    Plain,
+    /// All blocks in their order, and after every 64, 16 new blocks.
+    Edited,
+    /// Runs of 64 blocks (256 KiB files) in a shuffled order.
+    Files,
+}
+
+/// Figures for the report: found shares by budget and kind of copy.
+/// Asserts only that hits are right and RAM stays bounded.
+#[test]
+fn ordered_runs_by_budget() {
+    const N: usize = 200_000;
+    const RUN: usize = 64;
+    let prints = fingerprints(46, N);
+    let new_blocks = fingerprints(47, N);
+    let mut runs: Vec<usize> = (0..N / RUN).collect();
+    let mut rng = SplitMix(48);
+    (1..runs.len()).rev().for_each(|i| {
+        let j = rng.below(i as u64 + 1) as usize;
+        runs.swap(i, j);
+    });
+    let shuffled: Vec<usize> = runs
+        .iter()
+        .flat_map(|run| run * RUN..(run + 1) * RUN)
+        .collect();
+    [N as u64 / 2, N as u64, 2 * N as u64]
+        .into_iter()
+        .for_each(|budget| {
+            [Copy::Plain, Copy::Edited, Copy::Files]
+                .into_iter()
+                .for_each(|copy| {
+                    let mut index = DedupIndex::new(DedupConfig::with_cache_bytes(budget)).unwrap();
+                    let mut store = ChapterStore::default();
+                    prints.iter().enumerate().for_each(|(i, print)| {
+                        store.keep(index.insert(*print, i as u64 + 1, i as u64));
+                    });
+                    let order: Vec<usize> = match copy {
+                        Copy::Files => shuffled.clone(),
+                        Copy::Plain | Copy::Edited => (0..N).collect(),
+                    };
+                    let mut fresh = new_blocks.iter();
+                    let found = order
+                        .iter()
+                        .enumerate()
+                        .filter(|&(at, &i)| {
+                            if matches!(copy, Copy::Edited) && at % RUN == RUN - 1 {
+                                (0..16).for_each(|_| {
+                                    let print = fresh.next().expect("enough new blocks");
+                                    assert_eq!(store.lookup(&mut index, print), None);
+                                    store.keep(index.insert(*print, MAX_CONTENT, 0));
+                                });
+                            }
+                            let hit = store.lookup(&mut index, &prints[i]);
+                            if let Some(hit) = hit {
+                                assert_eq!(hit.content, i as u64 + 1);
+                            }
+                            hit.is_some()
+                        })
+                        .count();
+                    index.check();
+                    assert!(index.ram_bytes() <= budget.max(index.floor_bytes()));
+                    println!(
+                        "budget {:.1} B per distinct block ({budget} B), {copy:?} copy: found \
+                         {:.2}% of {N} duplicates, RAM {} B, sampling 1/{}, cached chapters {}",
+                        budget as f64 / N as f64,
+                        100.0 * found as f64 / N as f64,
+                        index.ram_bytes(),
+                        1u64 << index.sampling_bits(),
+                        index.stats().cached_chapters,
+                    );
+                });
+        });
+}
+
 /// Test 3: the same blocks looked up in random order find less, and
 /// never a wrong block.
 #[test]
