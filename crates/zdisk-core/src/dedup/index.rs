@@ -165,7 +165,7 @@ impl DedupIndex {
         });
         if let Some((id, entry)) = found {
             self.counts.hits += 1;
-            let prefetch = self.wanted(id + 1);
+            let prefetch = self.wanted(id.saturating_add(1));
             if prefetch.is_some() {
                 self.counts.chapter_loads_requested += 1;
             }
