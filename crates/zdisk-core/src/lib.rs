@@ -15,6 +15,7 @@
 pub mod bytes;
 pub mod clock;
 pub mod codec;
+pub mod dedup;
 mod device;
 mod dump;
 mod error;
