@@ -48,5 +48,5 @@ pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     default_map_cache_bytes, BlockKind, CheckReport, CreateOptions, DedupIndex, DedupSummary,
     IdleBudget, LockProfile, OpenOptions, OpenReport, Random, Recompress, Volume, WriteEstimate,
-    WriteEstimator, REF_RECORD_LEN,
+    WriteEstimator,
 };

@@ -608,6 +608,21 @@ pub fn encode_ref(members: &[RefMember]) -> Vec<u8> {
     payload
 }
 
+/// Bytes the reference records for a run of `blocks` blocks take in the
+/// log: one record per `REF_MEMBERS_MAX` blocks, 36 bytes of header and
+/// count, then 16 per block, to a multiple of 16.
+pub fn ref_records_len(blocks: u64) -> u64 {
+    let max = REF_MEMBERS_MAX as u64;
+    let record = |count: u64| {
+        record_len_for_payload((REF_PREFIX_LEN as u64 + REF_MEMBER_LEN as u64 * count) as usize)
+    };
+    let rest = match blocks.is_multiple_of(max) {
+        true => 0,
+        false => record(blocks % max),
+    };
+    blocks / max * record(max) + rest
+}
+
 /// The members of a reference record's payload (whose length the header
 /// check bounded).
 pub fn decode_ref(payload: &[u8]) -> std::result::Result<Vec<RefMember>, String> {

@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use zdisk_core::units::{format_size, BLOCK_SIZE, BLOCK_SIZE_U64};
-use zdisk_core::{
-    BlockKind, Codec, DedupIndex, DedupSummary, Lba, WriteEstimate, WriteEstimator, REF_RECORD_LEN,
-};
+use zdisk_core::{BlockKind, Codec, DedupIndex, DedupSummary, Lba, WriteEstimate, WriteEstimator};
 
 use crate::args::EstimateArgs;
 use crate::output::say;
@@ -534,10 +532,10 @@ fn dedup_table(predictions: &[Prediction]) -> String {
             d.ref_records,
         ));
     }
-    out.push_str(&format!(
+    out.push_str(
         "dedup saves: physical without dedup less physical with it; a reference record \
-         ({REF_RECORD_LEN} bytes) per run of duplicate blocks within a write.\n"
-    ));
+         per run of up to 256 duplicate blocks within a write (48 bytes and 16 per block).\n",
+    );
     out
 }
 

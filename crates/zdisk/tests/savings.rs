@@ -341,9 +341,10 @@ fn estimate_dedup() -> TestResult {
     );
     let without = field(prediction, "physical_bytes")?;
     let with = field(dedup, "physical_bytes")?;
-    // The first copy as without dedup (random: stored raw), and three references.
+    // The first copy as without dedup (random: stored raw), and three
+    // reference records of 256 blocks: 48 bytes and 16 per block each.
     ensure!(
-        without % 4 == 0 && with == without / 4 + 3 * 64,
+        without % 4 == 0 && with == without / 4 + 3 * (48 + 16 * 256),
         "without {without}, with {with}"
     );
     ensure!(

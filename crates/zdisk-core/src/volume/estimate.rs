@@ -14,7 +14,8 @@
 //! written before (at any offset, any whole-block shift) is neither
 //! compressed nor stored again; the blocks of a request that are not
 //! duplicates go through `prepare` as above, run by run; each maximal run
-//! of duplicate blocks costs one reference record ([`REF_RECORD_LEN`]).
+//! of duplicate blocks costs its reference records
+//! ([`crate::record::ref_records_len`]: 48 bytes and 16 per block).
 //! Zero blocks stay zero ranges and are never duplicates. [`DedupIndex`]
 //! tells duplicates from new blocks by their [`Fingerprint`]s; see there
 //! for how it stays within a memory budget, and what that approximates.
@@ -28,12 +29,6 @@ use crate::fingerprint::Fingerprint;
 use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::io::{is_zero, prepare, Prepared, RANGE_RECORD_LEN};
-
-/// Bytes one reference record takes: a 32-byte record header and a 32-byte
-/// payload (where the run's blocks already are). This is the planned Ref
-/// record's size; it is to be replaced by the record module's constant
-/// once that record lands.
-pub const REF_RECORD_LEN: u64 = 64;
 
 /// RAM one fingerprint takes in [`DedupIndex`]'s set, roughly: an 8-byte
 /// tag, the hash table's control byte and its spare capacity.
@@ -60,8 +55,10 @@ pub struct WriteEstimate {
     /// Logical bytes of blocks stored as references to an earlier copy
     /// (always 0 without deduplication).
     pub duplicate_bytes: u64,
-    /// Reference records appended, one per run of duplicate blocks.
+    /// Reference records appended, one per run of duplicate blocks (of
+    /// up to 256), and the bytes they take.
     pub ref_records: u64,
+    pub ref_bytes: u64,
 }
 
 impl WriteEstimate {
@@ -76,6 +73,7 @@ impl WriteEstimate {
         self.zero_records += other.zero_records;
         self.duplicate_bytes += other.duplicate_bytes;
         self.ref_records += other.ref_records;
+        self.ref_bytes += other.ref_bytes;
     }
 }
 
@@ -135,11 +133,14 @@ impl WriteEstimator {
                     .map_or(kinds.len(), |length| start + length);
                 let bytes = &data[start * BLOCK_SIZE..end * BLOCK_SIZE];
                 if duplicate {
+                    let blocks = (end - start) as u64;
+                    let ref_bytes = crate::record::ref_records_len(blocks);
                     write.add(&WriteEstimate {
                         logical_bytes: bytes.len() as u64,
-                        stored_bytes: REF_RECORD_LEN,
+                        stored_bytes: ref_bytes,
                         duplicate_bytes: bytes.len() as u64,
-                        ref_records: 1,
+                        ref_records: blocks.div_ceil(crate::record::REF_MEMBERS_MAX as u64),
+                        ref_bytes,
                         ..WriteEstimate::default()
                     });
                 } else {
@@ -363,8 +364,7 @@ impl DedupSummary {
         }
         let factor = self.distinct_blocks as f64 / self.classified_new_blocks as f64;
         let scale = |value: u64| (value as f64 * factor).round() as u64;
-        let records = deduplicated.zero_records * RANGE_RECORD_LEN
-            + deduplicated.ref_records * REF_RECORD_LEN;
+        let records = deduplicated.zero_records * RANGE_RECORD_LEN + deduplicated.ref_bytes;
         WriteEstimate {
             stored_bytes: records + scale(deduplicated.stored_bytes - records),
             incompressible_bytes: scale(deduplicated.incompressible_bytes),
@@ -517,8 +517,9 @@ mod tests {
         assert!(second.ref_records <= second.zero_records + 1);
         assert_eq!(
             second.stored_bytes,
-            second.zero_records * RANGE_RECORD_LEN + second.ref_records * REF_RECORD_LEN
+            second.zero_records * RANGE_RECORD_LEN + second.ref_bytes
         );
+        assert!(second.ref_bytes >= second.ref_records * 64);
         let summary = index.summary();
         assert_eq!(summary.sample_shift, 0);
         assert_eq!(summary.distinct_blocks, summary.classified_new_blocks);
@@ -560,14 +561,30 @@ mod tests {
             .add_write(Lba(997), &shifted[..3 * BLOCK_SIZE]);
         assert_eq!(
             deduplicated.stored_bytes,
-            alone.stored_bytes + REF_RECORD_LEN
+            alone.stored_bytes + deduplicated.ref_bytes
         );
-        assert!(plain.stored_bytes > 10 * deduplicated.stored_bytes);
+        assert_eq!(
+            deduplicated.ref_bytes,
+            48 + 16 * 200,
+            "one record of 200 blocks"
+        );
+        assert!(
+            plain.stored_bytes > 3 * deduplicated.stored_bytes,
+            "{} against {}",
+            plain.stored_bytes,
+            deduplicated.stored_bytes
+        );
         // Cut into other requests, it is still all duplicates.
         for (at, piece) in data.chunks(7 * BLOCK_SIZE).enumerate() {
             let (_, write) = deduplicate(&mut estimator, &mut index, 5000 + 7 * at as u64, piece);
             assert_eq!(write.duplicate_bytes, piece.len() as u64);
-            assert_eq!(write.stored_bytes, REF_RECORD_LEN);
+            let blocks = (piece.len() / BLOCK_SIZE) as u64;
+            assert_eq!(write.stored_bytes, crate::record::ref_records_len(blocks));
+            assert_eq!(
+                write.ref_bytes,
+                48 + 16 * blocks,
+                "one record of {blocks} blocks"
+            );
         }
         assert_eq!(index.summary().distinct_blocks, 203);
     }
@@ -635,7 +652,7 @@ mod tests {
         };
         let classified = WriteEstimate {
             logical_bytes: 1100 * BLOCK_SIZE_U64,
-            stored_bytes: 2 * RANGE_RECORD_LEN + 7 * REF_RECORD_LEN + 100_000,
+            stored_bytes: 2 * RANGE_RECORD_LEN + 7 * 96 + 100_000,
             zero_bytes: 100 * BLOCK_SIZE_U64,
             incompressible_bytes: 100 * BLOCK_SIZE_U64,
             compressed_bytes: 400 * BLOCK_SIZE_U64,
@@ -643,11 +660,12 @@ mod tests {
             zero_records: 2,
             duplicate_bytes: 500 * BLOCK_SIZE_U64,
             ref_records: 7,
+            ref_bytes: 7 * 96,
         };
         let corrected = summary.corrected(&classified);
         assert_eq!(
             corrected.stored_bytes,
-            2 * RANGE_RECORD_LEN + 7 * REF_RECORD_LEN + 120_000
+            2 * RANGE_RECORD_LEN + 7 * 96 + 120_000
         );
         assert_eq!(corrected.incompressible_bytes, 120 * BLOCK_SIZE_U64);
         assert_eq!(corrected.compressed_bytes, 480 * BLOCK_SIZE_U64);

@@ -48,9 +48,7 @@ mod tests;
 
 pub use check::CheckReport;
 pub use cold::{IdleBudget, Recompress};
-pub use estimate::{
-    BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator, REF_RECORD_LEN,
-};
+pub use estimate::{BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator};
 pub use guard::LockProfile;
 pub use options::{default_map_cache_bytes, CreateOptions, OpenOptions, Random};
 pub use recovery::OpenReport;

@@ -532,22 +532,8 @@ impl State {
         self.load_map(first, count)?;
         let version = self.space.take_version();
         let payload = count.to_le_bytes();
-        let header = RecordHeader {
-            kind,
-            codec: 0,
-            seg_seq: 0,
-            lba: first.0,
-            version,
-            payload_len: RANGE_PAYLOAD_LEN,
-            crc: 0,
-        };
-        self.append(
-            StreamKind::Host,
-            header,
-            &payload,
-            crc32c::crc32c(&payload),
-            floor,
-        )?;
+        debug_assert_eq!(payload.len() as u32, RANGE_PAYLOAD_LEN);
+        self.append_metadata(StreamKind::Host, kind, first, version, &payload, floor)?;
         let mut unshared = Vec::new();
         let State { map, space, .. } = self;
         map.set_range(
@@ -756,20 +742,12 @@ impl State {
         self.load_map(lba, 1)?;
         let version = self.space.take_version();
         let payload = 1u64.to_le_bytes();
-        let header = RecordHeader {
-            kind: RecordKind::Damaged,
-            codec: 0,
-            seg_seq: 0,
-            lba: lba.0,
-            version,
-            payload_len: payload.len() as u32,
-            crc: 0,
-        };
-        self.append(
+        self.append_metadata(
             StreamKind::Gc,
-            header,
+            RecordKind::Damaged,
+            lba,
+            version,
             &payload,
-            crc32c::crc32c(&payload),
             0,
         )?;
         let old = self.map.set(lba, Slot::Damaged, version);
@@ -797,6 +775,29 @@ impl State {
         self.drop_slot(old.slot())?;
         debug_assert_eq!(self.map.get(lba).slot(), Slot::Data(loc));
         Ok(())
+    }
+
+    /// Appends a record that carries no block data (a range or reference
+    /// record) naming block `lba` at `version`.
+    pub(super) fn append_metadata(
+        &mut self,
+        stream: StreamKind,
+        kind: RecordKind,
+        lba: Lba,
+        version: u64,
+        payload: &[u8],
+        floor: u64,
+    ) -> Result<Location> {
+        let header = RecordHeader {
+            kind,
+            codec: 0,
+            seg_seq: 0,
+            lba: lba.0,
+            version,
+            payload_len: payload.len() as u32,
+            crc: 0,
+        };
+        self.append(stream, header, payload, crc32c::crc32c(payload), floor)
     }
 
     fn append_gc(&mut self, header: RecordHeader, payload: &[u8]) -> Result<Location> {

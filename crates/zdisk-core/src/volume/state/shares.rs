@@ -27,7 +27,7 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::map::{table_key, Slot, TABLE_BASE};
-use crate::record::{encode_ref, RecordHeader, RecordKind, RefMember, REF_NO_OWNER};
+use crate::record::{encode_ref, RecordKind, RefMember, REF_NO_OWNER};
 use crate::units::Lba;
 
 use super::{State, StreamKind};
@@ -164,20 +164,12 @@ impl State {
             self.space.take_version();
         }
         let payload = encode_ref(members);
-        let header = RecordHeader {
-            kind: RecordKind::Ref,
-            codec: 0,
-            seg_seq: 0,
-            lba: first.0,
-            version,
-            payload_len: payload.len() as u32,
-            crc: 0,
-        };
-        self.append(
+        self.append_metadata(
             StreamKind::Host,
-            header,
+            RecordKind::Ref,
+            first,
+            version,
             &payload,
-            crc32c::crc32c(&payload),
             floor,
         )?;
         // Owners become shared before any block changes, so a block that
