@@ -12,7 +12,9 @@
 //! as pages. `fixtures/v3-*.zdisk.zst` are format 3 (the paged map: a
 //! directory and one page per leaf), written the same way by the engine of
 //! commit 1df04d9 (issue #22 item 6), the format the next changes start
-//! from. Each test unpacks one, opens it with today's engine, compares
+//! from. `fixtures/v4-*.zdisk.zst` are format 4 (checkpoints that keep
+//! unchanged pages in place), written by commit 92e55f2, the last before
+//! format 5 shared records between blocks. Each test unpacks one, opens it with today's engine, compares
 //! every block with the contents the script's operations produce, runs the
 //! checker, and writes to it; after a clean close it opens again, from
 //! today's format.
@@ -164,4 +166,14 @@ fn a_v3_image_closed_cleanly_opens_unchanged() {
 #[test]
 fn a_v3_image_killed_after_a_flush_recovers_unchanged() {
     opens_reads_and_takes_writes("v3-crashed.zdisk", false);
+}
+
+#[test]
+fn a_v4_image_closed_cleanly_opens_unchanged() {
+    opens_reads_and_takes_writes("v4-clean.zdisk", true);
+}
+
+#[test]
+fn a_v4_image_killed_after_a_flush_recovers_unchanged() {
+    opens_reads_and_takes_writes("v4-crashed.zdisk", false);
 }
