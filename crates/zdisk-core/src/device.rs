@@ -50,6 +50,9 @@ pub enum Stored {
     Raw {
         /// Stored bytes per logical block, in sixteenths of a block, rounded up (1 to 16).
         size_sixteenths: u8,
+        /// Its stored content is shared with other blocks (cloned or
+        /// deduplicated): stored once for all of them.
+        shared: bool,
     },
     /// Stored compressed.
     Compressed {
@@ -60,6 +63,8 @@ pub enum Stored {
         /// Stored bytes per logical block (its share of its record, header
         /// included), in sixteenths of a block, rounded up (1 to 16).
         size_sixteenths: u8,
+        /// As for `Raw`.
+        shared: bool,
     },
     /// Found damaged: reads fail until it is rewritten.
     Damaged,
@@ -70,7 +75,9 @@ impl Stored {
     /// holes, zeros and damaged blocks).
     pub fn size_sixteenths(self) -> u8 {
         match self {
-            Stored::Raw { size_sixteenths }
+            Stored::Raw {
+                size_sixteenths, ..
+            }
             | Stored::Compressed {
                 size_sixteenths, ..
             } => size_sixteenths,
@@ -139,6 +146,7 @@ pub trait BlockDevice: Send + Sync {
                     ExtentState::Zero => Stored::Zero,
                     ExtentState::Data => Stored::Raw {
                         size_sixteenths: 16,
+                        shared: false,
                     },
                 },
             })

@@ -180,6 +180,9 @@ pub const ZDISK_CODEC_UNKNOWN: u32 = 15;
 pub const ZDISK_SIZE_SHIFT: u32 = 8;
 /// Bit 12: compressed together with neighbouring blocks, as one unit.
 pub const ZDISK_UNIT: u32 = 1 << 12;
+/// Bit 13: the block's stored content is shared with other blocks (cloned
+/// or deduplicated), stored once for all of them (format 5).
+pub const ZDISK_SHARED: u32 = 1 << 13;
 
 // ---------------------------------------------------------------------------
 // Error values in replies.

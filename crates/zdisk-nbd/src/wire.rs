@@ -16,16 +16,31 @@ pub fn compression_status(stored: zdisk_core::Stored) -> u32 {
         Stored::Hole => ZDISK_KIND_HOLE,
         Stored::Zero => ZDISK_KIND_ZERO,
         Stored::Damaged => ZDISK_KIND_DAMAGED,
-        Stored::Raw { size_sixteenths } => ZDISK_KIND_RAW | size(size_sixteenths),
+        Stored::Raw {
+            size_sixteenths,
+            shared,
+        } => ZDISK_KIND_RAW | size(size_sixteenths) | shared_bit(shared),
         Stored::Compressed {
             codec,
             unit,
             size_sixteenths,
+            shared,
         } => {
             let codec = codec.map_or(ZDISK_CODEC_UNKNOWN, |id| u32::from(id as u8));
             let unit = if unit { ZDISK_UNIT } else { 0 };
-            ZDISK_KIND_COMPRESSED | codec << ZDISK_CODEC_SHIFT | size(size_sixteenths) | unit
+            ZDISK_KIND_COMPRESSED
+                | codec << ZDISK_CODEC_SHIFT
+                | size(size_sixteenths)
+                | unit
+                | shared_bit(shared)
         }
+    }
+}
+
+fn shared_bit(shared: bool) -> u32 {
+    match shared {
+        true => ZDISK_SHARED,
+        false => 0,
     }
 }
 
@@ -36,29 +51,39 @@ mod tests {
     use zdisk_core::Stored;
 
     #[test]
-    fn compression_status_packs_kind_codec_size_and_unit() {
+    fn compression_status_packs_kind_codec_size_unit_and_shared() {
         assert_eq!(compression_status(Stored::Hole), 0);
         assert_eq!(compression_status(Stored::Zero), 1);
         assert_eq!(compression_status(Stored::Damaged), 4);
         assert_eq!(
             compression_status(Stored::Raw {
-                size_sixteenths: 16
+                size_sixteenths: 16,
+                shared: false
             }),
             0xf02
+        );
+        assert_eq!(
+            compression_status(Stored::Raw {
+                size_sixteenths: 16,
+                shared: true
+            }),
+            0x2f02
         );
         assert_eq!(
             compression_status(Stored::Compressed {
                 codec: Some(CodecId::Zstd),
                 unit: true,
-                size_sixteenths: 5
+                size_sixteenths: 5,
+                shared: true
             }),
-            0x1423
+            0x3423
         );
         assert_eq!(
             compression_status(Stored::Compressed {
                 codec: None,
                 unit: false,
-                size_sixteenths: 1
+                size_sixteenths: 1,
+                shared: false
             }),
             0xf3
         );

@@ -370,7 +370,7 @@ fn a_scripted_session_gets_the_golden_bytes_back() {
 }
 
 /// docs/semantics.md's table: kind in bits 0-3, codec 4-7, stored-size
-/// class 8-11, unit bit 12; and its three examples.
+/// class 8-11, unit bit 12, shared bit 13; and its four examples.
 #[test]
 fn compression_status_bits_are_the_documented_ones() {
     use zdisk_nbd::wire::compression_status;
@@ -378,6 +378,7 @@ fn compression_status_bits_are_the_documented_ones() {
         codec,
         unit,
         size_sixteenths,
+        shared: false,
     };
     let cases: Vec<(Stored, u32, &str)> = vec![
         (Stored::Hole, 0x0000_0000, "kind 0 hole"),
@@ -386,9 +387,20 @@ fn compression_status_bits_are_the_documented_ones() {
         (
             Stored::Raw {
                 size_sixteenths: 16,
+                shared: false,
             },
             0x0000_0f02,
             "kind 2 raw, size class 15 (the doc's 0xf02)",
+        ),
+        (
+            Stored::Compressed {
+                codec: Some(CodecId::Lz4),
+                unit: true,
+                size_sixteenths: 3,
+                shared: true,
+            },
+            0x0000_3213,
+            "kind 3, codec 1 lz4, size class 2, unit, shared (the doc's 0x3213)",
         ),
         (
             compressed(Some(CodecId::Zstd), true, 2),

@@ -16,7 +16,8 @@ use zdisk_core::units::{format_size, BLOCK_SIZE_U64};
 use zdisk_core::OpenOptions;
 use zdisk_nbd::wire::{
     compression_status, ZDISK_CODEC_SHIFT, ZDISK_KIND_COMPRESSED, ZDISK_KIND_DAMAGED,
-    ZDISK_KIND_HOLE, ZDISK_KIND_MASK, ZDISK_KIND_RAW, ZDISK_KIND_ZERO, ZDISK_SIZE_SHIFT,
+    ZDISK_KIND_HOLE, ZDISK_KIND_MASK, ZDISK_KIND_RAW, ZDISK_KIND_ZERO, ZDISK_SHARED,
+    ZDISK_SIZE_SHIFT,
 };
 
 use crate::args::MapArgs;
@@ -128,6 +129,8 @@ struct Tally {
     bytes: [u64; CLASSES.len()],
     stored: f64,
     codecs: [u64; 16],
+    /// Bytes whose stored content other blocks share (status bit 13).
+    shared: u64,
 }
 
 impl Tally {
@@ -136,6 +139,9 @@ impl Tally {
         self.stored += stored_fraction(status) * length as f64;
         if status & ZDISK_KIND_MASK == ZDISK_KIND_COMPRESSED {
             self.codecs[(status >> ZDISK_CODEC_SHIFT & 0xf) as usize] += length;
+        }
+        if status & ZDISK_SHARED != 0 {
+            self.shared += length;
         }
     }
 
@@ -345,6 +351,13 @@ fn summary(name: &str, runs: &[Run], logical: u64) -> String {
         format_size(total.bytes[Class::Hole as usize]),
         format_size(total.stored as u64),
     ));
+    if total.shared > 0 {
+        out.push_str(&format!(
+            "shared: {} of that shares stored contents with other blocks (each content is \
+             stored once; \"stored about\" counts it for every block sharing it)\n",
+            format_size(total.shared)
+        ));
+    }
     if total.bytes[Class::Damaged as usize] > 0 {
         out.push_str(&format!(
             "damaged: {} (run zdisk check)\n",
@@ -582,6 +595,12 @@ mod tests {
         assert_eq!(t.codecs[1], 8192);
         let text = summary("v", &runs, 20480);
         assert!(text.contains("v: 20 KiB logical, 12 KiB written"), "{text}");
+        assert!(!text.contains("shared"), "{text}");
+        let mut shared = runs;
+        shared[1].status |= ZDISK_SHARED;
+        assert_eq!(tally(&shared, 0, 20480).shared, 8192);
+        let text = summary("v", &shared, 20480);
+        assert!(text.contains("shared: 8 KiB of that shares"), "{text}");
     }
 
     #[test]

@@ -45,6 +45,10 @@ fn main() {
             "zdisk_map_summarises_and_draws_a_served_and_a_resting_image",
             zdisk_map,
         ),
+        Trial::ignorable_test(
+            "nbdinfo_and_zdisk_map_show_blocks_that_share_their_content",
+            shared_in_maps,
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -688,5 +692,68 @@ fn zdisk_map() -> TestResult {
         &["map", dir.join("missing.zdisk").to_str().unwrap()],
         "does not exist",
     )?;
+    Ok(Completion::Completed)
+}
+
+/// Blocks cloned by reference (through the engine: the server has no
+/// request that shares blocks yet) show the shared bit (13) in
+/// `nbdinfo --map=zdisk:compression`, source and clone alike, and
+/// `zdisk map` counts them.
+fn shared_in_maps() -> TestResult {
+    use std::sync::Arc;
+    use zdisk_core::media::{FileMedia, Media};
+    use zdisk_core::{BlockDevice, Lba, OpenOptions, Volume};
+
+    if let Some(skip) = skip_unless(require_tools(&["nbdinfo"])) {
+        return skip;
+    }
+    let dir = Scratch::new("shared-map");
+    let image = dir.join("shared.zdisk");
+    let output = zdisk(&["create", image.to_str().unwrap(), "--logical", "64M"]);
+    ensure!(
+        output.status.success(),
+        "create: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    {
+        let media = FileMedia::open(&image, false, zdisk_core::meta::geometry_in_slots)
+            .map_err(|e| e.to_string())?;
+        let volume = Volume::open(Arc::new(media) as Arc<dyn Media>, OpenOptions::default())
+            .map_err(|e| e.to_string())?;
+        let text: Vec<u8> = b"these blocks are stored once and named twice. "
+            .iter()
+            .cycle()
+            .take(1 << 20)
+            .copied()
+            .collect();
+        volume.write(0, &text, false).map_err(|e| e.to_string())?;
+        volume
+            .clone_blocks(Lba(0), Lba(2048), 256)
+            .map_err(|e| e.to_string())?;
+        volume.close().map_err(|e| e.to_string())?;
+    }
+    let resting = zdisk(&["map", image.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&resting.stdout);
+    ensure!(
+        resting.status.success() && text.contains("shared: 2 MiB of that shares"),
+        "zdisk map: {text} {}",
+        String::from_utf8_lossy(&resting.stderr)
+    );
+    let server = Server::start(&image, &dir.join("sock"), &[])?;
+    let rows = nbdinfo_map("zdisk:compression", &server.uri())?;
+    let status_at = |offset: u64| {
+        rows.iter()
+            .find(|(start, length, _)| *start <= offset && offset < start + length)
+            .map(|row| row.2)
+    };
+    for offset in [0, 512 << 10, 8 << 20, (9 << 20) - 4096] {
+        let status = status_at(offset).ok_or("no row")?;
+        ensure!(
+            status & 0xf == 3 && status & (1 << 13) != 0,
+            "block at {offset} should be compressed and shared: {status:#x} in {rows:?}"
+        );
+    }
+    let status = status_at(4 << 20).ok_or("no row")?;
+    ensure!(status == 0, "never written: {status:#x}");
     Ok(Completion::Completed)
 }

@@ -55,6 +55,8 @@ enum Found {
         lba: Lba,
         blocks: u64,
         loc: Location,
+        /// The block shares its content: the record names another block.
+        shared: bool,
     },
 }
 
@@ -82,9 +84,14 @@ impl Volume {
             for piece in window.found {
                 let (stored, blocks) = match piece {
                     Found::Known(stored, blocks) => (stored, blocks),
-                    Found::Data { lba, blocks, loc } => {
+                    Found::Data {
+                        lba,
+                        blocks,
+                        loc,
+                        shared,
+                    } => {
                         let header = headers.get(&loc.record_key()).copied().flatten();
-                        (classify(lba, loc, header), blocks)
+                        (classify(lba, loc, shared, header), blocks)
                     }
                 };
                 match runs.last_mut() {
@@ -129,12 +136,12 @@ impl Volume {
             .map()
             .for_each_run(from, end - from.0, |lba, blocks, entry| {
                 // A shared block is stored where its content's cell says.
-                let slot = match entry.slot() {
+                let (slot, shared) = match entry.slot() {
                     Slot::Shared { content } => match state.map().get(table_key(content)).slot() {
-                        Slot::Data(loc) => Slot::Data(loc),
-                        _ => Slot::Damaged,
+                        Slot::Data(loc) => (Slot::Data(loc), true),
+                        _ => (Slot::Damaged, true),
                     },
-                    slot => slot,
+                    slot => (slot, false),
                 };
                 let piece = match slot {
                     Slot::Hole => Found::Known(Stored::Hole, blocks),
@@ -156,7 +163,12 @@ impl Volume {
                             }
                         }
                         window_data += blocks;
-                        Found::Data { lba, blocks, loc }
+                        Found::Data {
+                            lba,
+                            blocks,
+                            loc,
+                            shared,
+                        }
                     }
                 };
                 found.push(piece);
@@ -201,9 +213,10 @@ impl Volume {
     }
 }
 
-/// How block `lba`, the member of the record at `loc`, is stored; the
-/// record's header names its codec if it is the record the map expects.
-fn classify(lba: Lba, loc: Location, header: Option<RecordHeader>) -> Stored {
+/// How block `lba`, the member of the record at `loc` (written for
+/// another block if `shared`), is stored; the record's header names its
+/// codec if it is the record the map expects.
+fn classify(lba: Lba, loc: Location, shared: bool, header: Option<RecordHeader>) -> Stored {
     let share = loc.share();
     let size_sixteenths = (share * 16).div_ceil(BLOCK_SIZE_U64).clamp(1, 16) as u8;
     let unit = loc.members > 1;
@@ -213,7 +226,8 @@ fn classify(lba: Lba, loc: Location, header: Option<RecordHeader>) -> Stored {
         } else {
             RecordKind::Data
         };
-        header.kind == kind && lba.0.checked_sub(loc.member as u64) == Some(header.lba)
+        // A shared block's record names its owner or its content's cell.
+        header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(header.lba))
     });
     let codec = header.and_then(|header| CodecId::from_u8(header.codec));
     let raw = match codec {
@@ -222,12 +236,16 @@ fn classify(lba: Lba, loc: Location, header: Option<RecordHeader>) -> Stored {
         None => !unit && loc.len as u64 >= RAW_RECORD_LEN,
     };
     if raw {
-        Stored::Raw { size_sixteenths }
+        Stored::Raw {
+            size_sixteenths,
+            shared,
+        }
     } else {
         Stored::Compressed {
             codec,
             unit,
             size_sixteenths,
+            shared,
         }
     }
 }
@@ -301,14 +319,16 @@ mod tests {
                         Stored::Compressed {
                             codec: Some(id),
                             unit: true,
-                            size_sixteenths: tiny
+                            size_sixteenths: tiny,
+                            shared: false,
                         }
                     ),
                     (MIB, Stored::Zero),
                     (
                         MIB,
                         Stored::Raw {
-                            size_sixteenths: 16
+                            size_sixteenths: 16,
+                            shared: false,
                         }
                     ),
                     (MIB, Stored::Hole),
@@ -317,7 +337,8 @@ mod tests {
                         Stored::Compressed {
                             codec: Some(id),
                             unit: false,
-                            size_sixteenths: tiny
+                            size_sixteenths: tiny,
+                            shared: false,
                         }
                     ),
                     (MIB - 4096 + MIB / 2, Stored::Hole),
@@ -326,7 +347,8 @@ mod tests {
                         Stored::Compressed {
                             codec: Some(id),
                             unit: true,
-                            size_sixteenths: tiny
+                            size_sixteenths: tiny,
+                            shared: false,
                         }
                     ),
                     (2 * MIB, Stored::Hole),
