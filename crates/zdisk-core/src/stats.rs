@@ -319,7 +319,7 @@ pub const FIELDS: &[Field] = &[
     shown("recompress_saved_bytes", "bytes", "stored bytes the cold-data pass saved (before minus after)"),
     field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired",
         Gauge("Blocks currently marked damaged."), |s| s.damaged_blocks as f64),
-    field("map_memory_bytes", "bytes", "RAM the block map holds: its leaves in RAM, the tree over all leaves, page bookkeeping",
+    field("map_memory_bytes", "bytes", "RAM the block map holds: its leaves in RAM, the tree over all leaves, page bookkeeping, the counts of shared contents' references",
         Gauge("RAM used by the block map."), |s| s.map_memory_bytes as f64),
     field("map_cache_bytes", "bytes", "the map cache's bound (--map-cache): RAM for map leaves beyond which clean leaves are paged out",
         Gauge("Bound on the block map's leaves in RAM."), |s| s.map_cache_bytes as f64),

@@ -553,7 +553,8 @@ impl Volume {
                 .recompress_in_bytes
                 .saturating_sub(counters.recompress_out_bytes),
             damaged_blocks: counts.damaged_blocks,
-            map_memory_bytes: state.map().memory_bytes(),
+            // The references to shared contents count as the map's.
+            map_memory_bytes: state.map().memory_bytes() + state.shared().heap_bytes(),
             map_cache_bytes: state.map().cache_bytes(),
             map_resident_bytes: state.map().resident_bytes(),
             map_leaves,

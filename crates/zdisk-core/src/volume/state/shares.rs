@@ -83,6 +83,18 @@ impl SharedCounts {
     pub(crate) fn references(&self) -> u64 {
         self.references
     }
+
+    /// Heap bytes of the counts, by hashbrown's layout (a control byte per
+    /// bucket, buckets a power of two at least 8/7 of the capacity).
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        match self.counts.capacity() {
+            0 => 0,
+            capacity => {
+                let buckets = (capacity * 8 / 7).next_power_of_two() as u64;
+                buckets * (1 + size_of::<(u64, u32)>() as u64)
+            }
+        }
+    }
 }
 
 impl State {
