@@ -69,6 +69,18 @@ pub fn fuzz_decoders(bytes: &[u8]) {
                 record[28..32].copy_from_slice(&crc.to_le_bytes());
                 let decoded = decode_record(&record, &KEY, Some(header.seg_seq));
                 assert!(decoded.is_ok(), "a record with a fixed-up CRC must decode");
+                // The payload parsers behind the checksum.
+                if let Ok((header, payload)) = decoded {
+                    match header.kind {
+                        crate::record::RecordKind::Ref => {
+                            let _ = crate::record::decode_ref(payload);
+                        }
+                        crate::record::RecordKind::Unit => {
+                            let _ = crate::record::decode_unit(&header, payload);
+                        }
+                        _ => {}
+                    }
+                }
             }
         }
     }
@@ -202,6 +214,16 @@ mod tests {
             (RecordKind::Zero, 0, 80, 5, 8u64.to_le_bytes().to_vec()),
             (RecordKind::Unit, 1, 96, 9, unit),
             (RecordKind::Damaged, 0, 200, 10, 1u64.to_le_bytes().to_vec()),
+            (
+                RecordKind::Ref,
+                0,
+                300,
+                11,
+                crate::record::encode_ref(&[crate::record::RefMember {
+                    content: 3,
+                    owner: 5,
+                }]),
+            ),
         ];
         for (kind, codec, lba, version, payload) in records {
             let mut out = vec![0u8; record_len_for_payload(payload.len()) as usize];
@@ -297,7 +319,7 @@ mod tests {
             fuzz_decoders(&bytes);
             let decoded = match name {
                 "root" => crate::meta::Root::decode(&bytes).is_ok(),
-                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 5,
+                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 6,
                 "staging" => Staged::decode(&bytes, &KEY).is_some(),
                 _ => true,
             };
