@@ -8,7 +8,15 @@ tmpfs (a new directory in /dev/shm, removed at the end):
   tree B the same plus /usr/share/i18n, at offsets 0 and 512 MiB;
 - copies: image A written --copies times (default 10) at offsets
   k x 512 MiB, each copy with 1% of its non-zero 4 KiB blocks overwritten
-  with random data (fixed seed).
+  with random data (fixed seed);
+- rates: the write rate of unique data and of its duplicate. The first
+  512 MiB of a tar of /usr/share/doc, /usr/lib/x86_64-linux-gnu and
+  /usr/bin (little of it repeats) written by nbdcopy at offset 0, then the
+  same file at offset 512 MiB, each through nbdkit's offset filter (one
+  more hop, the same for every row), for each zdisk configuration, twice
+  in turn; the best of the two of each. Printed: unique and duplicate
+  MB/s, dedup on's unique rate over dedup off's, and its duplicate rate
+  over its unique rate.
 For each workload, one run of each of:
 - every zdisk configuration (CONFIGS below, and --zdisk-config): `zdisk
   create` with its words, `zdisk serve` with its serve words, the images
@@ -26,20 +34,27 @@ For each workload, one run of each of:
 One table per workload: configuration, write MB/s, stored MiB (record
 bytes: stored_bytes for zdisk, compsize's disk usage for btrfs), stored
 plus zdisk's metadata, and the ratio of stored bytes to btrfs after
-duperemove. Then one JSON object per row (also appended to --json FILE).
+duperemove; for zdisk with dedup on, the share of the layout's duplicate
+blocks it found (its dedup_found over the non-zero blocks that are not
+the first of their content, counted here with SHA-256) and its dedup
+index's RAM per distinct block written. Then one JSON object per row
+(also appended to --json FILE).
 
 Needs root (loop mounts), nbdcopy, nbdkit, mkfs.ext4, mkfs.btrfs, compsize,
 duperemove; about 4 GiB of /dev/shm for --copies 10.
 
   --quick                        trees of /usr/share/perl (A) and it plus
-                                 /usr/share/i18n (B), 2 copies (a minute)
-  --workloads two-image,copies   which to run (default both)
+                                 /usr/share/i18n (B), 2 copies, rates of
+                                 64 MiB (a minute or two)
+  --workloads two-image,copies,rates
+                                 which to run (default all three)
   --copies N                     copies of image A in the copies workload
   --zdisk-config 'NAME=CREATE WORDS[;SERVE WORDS]'
                                  one more zdisk configuration, e.g.
                                  'zdisk zstd dedup=--codec zstd --dedup on'
 """
 
+import hashlib
 import json
 import os
 import random
@@ -57,11 +72,15 @@ SEED = 25
 MODIFIED_SHARE = 0.01
 
 # The zdisk configurations each workload is written with: a name, the
-# words `zdisk create` gets, the words `zdisk serve` gets. Deduplication
-# in the engine will be one more line here.
+# words `zdisk create` gets, the words `zdisk serve` gets.
 CONFIGS = [
-    ("zdisk zstd (dedup off)", ["--codec", "zstd"], ["--recompress", "off"]),
+    ("zdisk lz4 (dedup off)", ["--dedup", "off"], ["--recompress", "off"]),
+    ("zdisk lz4 (dedup on)", ["--dedup", "on"], ["--recompress", "off"]),
+    ("zdisk zstd (dedup off)", ["--codec", "zstd", "--dedup", "off"], ["--recompress", "off"]),
+    ("zdisk zstd (dedup on)", ["--codec", "zstd", "--dedup", "on"], ["--recompress", "off"]),
 ]
+RATE_SOURCES = ["/usr/share/doc", "/usr/lib/x86_64-linux-gnu", "/usr/bin"]
+RATE_ROUNDS = 2
 
 ESTIMATE_CODEC = "zstd"
 BTRFS = "btrfs compress-force=zstd:1"
@@ -136,7 +155,35 @@ def zdisk_row(ctx, zdisk, images, name, create_words, serve_words):
     return {"write_mb_s": layout_bytes / seconds / 1e6, "stored_bytes": stats["stored_bytes"],
             "metadata_bytes": stats["metadata_bytes"],
             "stored_with_metadata_bytes": stats["stored_bytes"] + stats["metadata_bytes"],
-            "mapped_bytes": stats["mapped_bytes"], "create": create_words, "serve": serve_words}
+            "mapped_bytes": stats["mapped_bytes"], "create": create_words, "serve": serve_words,
+            "dedup": stats["dedup"], "dedup_lookups": stats["dedup_lookups"],
+            "dedup_found": stats["dedup_found"], "dedup_stale": stats["dedup_stale"],
+            "dedup_index_bytes": stats["dedup_index_bytes"],
+            "dedup_chapter_reads": stats["dedup_chapter_reads"],
+            "distinct_blocks": stats["distinct_blocks"],
+            "dedup_index_write_bytes": stats["counters"]["dedup_index_write_bytes"]}
+
+
+def duplicate_blocks(images):
+    """Non-zero 4 KiB blocks of the images end to end that repeat an
+    earlier one: what a perfect dedup would find."""
+    zero = bytes(harness.BLOCK)
+    seen = set()
+    duplicates = 0
+    for image in images:
+        with open(image, "rb") as f:
+            while True:
+                block = f.read(harness.BLOCK)
+                if not block:
+                    break
+                if block == zero:
+                    continue
+                digest = hashlib.sha256(block).digest()
+                if digest in seen:
+                    duplicates += 1
+                else:
+                    seen.add(digest)
+    return duplicates, len(seen)
 
 
 def compsize_bytes(paths):
@@ -191,9 +238,15 @@ def estimate_rows(zdisk, images):
 
 def run_workload(ctx, zdisk, name, images):
     rows = {}
+    duplicates, distinct = duplicate_blocks(images)
     for config, create_words, serve_words in ctx.configs:
         harness.progress("dedup.py", f"{name}: {config}")
-        rows[config] = zdisk_row(ctx, zdisk, images, config, create_words, serve_words)
+        row = zdisk_row(ctx, zdisk, images, config, create_words, serve_words)
+        if row["dedup"] == "on":
+            row["duplicate_blocks"] = duplicates
+            row["found_share"] = row["dedup_found"] / duplicates if duplicates else None
+            row["index_bytes_per_distinct_block"] = row["dedup_index_bytes"] / distinct
+        rows[config] = row
     if not ctx.skip_btrfs:
         harness.progress("dedup.py", f"{name}: {BTRFS}, then duperemove")
         rows[BTRFS], rows[DUPEREMOVE] = btrfs_rows(ctx, images)
@@ -221,7 +274,13 @@ def report(name, count, rows):
         stored = row.get("stored_bytes")
         if "duperemove_seconds" in row:
             notes.append(f"duperemove took {row['duperemove_seconds']:.0f} s")
-        elif "sample_shift" in row:
+        elif "found_share" in row:
+            notes.append(f"{row_name}: found {row['dedup_found']} of {row['duplicate_blocks']} "
+                         f"duplicate blocks ({100 * (row['found_share'] or 0):.1f}%), index RAM "
+                         f"{row['dedup_index_bytes'] / 1024:.0f} KiB, "
+                         f"{row['index_bytes_per_distinct_block']:.2f} B per distinct block, "
+                         f"{row['dedup_chapter_reads']} chapters read back")
+        if "sample_shift" in row:
             notes.append(f"zdisk estimate: {row['duplicate_blocks']} of "
                          f"{row['duplicate_blocks'] + row['distinct_blocks']} non-zero blocks "
                          f"are duplicates, {row['ref_records']} reference records"
@@ -234,6 +293,64 @@ def report(name, count, rows):
                          "x btrfs+duperemove"], body)
     for note in notes:
         print(f"  {note}")
+
+
+def rate_source(work, size_bytes):
+    """The first `size_bytes` of a tar of RATE_SOURCES."""
+    made = os.path.join(work, "rates.tar")
+    harness.tar_prefix(made, size_bytes, RATE_SOURCES)
+    if os.path.getsize(made) != size_bytes:
+        raise harness.Missing(f"the tar of {' '.join(RATE_SOURCES)} is under "
+                              f"{size_bytes // harness.MIB} MiB")
+    return made
+
+
+def rates_once(ctx, zdisk, source, create_words, serve_words):
+    """Seconds to write `source` at offset 0, then again at 512 MiB."""
+    size = os.path.getsize(source)
+    image = os.path.join(ctx.work, "rates.zdisk")
+    sock = os.path.join(ctx.work, "rates.sock")
+    harness.zdisk_create(zdisk, image, "--logical", 2 * IMAGE_BYTES, "--force", *create_words)
+    with harness.Teardown() as teardown:
+        teardown.push(f"remove {image}", lambda: os.remove(image))
+        server = harness.Server(teardown, zdisk, image, sock, flags=serve_words)
+        seconds = []
+        for offset in (0, IMAGE_BYTES):
+            target = ["[", "nbdkit", "--filter=offset", "nbd", f"socket={sock}",
+                      f"offset={offset}", f"range={size}", "]"]
+            seconds.append(harness.nbdcopy("--flush", "--", source, *target))
+        stats = server.stats()
+        server.stop()
+    return seconds, stats
+
+
+def run_rates(ctx, zdisk):
+    source = rate_source(ctx.work, ctx.rate_bytes)
+    size = os.path.getsize(source)
+    best = {}
+    for round_ in range(RATE_ROUNDS):
+        for config, create_words, serve_words in ctx.configs:
+            harness.progress("dedup.py", f"rates, round {round_ + 1}: {config}")
+            (first, second), stats = rates_once(ctx, zdisk, source, create_words, serve_words)
+            row = best.setdefault(config, {"unique_mb_s": 0, "duplicate_mb_s": 0})
+            row["unique_mb_s"] = max(row["unique_mb_s"], size / first / 1e6)
+            row["duplicate_mb_s"] = max(row["duplicate_mb_s"], size / second / 1e6)
+            row["dedup"] = stats["dedup"]
+            row["dedup_found"] = stats["dedup_found"]
+    print(f"\nrates: {size // harness.MIB} MiB of a tar written at 0, then again at 512 MiB "
+          f"(best of {RATE_ROUNDS})")
+    body = []
+    for config, row in best.items():
+        off = best.get(config.replace("(dedup on)", "(dedup off)"))
+        if row["dedup"] == "on" and off:
+            row["unique_vs_dedup_off"] = row["unique_mb_s"] / off["unique_mb_s"]
+            row["duplicate_vs_unique"] = row["duplicate_mb_s"] / row["unique_mb_s"]
+        body.append([config, f"{row['unique_mb_s']:.0f}", f"{row['duplicate_mb_s']:.0f}",
+                     f"{row['unique_vs_dedup_off']:.2f}" if "unique_vs_dedup_off" in row else "-",
+                     f"{row['duplicate_vs_unique']:.2f}" if "duplicate_vs_unique" in row else "-"])
+        harness.emit_json(dict(row, workload="rates", configuration=config), ctx.json)
+    harness.print_table(["configuration", "unique MB/s", "duplicate MB/s",
+                         "unique x dedup off", "duplicate x unique"], body)
 
 
 def parse_config(text):
@@ -250,7 +367,7 @@ def body():
     harness.add_zdisk(parser)
     parser.add_argument("--dir", help="work directory (default: a new directory in /dev/shm, "
                                       "removed at the end)")
-    parser.add_argument("--workloads", default="two-image,copies")
+    parser.add_argument("--workloads", default="two-image,copies,rates")
     parser.add_argument("--copies", type=harness.positive,
                         help="copies of image A in the copies workload (default 10; 2 with --quick)")
     parser.add_argument("--quick", action="store_true")
@@ -260,10 +377,10 @@ def body():
     args = parser.parse_args()
     zdisk = harness.zdisk_binary(args.zdisk)
     workloads = args.workloads.split(",")
-    unknown = set(workloads) - {"two-image", "copies"}
+    unknown = set(workloads) - {"two-image", "copies", "rates"}
     if unknown:
         raise harness.Failure(f"unknown workload {', '.join(sorted(unknown))}: "
-                              "two-image or copies")
+                              "two-image, copies or rates")
     harness.require_tools("nbdcopy", "nbdkit", "mkfs.ext4", "cat")
     if not args.skip_btrfs:
         harness.require_tools("mkfs.btrfs", "compsize", "duperemove", "losetup", "btrfs")
@@ -276,6 +393,7 @@ def body():
     ctx.configs = CONFIGS + [parse_config(text) for text in args.zdisk_config]
     ctx.skip_btrfs = args.skip_btrfs
     ctx.json = args.json
+    ctx.rate_bytes = 64 * harness.MIB if args.quick else IMAGE_BYTES
     with harness.Teardown() as teardown:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         ctx.work = harness.workdir(teardown, args.dir, "dedup.", base)
@@ -304,6 +422,10 @@ def body():
             harness.progress("dedup.py", f"copies: {copies_count} copies of A, "
                                          f"{len(blocks)} non-zero blocks each, 1% overwritten")
             run_workload(ctx, zdisk, "copies", copies)
+            for copy in copies:
+                os.remove(copy)
+        if "rates" in workloads:
+            run_rates(ctx, zdisk)
 
 
 if __name__ == "__main__":

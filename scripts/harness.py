@@ -415,9 +415,18 @@ def corpus(path, size_bytes, directory):
             raise Failure(f"no corpus at {path}")
         return os.path.abspath(path)
     made = os.path.join(directory, "corpus.tar")
+    tar_prefix(made, size_bytes, ["--one-file-system", "/usr"])
+    if os.path.getsize(made) != size_bytes:
+        raise Failure(f"only {os.path.getsize(made)} bytes of /usr could be tarred, "
+                      f"not {size_bytes}")
+    return made
+
+
+def tar_prefix(made, size_bytes, words):
+    """Writes to `made` the first `size_bytes` (at most) of `tar cf - WORDS`."""
     with open(made, "wb") as out:
-        tar = subprocess.Popen(["tar", "cf", "-", "--one-file-system", "/usr"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        tar = subprocess.Popen(["tar", "cf", "-", *words], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
         remaining = size_bytes
         while remaining:
             chunk = tar.stdout.read(min(remaining, MIB))
@@ -427,10 +436,6 @@ def corpus(path, size_bytes, directory):
             remaining -= len(chunk)
         tar.kill()
         tar.wait()
-    if os.path.getsize(made) != size_bytes:
-        raise Failure(f"only {os.path.getsize(made)} bytes of /usr could be tarred, "
-                      f"not {size_bytes}")
-    return made
 
 
 class Ext4OnExport:

@@ -219,6 +219,9 @@ impl Drive for ImageDrive {
             unit_blocks: zdisk_core::meta::default_unit_blocks(options.codec.unwrap_or(self.codec)),
             media_kind: MediaKind::File,
             media_params: Vec::new(),
+            // The scenarios measure compression and cleaning; dedup has
+            // its own benchmark (scripts/dedup.py).
+            dedup: false,
         };
         let volume = Volume::create(
             Arc::new(media) as Arc<dyn Media>,
@@ -369,6 +372,8 @@ impl Drive for NandDrive {
             unit_blocks: 1,
             media_kind: MediaKind::Nand,
             media_params: params.encode_params(),
+            // Nor does it deduplicate.
+            dedup: false,
         };
         let open = OpenOptions {
             background: false,
@@ -451,6 +456,7 @@ impl Drive for RamDrive {
             unit_blocks: zdisk_core::meta::default_unit_blocks(codec),
             media_kind: MediaKind::Memory,
             media_params: Vec::new(),
+            dedup: false,
         };
         let volume = Volume::create(
             Arc::new(media) as Arc<dyn Media>,

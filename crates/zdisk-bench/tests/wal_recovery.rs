@@ -135,6 +135,7 @@ fn mem_volume(media: &Arc<MemMedia>, create: bool) -> Arc<Volume> {
             unit_blocks: 2,
             media_kind: MediaKind::Memory,
             media_params: Vec::new(),
+            dedup: false,
         };
         Volume::create(media, create, options).unwrap()
     } else {
@@ -231,6 +232,7 @@ fn nand_volume(path: &std::path::Path, plp: bool, create: bool) -> Arc<Volume> {
             unit_blocks: 1,
             media_kind: MediaKind::Nand,
             media_params: params.encode_params(),
+            dedup: false,
         };
         Volume::create(Arc::new(media) as Arc<dyn Media>, create, options).unwrap()
     } else {

@@ -39,6 +39,7 @@ fn volume() -> Arc<Volume> {
         unit_blocks: 1,
         media_kind: MediaKind::Memory,
         media_params: Vec::new(),
+        dedup: false,
     };
     let options = OpenOptions {
         background: false,

@@ -78,6 +78,9 @@ pub fn fuzz_decoders(bytes: &[u8]) {
                         crate::record::RecordKind::Unit => {
                             let _ = crate::record::decode_unit(&header, payload);
                         }
+                        crate::record::RecordKind::Chapter => {
+                            let _ = crate::dedup::decode_chapter(payload);
+                        }
                         _ => {}
                     }
                 }
@@ -224,6 +227,20 @@ mod tests {
                     owner: 5,
                 }]),
             ),
+            (
+                RecordKind::Chapter,
+                0,
+                2,
+                0,
+                crate::dedup::encode_chapter(
+                    crate::dedup::ChapterId(2),
+                    &[crate::dedup::ChapterEntry {
+                        fingerprint: crate::Fingerprint::of(&[b'a'; 4096]),
+                        content: 3,
+                        owner: 5,
+                    }],
+                ),
+            ),
         ];
         for (kind, codec, lba, version, payload) in records {
             let mut out = vec![0u8; record_len_for_payload(payload.len()) as usize];
@@ -319,7 +336,7 @@ mod tests {
             fuzz_decoders(&bytes);
             let decoded = match name {
                 "root" => crate::meta::Root::decode(&bytes).is_ok(),
-                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 6,
+                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 7,
                 "staging" => Staged::decode(&bytes, &KEY).is_some(),
                 _ => true,
             };

@@ -31,14 +31,14 @@ const UUID: [u8; 16] = [
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
 ];
 
-/// A version 5 root of a 64 MiB file volume, written cleanly. (Version
-/// 3 and 4 roots have the same layout: `meta.rs` tests that they still
-/// decode.)
+/// A version 6 root of a 64 MiB file volume, written cleanly. (Version
+/// 3 to 5 roots have the same layout without the `dedup` byte: `meta.rs`
+/// tests that they still decode.)
 #[rustfmt::skip]
-const ROOT_V5: &[u8] = &[
+const ROOT_V6: &[u8] = &[
     b'Z', b'D', b'I', b'S', b'K', b'M', b'T', b'1', // magic
-    0x05, 0x00, 0x00, 0x00,                         // format_version 5
-    0xa8, 0x01, 0x00, 0x00,                         // total_length 424
+    0x06, 0x00, 0x00, 0x00,                         // format_version 6
+    0xc7, 0x01, 0x00, 0x00,                         // total_length 455
     0x07, 0, 0, 0, 0, 0, 0, 0,                      // generation 7
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, // uuid
     0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
@@ -56,6 +56,7 @@ const ROOT_V5: &[u8] = &[
     0x03, 0x00, 0x00, 0x00,                         // codec_level 3
     0x02,                                           // gc_policy 2 (cost-benefit)
     0x08,                                           // unit_blocks 8
+    0x01,                                           // dedup 1 (on)
     0x01,                                           // clean
     0x28, 0, 0, 0, 0, 0, 0, 0,                      // seq_boundary 40
     0x2a, 0, 0, 0, 0, 0, 0, 0,                      // next_seq 42
@@ -76,7 +77,7 @@ const ROOT_V5: &[u8] = &[
     0x09, 0x00, 0x00, 0x00,                         //     segment 9
     0x01, 0x00, 0x00, 0x00,                         //   copy 1: 1 segment
     0x0a, 0x00, 0x00, 0x00,                         //     segment 10
-    0x15, 0x00,                                     // counters: 21, (id u16, value u64) each
+    0x18, 0x00,                                     // counters: 24, (id u16, value u64) each
     0x01, 0x00, 0x01, 0, 0, 0, 0, 0, 0, 0,          //   1 host_write_bytes = 1
     0x02, 0x00, 0x02, 0, 0, 0, 0, 0, 0, 0,          //   2 host_read_bytes = 2
     0x03, 0x00, 0x03, 0, 0, 0, 0, 0, 0, 0,          //   3 media_write_bytes = 3
@@ -98,9 +99,12 @@ const ROOT_V5: &[u8] = &[
     0x14, 0x00, 0x14, 0, 0, 0, 0, 0, 0, 0,          //   20 recompressed_blocks = 20
     0x15, 0x00, 0x15, 0, 0, 0, 0, 0, 0, 0,          //   21 recompress_in_bytes = 21
     0x16, 0x00, 0x16, 0, 0, 0, 0, 0, 0, 0,          //   22 recompress_out_bytes = 22
+    0x17, 0x00, 0x17, 0, 0, 0, 0, 0, 0, 0,          //   23 dedup_blocks = 23
+    0x18, 0x00, 0x18, 0, 0, 0, 0, 0, 0, 0,          //   24 dedup_saved_bytes = 24
+    0x19, 0x00, 0x19, 0, 0, 0, 0, 0, 0, 0,          //   25 dedup_index_write_bytes = 25
     CRC_ROOT[0], CRC_ROOT[1], CRC_ROOT[2], CRC_ROOT[3], // crc: CRC32C of every byte above
 ];
-const CRC_ROOT: [u8; 4] = 0x9316_4078u32.to_le_bytes();
+const CRC_ROOT: [u8; 4] = 0x4511_a9f4u32.to_le_bytes();
 
 fn root_fields() -> Root {
     let mut counters = Counters::default();
@@ -128,6 +132,7 @@ fn root_fields() -> Root {
             codec: Codec::Zstd { level: 3 },
             gc_policy: GcPolicy::CostBenefit,
             unit_blocks: 8,
+            dedup: true,
         },
         checkpoint: CheckpointRoot {
             clean: true,
@@ -176,6 +181,9 @@ fn counter_id(name: &str) -> u64 {
         "recompressed_blocks" => 20,
         "recompress_in_bytes" => 21,
         "recompress_out_bytes" => 22,
+        "dedup_blocks" => 23,
+        "dedup_saved_bytes" => 24,
+        "dedup_index_write_bytes" => 25,
         other => panic!("counter {other} has no id in docs/format.md"),
     }
 }
@@ -203,13 +211,16 @@ fn counter_mut<'a>(counters: &'a mut Counters, name: &str) -> &'a mut u64 {
         "recompressed_blocks" => &mut counters.recompressed_blocks,
         "recompress_in_bytes" => &mut counters.recompress_in_bytes,
         "recompress_out_bytes" => &mut counters.recompress_out_bytes,
+        "dedup_blocks" => &mut counters.dedup_blocks,
+        "dedup_saved_bytes" => &mut counters.dedup_saved_bytes,
+        "dedup_index_write_bytes" => &mut counters.dedup_index_write_bytes,
         other => panic!("counter {other} is not in this test"),
     }
 }
 
 #[test]
 fn root_v5_decodes_to_its_fields() {
-    let root = Root::decode(ROOT_V5).expect("the golden root decodes");
+    let root = Root::decode(ROOT_V6).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
         assert_eq!(
@@ -222,13 +233,13 @@ fn root_v5_decodes_to_its_fields() {
 
 #[test]
 fn root_v5_fields_encode_to_the_golden_bytes() {
-    assert_eq!(root_fields().encode(), ROOT_V5);
+    assert_eq!(root_fields().encode(), ROOT_V6);
 }
 
 #[test]
 fn a_root_with_any_byte_changed_is_refused() {
-    for at in [0, 8, 12, 16, 100, ROOT_V5.len() - 1] {
-        let mut bytes = ROOT_V5.to_vec();
+    for at in [0, 8, 12, 16, 100, ROOT_V6.len() - 1] {
+        let mut bytes = ROOT_V6.to_vec();
         bytes[at] ^= 0x01;
         assert!(Root::decode(&bytes).is_err(), "byte {at} flipped");
     }

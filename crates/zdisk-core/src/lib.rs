@@ -46,7 +46,7 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_map_cache_bytes, BlockKind, CheckReport, CreateOptions, DedupIndex, DedupSummary,
-    IdleBudget, LockProfile, OpenOptions, OpenReport, Random, Recompress, Volume, WriteEstimate,
-    WriteEstimator,
+    default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CreateOptions,
+    DedupIndex, DedupRunStats, DedupSummary, IdleBudget, LockProfile, OpenOptions, OpenReport,
+    Random, Recompress, Volume, WriteEstimate, WriteEstimator, DEFAULT_DEDUP,
 };

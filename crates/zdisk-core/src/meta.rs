@@ -28,7 +28,10 @@ pub use crate::media::META_MAGIC;
 /// version 3 would free. Version 5 shares records between blocks: shared
 /// map entries (page entry tag 4), the shared table's cells in the map,
 /// and reference records (kind 7), none of which version 4 knows.
-pub const FORMAT_VERSION: u32 = 5;
+/// Version 6 adds the `dedup` setting to the root and writes chapters of
+/// the deduplication index (record kind 8), which version 5 would refuse
+/// to scan.
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -79,6 +82,10 @@ pub struct Settings {
     /// Most blocks a write compresses together as one unit (1: every block
     /// alone). Format 1 roots have none: they read as the codec's default.
     pub unit_blocks: u8,
+    /// New writes look for their blocks among those stored already, and
+    /// share them instead of storing them again. Roots before format 6
+    /// have no such field: they read as off, what they did.
+    pub dedup: bool,
 }
 
 /// Blocks per compression unit for a new volume whose creator did not
@@ -234,6 +241,7 @@ impl Root {
         out.i32(codec_level);
         out.u8(self.settings.gc_policy.to_u8());
         out.u8(self.settings.unit_blocks);
+        out.u8(self.settings.dedup as u8);
 
         let cp = &self.checkpoint;
         out.u8(cp.clean as u8);
@@ -331,6 +339,15 @@ impl Root {
         } else {
             default_unit_blocks(codec)
         };
+        let dedup = if version >= 6 {
+            match input.u8()? {
+                0 => false,
+                1 => true,
+                other => return Err(format!("dedup setting {other}")),
+            }
+        } else {
+            false
+        };
 
         let clean = input.u8()? != 0;
         let seq_boundary = input.u64()?;
@@ -405,6 +422,7 @@ impl Root {
                 codec,
                 gc_policy,
                 unit_blocks,
+                dedup,
             },
             checkpoint: CheckpointRoot {
                 clean,
@@ -497,6 +515,7 @@ pub(crate) mod tests_support {
                 codec: Codec::Zstd { level: -3 },
                 gc_policy: GcPolicy::Greedy,
                 unit_blocks: 16,
+                dedup: true,
             },
             checkpoint: CheckpointRoot {
                 clean: true,
@@ -544,26 +563,50 @@ mod tests {
     }
 
     /// Version 1 roots (no staging) still open; a version this zdisk does
-    /// not know, such as the next one, does not.
+    /// not know, such as the next one, does not. Roots before version 6
+    /// have no `dedup` byte and read as dedup off.
     #[test]
-    fn roots_of_versions_2_to_4_decode_and_unknown_versions_do_not() {
+    fn roots_of_versions_2_to_5_decode_and_unknown_versions_do_not() {
         // Version 1 roots lack fields version 2 added (`unit_blocks`):
         // tests/format_v1.rs opens real version 1 images.
-        let root = sample_root();
+        let root = Root {
+            settings: Settings {
+                dedup: false,
+                ..sample_root().settings
+            },
+            ..sample_root()
+        };
+        // Where the dedup byte is: the one byte the setting changes.
+        let on = Root {
+            settings: Settings {
+                dedup: true,
+                ..root.settings
+            },
+            ..root.clone()
+        }
+        .encode();
+        let dedup_at = (0..on.len())
+            .find(|&at| on[at] != root.encode()[at])
+            .expect("the setting is encoded");
         let with_version = |version: u32| {
             let mut bytes = root.encode();
+            if version < 6 {
+                bytes.remove(dedup_at);
+                let total = bytes.len() as u32;
+                bytes[12..16].copy_from_slice(&total.to_le_bytes());
+            }
             bytes[8..12].copy_from_slice(&version.to_le_bytes());
             let total = bytes.len();
             let crc = crc32c::crc32c(&bytes[..total - 4]);
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 5);
-        assert_eq!(with_version(5).unwrap(), root);
-        assert_eq!(with_version(4).unwrap(), root);
-        assert_eq!(with_version(3).unwrap(), root);
-        assert_eq!(with_version(2).unwrap(), root);
-        for version in [0, 6] {
+        assert_eq!(FORMAT_VERSION, 6);
+        assert_eq!(with_version(6).unwrap(), root);
+        for version in [2, 3, 4, 5] {
+            assert_eq!(with_version(version).unwrap(), root, "version {version}");
+        }
+        for version in [0, 7] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

@@ -20,6 +20,8 @@ pub const HEADER_SIZE: usize = 32;
 pub const RECORD_ALIGN: u64 = 16;
 /// Largest payload of a checkpoint chunk record.
 pub const MAP_CHUNK_PAYLOAD_MAX: u32 = 1 << 20;
+/// Largest payload of a dedup index chapter record.
+pub const CHAPTER_PAYLOAD_MAX: u32 = 64 << 10;
 /// Payload of a range record (Trim, Zero, Damaged): the block count.
 pub const RANGE_PAYLOAD_LEN: u32 = 8;
 /// On-disk size of a raw (uncompressed) data record.
@@ -82,6 +84,11 @@ pub enum RecordKind {
     /// 5): each names the content version it shares and the block that
     /// held it (see [`encode_ref`]).
     Ref = 7,
+    /// A chapter of the deduplication index (format 6): fingerprints of
+    /// blocks stored, in write order (`dedup::encode_chapter`). Advisory:
+    /// never live, never replayed, never relocated; header `lba` is the
+    /// chapter's number and `version` is 0.
+    Chapter = 8,
 }
 
 impl RecordKind {
@@ -94,6 +101,7 @@ impl RecordKind {
             5 => Some(RecordKind::Damaged),
             6 => Some(RecordKind::Unit),
             7 => Some(RecordKind::Ref),
+            8 => Some(RecordKind::Chapter),
             _ => None,
         }
     }
@@ -217,6 +225,8 @@ impl RecordHeader {
                 members.contains(&payload_len.saturating_sub(REF_PREFIX_LEN))
                     && (payload_len - REF_PREFIX_LEN).is_multiple_of(REF_MEMBER_LEN)
             }
+            RecordKind::Chapter => (crate::dedup::CHAPTER_HEADER_LEN as u32..=CHAPTER_PAYLOAD_MAX)
+                .contains(&payload_len),
         };
         if !length_ok {
             return Err(RecordError::BadLength(payload_len));

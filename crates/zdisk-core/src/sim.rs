@@ -341,6 +341,9 @@ pub struct SimStats {
     pub map_pages_kept: u64,
     /// Ranges cloned by reference (shared).
     pub clones: u64,
+    /// Blocks written that dedup found stored already (counted at each
+    /// power cut, for the run the cut ends).
+    pub dedup_found: u64,
 }
 
 impl SimStats {
@@ -358,6 +361,7 @@ impl SimStats {
         self.map_pages_read += other.map_pages_read;
         self.map_pages_kept += other.map_pages_kept;
         self.clones += other.clones;
+        self.dedup_found += other.dedup_found;
     }
 }
 
@@ -413,7 +417,14 @@ impl fmt::Display for SimFailure {
 
 fn content(rng: &mut impl Choices) -> Vec<u8> {
     let mut block = vec![0u8; BLOCK_SIZE];
-    match rng.gen_range(0..4) {
+    match rng.gen_range(0..6) {
+        // One of a few blocks that recur, for dedup to find.
+        4 | 5 => {
+            let which = rng.gen_range(0..6u8);
+            for (i, byte) in block.iter_mut().enumerate() {
+                *byte = which.wrapping_mul(37) ^ (i % 251) as u8;
+            }
+        }
         0 => rng.fill_bytes(&mut block),
         1 => {
             let word = rng.next_u64().to_le_bytes();
@@ -787,6 +798,7 @@ impl<C: Choices> Run<C> {
         self.stats.crashes += 1;
         let stats = self.volume.stats();
         self.stats.map_pages_read += stats.map_cache_misses;
+        self.stats.dedup_found += stats.dedup_found;
         self.stats.map_pages_kept += stats.map_pages_kept;
         let pending = self.media.pending_count();
         self.trace
@@ -902,6 +914,7 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
     };
     // Units of every size, from blocks alone to the largest.
     let unit_blocks = [1u8, 2, 4, 8, 32][rng.gen_range(0..5)];
+    let create_dedup = rng.gen_bool(0.7);
     let create = CreateOptions {
         logical_size_bytes: config.logical_blocks * BLOCK_SIZE_U64,
         codec,
@@ -909,6 +922,7 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
         unit_blocks,
         media_kind: MediaKind::Memory,
         media_params: Vec::new(),
+        dedup: create_dedup,
     };
     let volume = Volume::create(
         media.clone() as Arc<dyn Media>,
@@ -928,7 +942,10 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
         media,
         volume,
         model: Model::default(),
-        trace: vec![format!("{config:?} codec {codec} policy {policy}")],
+        trace: vec![format!(
+            "{config:?} codec {codec} policy {policy} dedup {}",
+            create_dedup
+        )],
         stats: SimStats::default(),
         attempt: Vec::new(),
     };
@@ -1070,6 +1087,10 @@ mod tests {
             assert!(
                 totals.clones > 0,
                 "blocks must be cloned by reference in the simulation"
+            );
+            assert!(
+                totals.dedup_found > 0,
+                "writes must find blocks stored already in the simulation"
             );
             assert!(
                 totals.staged_sectors > 0,

@@ -82,6 +82,9 @@ counters! {
     20 => recompressed_blocks: "Blocks the cold-data pass rewrote with the stronger codec.",
     21 => recompress_in_bytes: "Stored bytes those blocks took before the cold-data pass.",
     22 => recompress_out_bytes: "Stored bytes those blocks take after it.",
+    23 => dedup_blocks: "Blocks written whose content was stored already: shared, not stored again.",
+    24 => dedup_saved_bytes: "Stored bytes those blocks did not take: the stored share of each content they share.",
+    25 => dedup_index_write_bytes: "Bytes of dedup index chapters written to the medium (counted in media_write_bytes too).",
 }
 
 /// Number of segments in each state.
@@ -191,6 +194,22 @@ pub struct Stats {
     /// reference each), and the contents they share (docs/sharing.md).
     pub shared_blocks: u64,
     pub shared_contents: u64,
+    /// Stored contents: blocks holding data, counting each shared content
+    /// once.
+    pub distinct_blocks: u64,
+    /// Deduplication of new writes: on or off; the index's RAM and its
+    /// bound (`--dedup-cache`); since the volume opened, the non-zero
+    /// blocks written that were looked up, those found stored already
+    /// (by the index or earlier in their own request), those whose
+    /// content was gone by the time they were written, and chapters of
+    /// the index read back from the medium.
+    pub dedup: String,
+    pub dedup_index_bytes: u64,
+    pub dedup_index_bound_bytes: u64,
+    pub dedup_lookups: u64,
+    pub dedup_found: u64,
+    pub dedup_stale: u64,
+    pub dedup_chapter_reads: u64,
     /// Segments by state: free, open, sealed, checkpoint, awaiting reuse.
     pub segments_by_state: SegmentCounts,
     /// Sealed segments by live fraction: bucket i counts segments that are
@@ -343,6 +362,21 @@ pub const FIELDS: &[Field] = &[
         Gauge("Blocks that share their stored content with other blocks."), |s| s.shared_blocks as f64),
     field("shared_contents", "contents", "the stored contents they share: each is stored once however many blocks name it",
         Gauge("Stored contents shared by several blocks."), |s| s.shared_contents as f64),
+    field("distinct_blocks", "blocks", "blocks of data stored: mapped blocks, each shared content counted once",
+        Gauge("Blocks of data stored, each shared content once."), |s| s.distinct_blocks as f64),
+    shown("dedup", "name", "whether new writes are deduplicated: on or off (create --dedup, serve --dedup)"),
+    field("dedup_index_bytes", "bytes", "RAM the dedup index takes: sampled hooks, cached chapters, the open chapter, where chapters were written",
+        Gauge("RAM used by the dedup index."), |s| s.dedup_index_bytes as f64),
+    field("dedup_index_bound_bytes", "bytes", "the most RAM the dedup index may take (--dedup-cache)",
+        Gauge("Bound on the dedup index's RAM."), |s| s.dedup_index_bound_bytes as f64),
+    field("dedup_lookups", "blocks", "non-zero blocks written and looked up in the dedup index, since the volume opened",
+        Counter("Blocks looked up for deduplication, since the volume opened."), |s| s.dedup_lookups as f64),
+    field("dedup_found", "blocks", "of those, blocks found stored already (by the index, or earlier in the same request); dedup_found / dedup_lookups is the hit rate",
+        Counter("Blocks found stored already, since the volume opened."), |s| s.dedup_found as f64),
+    field("dedup_stale", "blocks", "of those, blocks whose content was overwritten or trimmed by the time they were written, and so stored after all",
+        Counter("Blocks found whose content was gone, since the volume opened."), |s| s.dedup_stale as f64),
+    field("dedup_chapter_reads", "chapters", "chapters of the dedup index read back from the medium, since the volume opened",
+        Counter("Dedup index chapters read back, since the volume opened."), |s| s.dedup_chapter_reads as f64),
     shown("segments_by_state", "segments", "segments free, open for writing, sealed, holding checkpoints, and cleaned awaiting reuse"),
     shown("sealed_utilization_histogram", "segments", "sealed segments by the share of them that lives, in tenths (0-10% ... 90-100%, full)"),
     shown("counters", "various", "cumulative counters, persisted across restarts (listed below); each is exported as zdisk_NAME_total"),

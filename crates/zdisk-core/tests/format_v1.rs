@@ -14,7 +14,9 @@
 //! commit 1df04d9 (issue #22 item 6), the format the next changes start
 //! from. `fixtures/v4-*.zdisk.zst` are format 4 (checkpoints that keep
 //! unchanged pages in place), written by commit 92e55f2, the last before
-//! format 5 shared records between blocks. Each test unpacks one, opens it with today's engine, compares
+//! format 5 shared records between blocks; `fixtures/v5-*.zdisk.zst` are
+//! format 5, written by commit e945f6d, the last before format 6 added
+//! the dedup setting and chapter records. Each test unpacks one, opens it with today's engine, compares
 //! every block with the contents the script's operations produce, runs the
 //! checker, and writes to it; after a clean close it opens again, from
 //! today's format.
@@ -110,6 +112,8 @@ fn opens_reads_and_takes_writes(name: &str, written_clean: bool) {
     {
         let volume = open(&path, true);
         assert_eq!(volume.size_bytes(), LOGICAL_BYTES as u64);
+        // Images older than format 6 did not deduplicate, and still do not.
+        assert!(!volume.settings().dedup);
         let report = volume.open_report();
         assert_eq!(report.clean, written_clean, "{report:?}");
         assert_eq!(report.replayed_records > 0, !written_clean, "{report:?}");
@@ -176,4 +180,14 @@ fn a_v4_image_closed_cleanly_opens_unchanged() {
 #[test]
 fn a_v4_image_killed_after_a_flush_recovers_unchanged() {
     opens_reads_and_takes_writes("v4-crashed.zdisk", false);
+}
+
+#[test]
+fn a_v5_image_closed_cleanly_opens_unchanged() {
+    opens_reads_and_takes_writes("v5-clean.zdisk", true);
+}
+
+#[test]
+fn a_v5_image_killed_after_a_flush_recovers_unchanged() {
+    opens_reads_and_takes_writes("v5-crashed.zdisk", false);
 }

@@ -38,6 +38,7 @@ fn create(path: &std::path::Path, params: &NandParams) -> (Arc<NandMedia>, Arc<V
         unit_blocks: 1,
         media_kind: MediaKind::Nand,
         media_params: params.encode_params(),
+        dedup: false,
         ..CreateOptions::new(profile.logical_size_bytes())
     };
     let volume = Volume::create(media.clone() as Arc<dyn Media>, create, options()).unwrap();

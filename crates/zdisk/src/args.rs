@@ -106,6 +106,11 @@ pub struct CreateArgs {
     /// at most 128K).
     #[arg(long, value_parser = unit_arg)]
     pub unit_max: Option<u8>,
+    /// Deduplicate: a block written whose 4 KiB are stored already is
+    /// shared, not stored again. on (the default; off for an emulated
+    /// drive) or off. `serve --dedup` changes it later.
+    #[arg(long, value_parser = on_off_arg, value_name = "on|off")]
+    pub dedup: Option<bool>,
     /// Overwrite an existing image file.
     #[arg(long)]
     pub force: bool,
@@ -191,6 +196,16 @@ pub struct ServeArgs {
     /// bytes per 4 KiB block of the volume, at least 64M and at most 4G.
     #[arg(long, value_parser = size_arg, value_name = "SIZE")]
     pub map_cache: Option<u64>,
+    /// Deduplicate new writes: on or off (remembered in the image; a new
+    /// image defaults to on). Blocks stored before stay as they are.
+    #[arg(long, value_parser = on_off_arg, value_name = "on|off")]
+    pub dedup: Option<bool>,
+    /// RAM the dedup index may take (e.g. 16M). Default: half a byte per
+    /// 4 KiB block of the volume, at most 1G (at least the index's floor,
+    /// about 70K); the index samples harder, finding fewer duplicates,
+    /// when it outgrows it.
+    #[arg(long, value_parser = size_arg, value_name = "SIZE")]
+    pub dedup_cache: Option<u64>,
     /// Serve statistics over HTTP at ADDR: /stats (JSON) and /metrics (Prometheus).
     #[arg(long)]
     pub metrics: Option<String>,

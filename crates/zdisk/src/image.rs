@@ -81,6 +81,7 @@ pub fn create(
             unit_blocks,
             media_kind: MediaKind::File,
             media_params: Vec::new(),
+            dedup: options.dedup.unwrap_or(zdisk_core::DEFAULT_DEDUP),
         };
         Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
             .map_err(|e| e.to_string())
@@ -185,8 +186,15 @@ fn sync_parent(path: &Path) {
 }
 
 pub fn create_command(args: &CreateArgs) -> Result<(), String> {
+    if args.from.is_some() && args.dedup.is_some() {
+        return Err(
+            "--dedup does not apply with --from: the volume in the bucket keeps its setting (serve --dedup changes it)"
+                .into(),
+        );
+    }
     let options = OpenOptions {
         background: false,
+        dedup: args.dedup,
         ..OpenOptions::default()
     };
     for url in [&args.tier, &args.from].into_iter().flatten() {
@@ -296,6 +304,7 @@ fn create_tiered(
             .unwrap_or_else(|| zdisk_core::meta::default_unit_blocks(codec)),
         media_kind: MediaKind::Tiered,
         media_params: Vec::new(),
+        dedup: options.dedup.unwrap_or(zdisk_core::DEFAULT_DEDUP),
     };
     let layout = zdisk_tier::TierLayout {
         url: url.to_string(),
@@ -361,6 +370,8 @@ fn create_nand(
             unit_blocks: 1,
             media_kind: MediaKind::Nand,
             media_params: params.encode_params(),
+            // The drives modelled do not deduplicate unless asked to.
+            dedup: options.dedup.unwrap_or(false),
         };
         Volume::create(Arc::new(media) as Arc<dyn Media>, create, options)
             .map_err(|e| e.to_string())

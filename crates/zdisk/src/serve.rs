@@ -192,6 +192,8 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
         recompress: args.recompress.unwrap_or_default(),
         idle_compact: args.idle_compact,
         map_cache_bytes: args.map_cache,
+        dedup: args.dedup,
+        dedup_cache_bytes: args.dedup_cache,
         ..OpenOptions::default()
     };
     let volume = if existing {

@@ -301,13 +301,23 @@ mod tests {
             "map_paged_leaves",
             "shared_blocks",
             "shared_contents",
+            "distinct_blocks",
+            "dedup_index_bytes",
+            "dedup_index_bound_bytes",
         ];
-        let counters = [
+        // Counted since the volume opened, not persisted.
+        let since_open = [
             "map_cache_hits",
             "map_cache_misses",
             "map_cache_peeks",
             "map_pages_written",
             "map_pages_kept",
+            "dedup_lookups",
+            "dedup_found",
+            "dedup_stale",
+            "dedup_chapter_reads",
+        ];
+        let counters = [
             "host_write_bytes",
             "host_read_bytes",
             "media_write_bytes",
@@ -327,8 +337,9 @@ mod tests {
         for name in gauges {
             assert!(text.contains(&typed(name, "gauge")), "{name}");
         }
-        for name in counters
+        for name in since_open
             .iter()
+            .chain(&counters)
             .chain(Counters::DOCS.iter().map(|(name, _)| name))
         {
             assert!(
@@ -358,7 +369,7 @@ mod tests {
         }
         assert_eq!(
             seen.len(),
-            gauges.len() + 5 + Counters::DOCS.len(),
+            gauges.len() + since_open.len() + Counters::DOCS.len(),
             "one metric per exported key and counter"
         );
     }

@@ -30,6 +30,10 @@ fn main() {
         ("nbdinfo_map_shows_data_zeroes_and_holes", nbdinfo_map),
         ("fio_nbd_engine_random_writes_verify", fio_verify),
         ("kill_9_keeps_every_flushed_block", kill9_recovery),
+        (
+            "kill_9_with_duplicates_keeps_every_flushed_block",
+            kill9_duplicates,
+        ),
         ("flush_on_one_connection_covers_another", multi_conn_flush),
         ("ext4_on_nbdfuse_and_loop_survives_fsck", ext4_on_nbdfuse),
         (
@@ -364,16 +368,33 @@ fn script(name: &str) -> String {
 }
 
 fn kill9_recovery(m: Medium) -> TestResult {
+    kill9_rounds(m, 3, false)
+}
+
+/// Issue #25's crash test: a writer whose blocks repeat (so dedup shares
+/// them), overwrites and trims them; every flushed block must survive
+/// 30 kills, a record freed while still referenced would show here.
+fn kill9_duplicates(m: Medium) -> TestResult {
+    kill9_rounds(m, 30, true)
+}
+
+fn kill9_rounds(m: Medium, rounds: u64, dup: bool) -> TestResult {
     if let Some(skip) = skip_unless(python_has_libnbd()) {
         return skip;
     }
-    let dir = Scratch::new("kill9");
+    let dir = Scratch::new(if dup { "kill9-dup" } else { "kill9" });
     let image = dir.join("crash.zdisk");
-    create(m, &image, &["--logical", "64M", "--physical", "64M"])?;
+    let mut create_args = vec!["--logical", "64M", "--physical", "64M"];
+    if dup {
+        create_args.extend(["--dedup", "on"]);
+    }
+    create(m, &image, &create_args)?;
     let blocks = "4096";
     // What each block held after the previous round's recovery (gen per line).
     let baseline = dir.join("baseline");
-    for round in 0..3u64 {
+    let mode: &[&str] = if dup { &["dup"] } else { &[] };
+    let mut shared_seen = 0;
+    for round in 0..rounds {
         let mut server = serve(m, &image, &dir.join("sock"), &[])?;
         let log_path = dir.join(&format!("writes-{round}.log"));
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
@@ -386,12 +407,19 @@ fn kill9_recovery(m: Medium) -> TestResult {
                 &round.to_string(),
                 baseline.to_str().unwrap(),
             ])
+            .args(mode)
             .stdout(log)
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?;
-        // Let it write for a while, through several flushes, then pull the plug.
-        std::thread::sleep(Duration::from_millis(1500 + 700 * round));
+        // Let it write for a while, through several flushes, then pull the
+        // plug; with many rounds, for less and less predictable times.
+        let millis = if rounds > 3 {
+            400 + (round * 137) % 600
+        } else {
+            1500 + 700 * round
+        };
+        std::thread::sleep(Duration::from_millis(millis));
         let status = server.stop_with("KILL")?;
         ensure!(
             !status.success(),
@@ -410,23 +438,36 @@ fn kill9_recovery(m: Medium) -> TestResult {
             "restart did not report a recovery:\n{}",
             server.log()
         );
-        let verify = python_file(
-            "crashwriter.py",
-            &[
-                "verify",
-                &server.uri(),
-                blocks,
-                log_path.to_str().unwrap(),
-                baseline.to_str().unwrap(),
-            ],
-        )?;
+        let uri = server.uri();
+        let mut verify_args = vec![
+            "verify",
+            &uri,
+            blocks,
+            log_path.to_str().unwrap(),
+            baseline.to_str().unwrap(),
+        ];
+        verify_args.extend(mode);
+        let verify = python_file("crashwriter.py", &verify_args)?;
+        let output = zdisk(&["stats", image.to_str().unwrap(), "--json"]);
+        let stats: serde_json::Value = serde_json::from_slice(&output.stdout).map_err(|e| {
+            format!(
+                "zdisk stats --json: {e}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })?;
+        shared_seen += stats["shared_blocks"].as_u64().unwrap_or(0);
         println!(
-            "round {round}: {flushes} flushes before kill -9; {}",
-            stdout(&verify).trim()
+            "round {round}: {flushes} flushes before kill -9; {}; {} blocks shared after recovery",
+            stdout(&verify).trim(),
+            stats["shared_blocks"]
         );
         drop(server);
         // Dropping kills the verifying server too: the next round recovers again.
     }
+    ensure!(
+        !dup || shared_seen > 0,
+        "no block was ever shared: the writer's duplicates were not found"
+    );
     Ok(Completion::Completed)
 }
 

@@ -695,65 +695,99 @@ fn zdisk_map() -> TestResult {
     Ok(Completion::Completed)
 }
 
-/// Blocks cloned by reference (through the engine: the server has no
-/// request that shares blocks yet) show the shared bit (13) in
-/// `nbdinfo --map=zdisk:compression`, source and clone alike, and
-/// `zdisk map` counts them.
+/// Deduplication through a real client: qemu-io writes the same 1 MiB of
+/// distinct blocks at 0 and at 8 MiB, and at 16 MiB shifted by one block;
+/// the copies are shared, not stored again (`zdisk stats`), and show the
+/// shared bit (13) in `nbdinfo --map=zdisk:compression`, source and copies
+/// alike, and `zdisk map` counts them. An image made with `--dedup off`
+/// stores every copy.
 fn shared_in_maps() -> TestResult {
-    use std::sync::Arc;
-    use zdisk_core::media::{FileMedia, Media};
-    use zdisk_core::{BlockDevice, Lba, OpenOptions, Volume};
-
-    if let Some(skip) = skip_unless(require_tools(&["nbdinfo"])) {
+    if let Some(skip) = skip_unless(require_tools(&["nbdinfo", "qemu-io"])) {
         return skip;
     }
     let dir = Scratch::new("shared-map");
-    let image = dir.join("shared.zdisk");
-    let output = zdisk(&["create", image.to_str().unwrap(), "--logical", "64M"]);
-    ensure!(
-        output.status.success(),
-        "create: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    {
-        let media = FileMedia::open(&image, false, zdisk_core::meta::geometry_in_slots)
-            .map_err(|e| e.to_string())?;
-        let volume = Volume::open(Arc::new(media) as Arc<dyn Media>, OpenOptions::default())
-            .map_err(|e| e.to_string())?;
-        let text: Vec<u8> = b"these blocks are stored once and named twice. "
-            .iter()
-            .cycle()
-            .take(1 << 20)
-            .copied()
-            .collect();
-        volume.write(0, &text, false).map_err(|e| e.to_string())?;
-        volume
-            .clone_blocks(Lba(0), Lba(2048), 256)
-            .map_err(|e| e.to_string())?;
-        volume.close().map_err(|e| e.to_string())?;
-    }
-    let resting = zdisk(&["map", image.to_str().unwrap()]);
-    let text = String::from_utf8_lossy(&resting.stdout);
-    ensure!(
-        resting.status.success() && text.contains("shared: 2 MiB of that shares"),
-        "zdisk map: {text} {}",
-        String::from_utf8_lossy(&resting.stderr)
-    );
-    let server = Server::start(&image, &dir.join("sock"), &[])?;
-    let rows = nbdinfo_map("zdisk:compression", &server.uri())?;
-    let status_at = |offset: u64| {
-        rows.iter()
-            .find(|(start, length, _)| *start <= offset && offset < start + length)
-            .map(|row| row.2)
-    };
-    for offset in [0, 512 << 10, 8 << 20, (9 << 20) - 4096] {
-        let status = status_at(offset).ok_or("no row")?;
+    // 256 distinct, compressible blocks.
+    let source = dir.join("source.bin");
+    let text: Vec<u8> = (0..256)
+        .flat_map(|block| {
+            format!("block {block:>4} is stored once and named three times. ")
+                .into_bytes()
+                .into_iter()
+                .cycle()
+                .take(4096)
+        })
+        .collect();
+    std::fs::write(&source, &text).map_err(|e| e.to_string())?;
+    let source = source.to_str().ok_or("UTF-8 path")?.to_string();
+    let mut stored = Vec::new();
+    for dedup in ["on", "off"] {
+        let image = dir.join(&format!("shared-{dedup}.zdisk"));
+        let image_text = image.to_str().ok_or("UTF-8 path")?;
+        let output = zdisk(&["create", image_text, "--logical", "64M", "--dedup", dedup]);
         ensure!(
-            status & 0xf == 3 && status & (1 << 13) != 0,
-            "block at {offset} should be compressed and shared: {status:#x} in {rows:?}"
+            output.status.success(),
+            "create: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let mut server = Server::start(&image, &dir.join("sock"), &[])?;
+        let uri = server.uri();
+        let mut args = vec!["-f", "raw", uri.as_str()];
+        let writes = [
+            format!("write -q -s {source} 0 1M"),
+            format!("write -q -s {source} 8M 1M"),
+            format!("write -q -s {source} 16388K 1M"),
+        ];
+        for write in &writes {
+            args.extend(["-c", write.as_str()]);
+        }
+        let output = run("qemu-io", &args)?;
+        ensure!(output.status.success(), "qemu-io: {output:?}");
+        let stats = zdisk(&["stats", image_text, "--json"]);
+        let stats: serde_json::Value = serde_json::from_slice(&stats.stdout)
+            .map_err(|e| format!("zdisk stats --json: {e}"))?;
+        stored.push(stats["stored_bytes"].as_u64().ok_or("no stored_bytes")?);
+        if dedup == "off" {
+            ensure!(stats["shared_blocks"] == 0, "{stats}");
+            server.stop()?;
+            continue;
+        }
+        ensure!(
+            stats["dedup"] == "on"
+                && stats["shared_blocks"] == 768
+                && stats["distinct_blocks"] == 256
+                && stats["dedup_found"] == 512
+                && stats["counters"]["dedup_blocks"] == 512,
+            "{stats}"
+        );
+        let rows = nbdinfo_map("zdisk:compression", &uri)?;
+        let status_at = |offset: u64| {
+            rows.iter()
+                .find(|(start, length, _)| *start <= offset && offset < start + length)
+                .map(|row| row.2)
+        };
+        for offset in [0, 512 << 10, 8 << 20, (9 << 20) - 4096, 16388 << 10] {
+            let status = status_at(offset).ok_or("no row")?;
+            ensure!(
+                status & 0xf == 3 && status & (1 << 13) != 0,
+                "block at {offset} should be compressed and shared: {status:#x} in {rows:?}"
+            );
+        }
+        let status = status_at(4 << 20).ok_or("no row")?;
+        ensure!(status == 0, "never written: {status:#x}");
+        server.stop()?;
+        let resting = zdisk(&["map", image_text]);
+        let text = String::from_utf8_lossy(&resting.stdout);
+        ensure!(
+            resting.status.success() && text.contains("shared: 3 MiB of that shares"),
+            "zdisk map: {text} {}",
+            String::from_utf8_lossy(&resting.stderr)
         );
     }
-    let status = status_at(4 << 20).ok_or("no row")?;
-    ensure!(status == 0, "never written: {status:#x}");
+    ensure!(
+        stored[0] * 2 < stored[1],
+        "with dedup {} stored bytes, without {}",
+        stored[0],
+        stored[1]
+    );
     Ok(Completion::Completed)
 }

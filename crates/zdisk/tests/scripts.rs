@@ -573,6 +573,37 @@ fn dedup() -> TestResult {
             "{workload}: duperemove grew btrfs: {duperemove}"
         );
         positive(duperemove, "duperemove_seconds")?;
+        // The engine's dedup: within 10% of the estimate's prediction with
+        // dedup (the index may miss a little, and zeroing runs differ), a
+        // high share of the duplicates found, and far below dedup off.
+        let on = row("zdisk zstd (dedup on)")?;
+        let stored_on = positive(on, "stored_bytes")?;
+        ensure!(
+            stored_on < stored && (stored_on / with - 1.0).abs() < 0.1,
+            "{workload}: dedup on stored {stored_on}, off {stored}, estimate {with}"
+        );
+        ensure!(number(on, "found_share")? >= 0.9, "{workload}: {on}");
+        positive(on, "dedup_index_bytes")?;
+        ensure!(
+            number(row("zdisk lz4 (dedup on)")?, "stored_bytes")?
+                < number(row("zdisk lz4 (dedup off)")?, "stored_bytes")?,
+            "{workload}: lz4 with dedup stores no less"
+        );
+    }
+    // The rates: each configuration wrote unique data, then its duplicate;
+    // with dedup on, the duplicate was found.
+    for configuration in ["zdisk lz4 (dedup on)", "zdisk zstd (dedup on)"] {
+        let rate = rows
+            .iter()
+            .find(|r| r["workload"] == "rates" && r["configuration"] == configuration)
+            .ok_or_else(|| format!("no rates row for {configuration}"))?;
+        positive(rate, "unique_mb_s")?;
+        positive(rate, "duplicate_mb_s")?;
+        positive(rate, "unique_vs_dedup_off")?;
+        ensure!(
+            number(rate, "dedup_found")? >= (16384.0 * 0.9),
+            "{configuration}: {rate}"
+        );
     }
     // Two copies of one image, 1% of each overwritten: dedup keeps about half.
     let copies = rows

@@ -517,7 +517,7 @@ fn relocate_scanned(
                 }
             }
             RecordKind::Ref => refs = true,
-            RecordKind::MapChunk => {}
+            RecordKind::MapChunk | RecordKind::Chapter => {}
         }
     }
     Ok(refs)

@@ -171,7 +171,7 @@ impl WriteEstimator {
             data.len().is_multiple_of(BLOCK_SIZE),
             "a write of whole blocks"
         );
-        let batch = prepare(self.codec, data, first.0, self.unit_blocks);
+        let batch = prepare(self.codec, data, first.0, self.unit_blocks, &[]);
         let mut write = WriteEstimate {
             logical_bytes: data.len() as u64,
             ..WriteEstimate::default()
@@ -194,6 +194,7 @@ impl WriteEstimator {
                     ..
                 } => write.incompressible_bytes += bytes,
                 Prepared::Data { .. } | Prepared::Unit { .. } => write.compressed_bytes += bytes,
+                Prepared::Found => unreachable!("the estimator looks for nothing stored"),
             }
             in_zero_run = false;
             write.data_records += 1;

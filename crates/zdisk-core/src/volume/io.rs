@@ -24,18 +24,20 @@ use crate::codec::{
     compress_whole_blocks, decompress_block, decompress_exact, decompress_prefix, Codec, CodecId,
     RunPiece,
 };
+use crate::dedup::Hit;
 use crate::error::{Error, Result};
+use crate::fingerprint::Fingerprint;
 use crate::map::{table_key, Entry, Location, Slot};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
     decode_record, decode_unit, record_len_for_payload, unit_prefix_head, RecordKey, RecordKind,
-    RANGE_PAYLOAD_LEN,
+    RefMember, RANGE_PAYLOAD_LEN, REF_MEMBERS_MAX,
 };
 use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::guard::StateGuard;
 use super::space::{Need, Reach, Writer};
-use super::state::{Buffered, State, StreamKind, Tally};
+use super::state::{Buffered, Dedup, State, StreamKind, Tally};
 use super::Volume;
 
 /// Adjacent extents are read from the medium in one request up to this size.
@@ -62,6 +64,8 @@ pub enum Discard {
 /// record payload in the batch's arena.
 pub(super) enum Prepared {
     Zero,
+    /// A block dedup found stored already: not compressed (`dedup.rs`).
+    Found,
     Data {
         codec: CodecId,
         start: usize,
@@ -88,8 +92,31 @@ impl Prepared {
     pub(super) fn record_len(&self) -> u64 {
         match self {
             Prepared::Zero => RANGE_RECORD_LEN,
+            // Its member of a reference record, with the record's header
+            // counted whole: at most this.
+            Prepared::Found => record_len_for_payload(4 + 16),
             Prepared::Data { len, .. } | Prepared::Unit { len, .. } => record_len_for_payload(*len),
         }
+    }
+}
+
+/// What dedup found for one block of a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Found {
+    /// A zero block (stored as a range, never looked up).
+    Zero,
+    /// Not found: compressed and stored, then indexed.
+    New(Fingerprint),
+    /// The index names a block written with the same bytes.
+    Stored(Fingerprint, Hit),
+    /// The same bytes as new block `index` of this same request.
+    Earlier(usize),
+}
+
+impl Found {
+    /// True if the block is not compressed: it is shared, or skipped.
+    pub(super) fn is_found(&self) -> bool {
+        matches!(self, Found::Stored(..) | Found::Earlier(_))
     }
 }
 
@@ -102,9 +129,18 @@ pub(super) struct Batch {
 /// Compresses `data`, whole blocks starting at block `first`: runs of
 /// non-zero blocks within each aligned window of `unit_blocks` are tried
 /// as one unit; what does not compress as a unit, and runs of one block,
-/// are compressed block by block.
-pub(super) fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -> Batch {
+/// are compressed block by block. Blocks `found` marks (dedup found them
+/// stored; empty: none) are left out, and end a run.
+pub(super) fn prepare(
+    codec: Codec,
+    data: &[u8],
+    first: u64,
+    unit_blocks: u64,
+    found: &[bool],
+) -> Batch {
     let count = data.len() / BLOCK_SIZE;
+    debug_assert!(found.is_empty() || found.len() == count);
+    let is_found = |index: usize| found.get(index).copied().unwrap_or(false);
     let mut batch = Batch {
         arena: Vec::with_capacity(data.len() / 2),
         blocks: Vec::with_capacity(count),
@@ -113,6 +149,11 @@ pub(super) fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -
     let block = |index: usize| &data[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
     let mut index = 0;
     while index < count {
+        if is_found(index) {
+            batch.blocks.push(Prepared::Found);
+            index += 1;
+            continue;
+        }
         if is_zero(block(index)) {
             batch.blocks.push(Prepared::Zero);
             index += 1;
@@ -122,7 +163,7 @@ pub(super) fn prepare(codec: Codec, data: &[u8], first: u64, unit_blocks: u64) -
         let window_end = ((first + index as u64) / unit_blocks + 1) * unit_blocks;
         let limit = count.min((window_end - first) as usize);
         let mut end = index + 1;
-        while end < limit && !is_zero(block(end)) {
+        while end < limit && !is_found(end) && !is_zero(block(end)) {
             end += 1;
         }
         let blocks = end - index;
@@ -587,81 +628,91 @@ impl Volume {
         self.settings.unit_blocks.min(segment_cap)
     }
 
-    /// Compresses and appends whole blocks.
+    /// Compresses and appends whole blocks; with dedup on, blocks found
+    /// stored already are shared instead (`dedup.rs`).
     pub(crate) fn write_blocks(&self, first: Lba, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
         let codec = self.settings.codec;
         let unit_blocks = self.unit_blocks() as u64;
         let count = data.len() / BLOCK_SIZE;
+        let found = self.find_stored(data);
+        let skip: Vec<bool> = found
+            .as_ref()
+            .map(|found| found.iter().map(Found::is_found).collect())
+            .unwrap_or_default();
         let batches = self.compressors.compress(count, |parts| {
             if parts == 1 {
-                return vec![prepare(codec, data, first.0, unit_blocks)];
+                return vec![prepare(codec, data, first.0, unit_blocks, &skip)];
             }
             // Parts end on unit windows, so that no unit is cut in two.
             let cuts = split_on_windows(first.0, count, parts, unit_blocks);
             cuts.par_windows(2)
                 .map(|cut| {
                     let part = &data[cut[0] * BLOCK_SIZE..cut[1] * BLOCK_SIZE];
-                    prepare(codec, part, first.0 + cut[0] as u64, unit_blocks)
+                    let skip = skip.get(cut[0]..cut[1]).unwrap_or(&[]);
+                    prepare(codec, part, first.0 + cut[0] as u64, unit_blocks, skip)
                 })
                 .collect()
+        });
+        let new_blocks = found.as_ref().map_or(0, |found| {
+            found.iter().filter(|f| matches!(f, Found::New(_))).count() as u64
         });
         let needed: u64 = batches
             .iter()
             .flat_map(|batch| &batch.blocks)
             .map(Prepared::record_len)
-            .sum();
-        let (mut state, floor) = self.admit(
-            Writer::Host {
+            .sum::<u64>()
+            + self.chapter_bytes_for(new_blocks);
+        // The leaves of the blocks found and of their contents' cells come
+        // into RAM with the request's.
+        let mut ranges = vec![(first, count as u64)];
+        if let Some(found) = &found {
+            let mut extra: Vec<(Lba, u64)> = found
+                .iter()
+                .filter_map(|f| match f {
+                    Found::Stored(_, hit) => {
+                        Some([(table_key(hit.content), 1), (Lba(hit.owner), 1)])
+                    }
+                    _ => None,
+                })
+                .flatten()
+                .filter(|(lba, _)| lba.0 >= crate::map::TABLE_BASE || lba.0 < self.logical_blocks())
+                .collect();
+            extra.sort_unstable();
+            extra.dedup();
+            ranges.extend(extra);
+        }
+        let (mut state, floor) = self.make_room_resident(Reach::All, &ranges, |state| Need {
+            writer: Writer::Host {
                 blocks: count as u64,
             },
-            (first, count as u64),
-            needed,
-            count as u64,
-        )?;
+            segments: state.segments_needed(StreamKind::Host, needed),
+            versions: count as u64,
+            bytes: needed,
+        })?;
+        let mut apply = Applier {
+            volume: self,
+            first,
+            found: found.as_deref(),
+            data,
+            floor,
+            zero_run: None,
+            refs: Vec::new(),
+            refs_first: first,
+            indexed: Vec::new(),
+            shared_blocks: 0,
+            saved_bytes: 0,
+            stale: 0,
+            unchanged: 0,
+        };
         let mut lba = first.0;
-        let mut zero_run: Option<(u64, u64)> = None;
         for batch in &batches {
             for block in &batch.blocks {
-                match block {
-                    Prepared::Zero => {
-                        zero_run = match zero_run {
-                            Some((start, n)) => Some((start, n + 1)),
-                            None => Some((lba, 1)),
-                        };
-                    }
-                    Prepared::Data {
-                        codec,
-                        start,
-                        len,
-                        crc,
-                    } => {
-                        if let Some((start, n)) = zero_run.take() {
-                            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
-                        }
-                        let payload = &batch.arena[*start..*start + *len];
-                        state.apply_write(Lba(lba), *codec as u8, payload, *crc, floor)?;
-                    }
-                    Prepared::Unit {
-                        codec,
-                        start,
-                        len,
-                        crc,
-                        ..
-                    } => {
-                        if let Some((start, n)) = zero_run.take() {
-                            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
-                        }
-                        let payload = &batch.arena[*start..*start + *len];
-                        state.apply_unit(Lba(lba), *codec as u8, payload, *crc, floor)?;
-                    }
-                }
+                apply.block(&mut state, Lba(lba), batch, block)?;
                 lba += block.blocks() as u64;
             }
         }
-        if let Some((start, n)) = zero_run.take() {
-            state.apply_range(RecordKind::Zero, Lba(start), n, floor)?;
-        }
+        apply.finish(&mut state)?;
         debug_assert_eq!(lba, first.0 + count as u64, "every block was applied");
         Ok(())
     }
@@ -752,6 +803,185 @@ pub(crate) struct Wanted {
 }
 
 /// Why block `wanted` of a read from block `first` failed: reading its record did.
+/// Applies a write's prepared blocks in order, under the state lock:
+/// zero runs and runs of shared blocks become one record each.
+struct Applier<'a> {
+    volume: &'a Volume,
+    first: Lba,
+    /// What dedup found for each block (`None`: dedup is off).
+    found: Option<&'a [Found]>,
+    data: &'a [u8],
+    floor: u64,
+    zero_run: Option<(u64, u64)>,
+    /// The run of shared blocks from `refs_first` not yet applied.
+    refs: Vec<RefMember>,
+    refs_first: Lba,
+    /// New blocks written, to index once applied.
+    indexed: Vec<(Fingerprint, Lba)>,
+    shared_blocks: u64,
+    saved_bytes: u64,
+    stale: u64,
+    unchanged: u64,
+}
+
+impl Applier<'_> {
+    fn block(
+        &mut self,
+        state: &mut State,
+        lba: Lba,
+        batch: &Batch,
+        block: &Prepared,
+    ) -> Result<()> {
+        match block {
+            Prepared::Zero => {
+                self.flush_refs(state)?;
+                self.zero_run = match self.zero_run {
+                    Some((start, n)) => Some((start, n + 1)),
+                    None => Some((lba.0, 1)),
+                };
+            }
+            Prepared::Found => {
+                self.flush_zeros(state)?;
+                self.found_block(state, lba)?;
+            }
+            Prepared::Data {
+                codec,
+                start,
+                len,
+                crc,
+            } => {
+                self.flush_zeros(state)?;
+                self.flush_refs(state)?;
+                let payload = &batch.arena[*start..*start + *len];
+                state.apply_write(lba, *codec as u8, payload, *crc, self.floor)?;
+                self.note_new(lba, 1);
+            }
+            Prepared::Unit {
+                codec,
+                start,
+                len,
+                crc,
+                blocks,
+            } => {
+                self.flush_zeros(state)?;
+                self.flush_refs(state)?;
+                let payload = &batch.arena[*start..*start + *len];
+                state.apply_unit(lba, *codec as u8, payload, *crc, self.floor)?;
+                self.note_new(lba, *blocks);
+            }
+        }
+        Ok(())
+    }
+
+    fn index_of(&self, lba: Lba) -> usize {
+        (lba.0 - self.first.0) as usize
+    }
+
+    /// Queues new blocks `lba..lba+blocks` for the index.
+    fn note_new(&mut self, lba: Lba, blocks: usize) {
+        let Some(found) = self.found else {
+            return;
+        };
+        for i in 0..blocks as u64 {
+            let block = Lba(lba.0 + i);
+            if let Found::New(fingerprint) = found[self.index_of(block)] {
+                self.indexed.push((fingerprint, block));
+            }
+        }
+    }
+
+    /// A block dedup found: shared if its content is still stored,
+    /// skipped if the block holds it already, else stored after all.
+    fn found_block(&mut self, state: &mut State, lba: Lba) -> Result<()> {
+        let found = self.found.expect("found blocks come from dedup")[self.index_of(lba)];
+        let (fingerprint, verdict) = match found {
+            Found::Stored(fingerprint, hit) => (
+                Some(fingerprint),
+                state.dedup_member(lba, hit.content, hit.owner),
+            ),
+            Found::Earlier(earlier) => {
+                // Written earlier in this request, so still in the map.
+                let owner = Lba(self.first.0 + earlier as u64);
+                let content = state.map().get(owner).version();
+                (None, state.dedup_member(lba, content, owner.0))
+            }
+            Found::Zero | Found::New(_) => unreachable!("{found:?} was compressed"),
+        };
+        match verdict {
+            Dedup::Share(member, bytes) => {
+                let contiguous = self.refs_first.0 + self.refs.len() as u64 == lba.0;
+                if !contiguous || self.refs.len() == REF_MEMBERS_MAX as usize {
+                    self.flush_refs(state)?;
+                }
+                if self.refs.is_empty() {
+                    self.refs_first = lba;
+                }
+                self.refs.push(member);
+                self.shared_blocks += 1;
+                self.saved_bytes += bytes;
+            }
+            Dedup::Held => {
+                self.flush_refs(state)?;
+                self.unchanged += 1;
+            }
+            Dedup::Gone => {
+                self.flush_refs(state)?;
+                self.stale += 1;
+                let at = self.index_of(lba) * BLOCK_SIZE;
+                let block = &self.data[at..at + BLOCK_SIZE];
+                let codec = self.volume.settings.codec;
+                let batch = prepare(codec, block, lba.0, 1, &[]);
+                match &batch.blocks[..] {
+                    [Prepared::Data {
+                        codec,
+                        start,
+                        len,
+                        crc,
+                    }] => {
+                        let payload = &batch.arena[*start..*start + *len];
+                        state.apply_write(lba, *codec as u8, payload, *crc, self.floor)?;
+                    }
+                    other => {
+                        unreachable!("a non-zero block alone compresses alone: {}", other.len())
+                    }
+                }
+                if let Some(fingerprint) = fingerprint {
+                    self.indexed.push((fingerprint, lba));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_zeros(&mut self, state: &mut State) -> Result<()> {
+        if let Some((start, n)) = self.zero_run.take() {
+            state.apply_range(RecordKind::Zero, Lba(start), n, self.floor)?;
+        }
+        Ok(())
+    }
+
+    fn flush_refs(&mut self, state: &mut State) -> Result<()> {
+        if !self.refs.is_empty() {
+            state.apply_ref(self.refs_first, &self.refs, self.floor)?;
+            self.refs.clear();
+        }
+        Ok(())
+    }
+
+    /// Applies what is pending, indexes the new blocks, and counts.
+    fn finish(mut self, state: &mut State) -> Result<()> {
+        self.flush_zeros(state)?;
+        self.flush_refs(state)?;
+        if self.found.is_none() {
+            return Ok(());
+        }
+        state.note_deduplicated(self.shared_blocks, self.saved_bytes);
+        self.volume.note_dedup(self.stale, self.unchanged);
+        self.volume
+            .index_new_blocks(state, &self.indexed, self.floor)
+    }
+}
+
 fn read_failed(first: Lba, wanted: &Wanted, error: &Error) -> Error {
     let lba = Lba(first.0 + wanted.index as u64);
     Error::io(

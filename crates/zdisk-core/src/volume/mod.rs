@@ -26,6 +26,7 @@ mod checkpoint;
 mod clean;
 mod cold;
 mod compressors;
+mod dedup;
 mod estimate;
 mod fault;
 mod guard;
@@ -48,9 +49,13 @@ mod tests;
 
 pub use check::CheckReport;
 pub use cold::{IdleBudget, Recompress};
+pub use dedup::DedupRunStats;
 pub use estimate::{BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator};
 pub use guard::LockProfile;
-pub use options::{default_map_cache_bytes, CreateOptions, OpenOptions, Random};
+pub use options::{
+    default_dedup_cache_bytes, default_map_cache_bytes, CreateOptions, OpenOptions, Random,
+    DEFAULT_DEDUP,
+};
 pub use recovery::OpenReport;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,6 +120,8 @@ pub struct Volume {
     gc_high_free_segments: u64,
     /// Whether a large write may spread its compression over idle cores.
     compressors: compressors::Compressors,
+    /// The dedup index, if new writes deduplicate (`dedup.rs`).
+    dedup: Option<Mutex<dedup::Deduper>>,
 }
 
 impl Volume {
@@ -160,6 +167,7 @@ impl Volume {
             codec: create.codec,
             gc_policy: create.gc_policy,
             unit_blocks: create.unit_blocks,
+            dedup: create.dedup,
         };
         // An empty volume: nothing to replay, nothing reserved.
         let root = build_root(
@@ -226,6 +234,9 @@ impl Volume {
                 )));
             }
             root.settings.unit_blocks = blocks;
+        }
+        if let Some(dedup) = options.dedup {
+            root.settings.dedup = dedup;
         }
         let read_only = options.read_only;
         let (start, mut report, staged) = recovered;
@@ -301,6 +312,14 @@ impl Volume {
         }));
         let read_only = options.read_only;
         let tallies = state.tallies().clone();
+        let dedup = dedup::deduper_for(
+            root.settings.dedup,
+            read_only,
+            options.dedup_cache_bytes.unwrap_or_else(|| {
+                options::default_dedup_cache_bytes(root.superblock.logical_size_bytes)
+            }),
+            geometry.segment_size_bytes,
+        );
         Volume {
             media,
             record_key,
@@ -329,6 +348,7 @@ impl Volume {
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
             compressors: compressors::Compressors::default(),
+            dedup,
             options,
         }
     }
@@ -497,6 +517,7 @@ impl Volume {
     pub fn stats(&self) -> Stats {
         // Outside the state lock: a medium may take locks of its own.
         let media_stats = self.media.media_stats();
+        let dedup = self.dedup_stats().unwrap_or_default();
         let state = self.lock();
         let counts = state.map().block_counts();
         let cache = state.map().cache_counts();
@@ -566,6 +587,15 @@ impl Volume {
             map_pages_kept: cache.pages_kept,
             shared_blocks: state.shared().references(),
             shared_contents: state.shared().contents(),
+            distinct_blocks: (counts.data_blocks + state.shared().contents())
+                .saturating_sub(state.shared().references()),
+            dedup: if self.settings.dedup { "on" } else { "off" }.to_string(),
+            dedup_index_bytes: dedup.ram_bytes,
+            dedup_index_bound_bytes: dedup.ram_bound_bytes,
+            dedup_lookups: dedup.lookups,
+            dedup_found: dedup.index_hits + dedup.request_hits,
+            dedup_stale: dedup.stale_hits,
+            dedup_chapter_reads: dedup.chapter_reads,
             segments_by_state: usage.by_state,
             sealed_utilization_histogram: usage.histogram,
             counters,
@@ -636,7 +666,22 @@ fn recover_newest(
         // clean flag says nothing about what came after it.
         let trust_clean = slot_problems.is_empty() && index == 0;
         match recovery::recover(media, candidate, older, trust_clean, writable) {
-            Ok(recovered) => {
+            Ok(mut recovered) => {
+                if !slot_problems.is_empty() {
+                    // The damaged slot may have held the next root, whose
+                    // run numbered segments and versions up to a
+                    // reservation this root does not know, and wrote
+                    // records under them into segments this root
+                    // calls free. Numbering on from this root's
+                    // reservation would reuse them, and a later recovery
+                    // would take those leftovers for this run's records.
+                    // That root reserved at most a reservation's worth
+                    // beyond this one's: start past it.
+                    recovered.next_seq += ahead.seq.max(space::SEQ_RESERVE_AHEAD);
+                    recovered.next_version = (recovered.next_version
+                        + ahead.version.max(space::VERSION_RESERVE_AHEAD))
+                    .min(crate::map::VERSION_MAX + 1);
+                }
                 let (start, mut report, staged) = start_from(recovered, candidate, geometry, ahead);
                 report.slot_problems = slot_problems;
                 report.lost_checkpoints = lost_checkpoints;

@@ -469,7 +469,7 @@ impl<'a> Recovery<'a> {
                 );
             }
             RecordKind::Ref => self.replay_ref(seq, segment, record, payload, versions_seen)?,
-            RecordKind::MapChunk => {}
+            RecordKind::MapChunk | RecordKind::Chapter => {}
         }
         Ok(())
     }

@@ -46,7 +46,7 @@ use super::tallies::Tallies;
 pub(crate) use super::tallies::Tally;
 
 mod shares;
-pub(crate) use shares::SharedCounts;
+pub(crate) use shares::{Dedup, SharedCounts};
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

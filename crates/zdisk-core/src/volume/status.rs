@@ -268,9 +268,11 @@ mod tests {
 
     fn volume_with_map_cache(codec: Codec, map_cache_bytes: Option<u64>) -> Arc<Volume> {
         let media: Arc<dyn Media> = Arc::new(MemMedia::with_size(4096, MIB, 32).unwrap());
+        // Its blocks repeat: without dedup, so each is described as stored.
         let create = CreateOptions {
             codec,
             unit_blocks: crate::meta::default_unit_blocks(codec),
+            dedup: false,
             ..CreateOptions::new(64 * MIB)
         };
         let options = OpenOptions {

@@ -11,6 +11,11 @@
 #       Then rewrites BASELINE with the generation each block now holds.
 #   crashwriter.py multiconn URI BLOCKS    - writes on one connection,
 #       flushes on another (multi-conn), prints "F" when the flush returns.
+#
+# With a last argument `dup`, write and verify use contents that repeat
+# across blocks (a block's bytes depend on its generation only, drawn from
+# 48 per round), and write also trims (logged as generation 0): what
+# deduplication shares, overwrites and drops.
 import hashlib
 import random
 import sys
@@ -18,12 +23,14 @@ import sys
 import nbd
 
 BLOCK = 4096
+DUP = False
+DUP_CONTENTS = 48
 
 
 def content(lba, gen):
     if gen == 0:
         return bytes(BLOCK)
-    head = f"zdisk lba={lba} gen={gen} ".encode()
+    head = (f"zdisk dup gen={gen} " if DUP else f"zdisk lba={lba} gen={gen} ").encode()
     digest = hashlib.sha256(head).digest()
     # Half compressible text, half pseudo-random bytes.
     text = (head * (BLOCK // 2 // len(head) + 1))[: BLOCK // 2]
@@ -49,10 +56,18 @@ def write(uri, blocks, seed):
         gen += 1
         count = rng.choice([1, 1, 1, 2, 8])
         count = min(count, blocks - lba)
-        for i in range(count):
-            print(f"W {lba + i} {gen}", flush=True)
-        data = b"".join(content(lba + i, gen) for i in range(count))
-        h.pwrite(data, lba * BLOCK)
+        if DUP and rng.random() < 0.1:
+            for i in range(count):
+                print(f"W {lba + i} 0", flush=True)
+            h.trim(count * BLOCK, lba * BLOCK)
+        else:
+            gens = [gen] * count
+            if DUP:
+                gens = [seed * 10**6 + rng.randrange(1, DUP_CONTENTS + 1) for _ in range(count)]
+            for i in range(count):
+                print(f"W {lba + i} {gens[i]}", flush=True)
+            data = b"".join(content(lba + i, gens[i]) for i in range(count))
+            h.pwrite(data, lba * BLOCK)
         writes += 1
         if writes % 50 == 0:
             h.flush()
@@ -115,6 +130,9 @@ def multiconn(uri, blocks):
 
 
 if __name__ == "__main__":
+    if sys.argv[-1] == "dup":
+        DUP = True
+        sys.argv.pop()
     mode, uri, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "write":
         write(uri, blocks, int(sys.argv[4]))

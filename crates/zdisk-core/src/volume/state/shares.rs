@@ -97,6 +97,17 @@ impl SharedCounts {
     }
 }
 
+/// What a block found by the dedup index does ([`State::dedup_member`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dedup {
+    /// The block holds that content already: nothing to write.
+    Held,
+    /// Share it; the stored bytes its member takes.
+    Share(RefMember, u64),
+    /// It is no longer stored: write the block's data.
+    Gone,
+}
+
 impl State {
     pub(crate) fn shared(&self) -> &SharedCounts {
         &self.shared
@@ -124,6 +135,57 @@ impl State {
             }
             _ => None,
         }
+    }
+
+    /// What block `target` may do with content version `content`, which
+    /// the dedup index says block `owner` was written with: nothing, if
+    /// the target holds that content already; share it, if it is still
+    /// stored (in its cell, or directly in its owner); or store its data
+    /// after all, if it is gone (the index is advisory) or its leaves are
+    /// not in RAM. With a share, the stored bytes its record member takes.
+    /// The target's leaf must be in RAM.
+    pub(crate) fn dedup_member(&self, target: Lba, content: u64, owner: u64) -> Dedup {
+        // A leaf not in RAM cannot be read here (no I/O under the lock):
+        // the block is then stored, as if its content were gone.
+        let cell = table_key(content);
+        let owner_resident = owner >= self.logical_blocks || self.map.is_resident(Lba(owner), 1);
+        if !self.map.is_resident(cell, 1) || !owner_resident {
+            return Dedup::Gone;
+        }
+        let held = self.map.get(target);
+        match held.slot() {
+            Slot::Data(_) if held.version() == content => return Dedup::Held,
+            Slot::Shared { content: c } if c == content => return Dedup::Held,
+            _ => {}
+        }
+        if let Slot::Data(loc) = self.map.get(cell).slot() {
+            return Dedup::Share(
+                RefMember {
+                    content,
+                    owner: REF_NO_OWNER,
+                },
+                loc.share(),
+            );
+        }
+        if owner < self.logical_blocks {
+            let entry = self.map.get(Lba(owner));
+            if let (Slot::Data(loc), true) = (entry.slot(), entry.version() == content) {
+                return Dedup::Share(RefMember { content, owner }, loc.share());
+            }
+        }
+        Dedup::Gone
+    }
+
+    /// Counts blocks dedup shared instead of storing, and the stored bytes
+    /// they did not take.
+    pub(crate) fn note_deduplicated(&mut self, blocks: u64, saved_bytes: u64) {
+        self.counters.dedup_blocks += blocks;
+        self.counters.dedup_saved_bytes += saved_bytes;
+    }
+
+    /// Counts a dedup index chapter appended to the log.
+    pub(crate) fn note_chapter_written(&mut self, bytes: u64) {
+        self.counters.dedup_index_write_bytes += bytes;
     }
 
     /// The key of the entry that names the member at `version` of the
@@ -189,6 +251,11 @@ impl State {
         for member in members {
             self.make_shared(member);
         }
+        // Every new reference counts before any replaced entry lets go of
+        // its content: a target whose old content another member shares
+        // (its own owner, made shared just above) must not take that
+        // content's cell with it.
+        let mut replaced = Vec::with_capacity(members.len());
         for (i, member) in members.iter().enumerate() {
             let lba = Lba(first.0 + i as u64);
             let old = self.map.set(
@@ -199,7 +266,10 @@ impl State {
                 version + i as u64,
             );
             self.shared.add(member.content);
-            self.drop_slot(old.slot())?;
+            replaced.push(old.slot());
+        }
+        for old in replaced {
+            self.drop_slot(old)?;
         }
         Ok(())
     }
