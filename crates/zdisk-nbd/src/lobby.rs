@@ -18,11 +18,17 @@
 //!   ClientHello, so at most `max_tls_handshakes` run at once; others
 //!   wait in a queue served in turn by source address (`FairQueue`), their
 //!   ClientHello left in the kernel. While some wait and every slot is
-//!   taken, the oldest handshake past [`TLS_SLOT_GRACE`] is served once
-//!   more and, if still unfinished, dropped to free its slot: a client that
-//!   sends a ClientHello and stalls holds nothing for long, and a flood of
-//!   them costs at most `max_tls_handshakes` key exchanges per grace
-//!   period.
+//!   taken, a handshake past [`TLS_SLOT_GRACE`] is served once more and,
+//!   if still unfinished, dropped to free its slot: of those past it, one
+//!   from the source holding the most slots, the oldest of them. So a
+//!   flood's handshakes go before the lone handshake of an honest client
+//!   from another address that is slow to answer (starved of CPU, say),
+//!   while a client that sends a ClientHello and stalls still holds
+//!   nothing for long, and a flood of them costs at most
+//!   `max_tls_handshakes` key exchanges per grace period. (A longer grace
+//!   lets a one-address flood outgrow that address's budget, and
+//!   admission then drops its connections, honest ones behind the same
+//!   address included, with no grace at all.)
 //! - File descriptors: when accept fails with EMFILE or ENFILE, the first
 //!   connection in eviction order (read once more first, as above) is
 //!   dropped to make room; if none waits,
@@ -43,6 +49,7 @@
 //! none of them; it is registered with epoll exactly while in `conns`; it
 //! holds a TLS slot exactly while its stage is [`Stage::Tls`].
 
+use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::io;
@@ -684,31 +691,47 @@ impl<'a> Lobby<'a> {
     }
 
     /// While connections queue for a TLS slot and none is free, takes back
-    /// the slot of the oldest handshake past [`TLS_SLOT_GRACE`], once it
-    /// has been served one last time (its client's answer may be waiting).
+    /// the slot of a handshake past [`TLS_SLOT_GRACE`] (see
+    /// [`Lobby::tls_slot_to_reclaim`]), once it has been served one last
+    /// time (its client's answer may be waiting).
     fn reclaim_tls_slots(&mut self, now: Instant) {
         let mut probed = HashSet::new();
         while !self.tls_queue.is_empty() && self.tls_running.len() >= self.config.max_tls_handshakes
         {
-            let oldest = self
-                .tls_running
-                .iter()
-                .filter(|id| !probed.contains(*id))
-                .filter_map(|id| {
-                    let started = self.conns[id].tls_started?;
-                    (now.duration_since(started) >= TLS_SLOT_GRACE).then_some((started, *id))
-                })
-                .min()
-                .map(|(_, id)| id);
-            let Some(oldest) = oldest else {
+            let Some(victim) = self.tls_slot_to_reclaim(now, &probed) else {
                 return;
             };
-            probed.insert(oldest);
-            self.service(oldest, 0);
-            if self.tls_running.contains(&oldest) {
-                self.close(oldest, Closing::TlsSlot);
+            probed.insert(victim);
+            self.service(victim, 0);
+            if self.tls_running.contains(&victim) {
+                self.close(victim, Closing::TlsSlot);
             }
         }
+    }
+
+    /// The TLS handshake whose slot goes first: of those that have held
+    /// theirs for [`TLS_SLOT_GRACE`] (and are not in `skip`), one from the
+    /// source holding the most slots, the oldest of them. A flood's slots
+    /// thus go before a lone honest client's from another address.
+    fn tls_slot_to_reclaim(&self, now: Instant, skip: &HashSet<u64>) -> Option<u64> {
+        let mut held: HashMap<Source, usize> = HashMap::new();
+        for id in &self.tls_running {
+            *held.entry(self.conns[id].source).or_default() += 1;
+        }
+        self.tls_running
+            .iter()
+            .filter(|id| !skip.contains(*id))
+            .filter_map(|&id| {
+                let conn = &self.conns[&id];
+                let started = conn.tls_started?;
+                (now.duration_since(started) >= TLS_SLOT_GRACE).then_some((
+                    Reverse(held[&conn.source]),
+                    started,
+                    id,
+                ))
+            })
+            .min()
+            .map(|(_, _, id)| id)
     }
 
     fn start_queued_tls(&mut self) {
@@ -1192,6 +1215,75 @@ mod tests {
             1
         );
         lobby.admission.check();
+    }
+
+    /// Of the TLS handshakes past their grace, one from the source holding
+    /// the most slots goes first, the oldest of them; a lone client from
+    /// another address, however long past it, stays while a flood's slot
+    /// can go instead, and goes only among equals. Slots are set up by
+    /// hand: the choice looks only at sources and times.
+    #[test]
+    fn tls_slots_are_reclaimed_from_the_source_holding_most() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let export = Export {
+            name: String::new(),
+            description: None,
+            size_bytes: 1 << 20,
+            read_only: false,
+        };
+        let counters = ServerCounters::default();
+        let config = LobbyConfig {
+            handshake_timeout: Duration::from_secs(60),
+            limits: AdmissionLimits {
+                max_total: 100,
+                max_per_source: 100,
+            },
+            max_tls_handshakes: 4,
+            max_connections: 10,
+            tls_mode: TlsMode::Off,
+            tls: None,
+        };
+        let mut lobby = Lobby::new(config, &export, &NoSessions, &counters).unwrap();
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(TcpStream::connect(address).unwrap());
+            let (stream, peer) = listener.accept().unwrap();
+            lobby.admit(Accepted {
+                socket: Socket::Tcp(stream),
+                peer: peer.to_string(),
+                ip: Some(peer.ip()),
+            });
+        }
+        let [honest, flood_a, flood_b, flood_c] = [0, 1, 2, 3].map(|i| FIRST_CONNECTION_ID + i);
+        let lone = Source::of(Some("127.0.0.3".parse().unwrap()));
+        let flood = Source::of(Some("127.0.0.1".parse().unwrap()));
+        let now = Instant::now();
+        let grace = TLS_SLOT_GRACE;
+        for (id, source, age) in [
+            (honest, lone, 10 * grace),
+            (flood_a, flood, grace),
+            (flood_b, flood, 2 * grace),
+            (flood_c, flood, grace / 2),
+        ] {
+            let conn = lobby.conns.get_mut(&id).unwrap();
+            conn.source = source;
+            conn.tls_started = Some(now - age);
+            lobby.tls_running.insert(id);
+        }
+        let none = HashSet::new();
+        assert_eq!(lobby.tls_slot_to_reclaim(now, &none), Some(flood_b));
+        let mut skip = HashSet::from([flood_b]);
+        assert_eq!(lobby.tls_slot_to_reclaim(now, &skip), Some(flood_a));
+        // The flood's only slot left is within its grace: the lone one goes.
+        skip.insert(flood_a);
+        assert_eq!(lobby.tls_slot_to_reclaim(now, &skip), Some(honest));
+        // Between sources holding as many, the oldest goes.
+        lobby.conns.get_mut(&flood_a).unwrap().source = lone;
+        assert_eq!(lobby.tls_slot_to_reclaim(now, &none), Some(honest));
+        // Nothing goes within its grace.
+        assert_eq!(lobby.tls_slot_to_reclaim(now - 10 * grace, &none), None);
+        lobby.tls_running.clear();
     }
 
     /// Only a shortage of descriptors costs a waiting connection; a memory
