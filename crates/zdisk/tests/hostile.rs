@@ -246,12 +246,30 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
     };
     let mut times: Vec<(Ipv4Addr, Duration)> = Vec::new();
     let mut failures: Vec<String> = Vec::new();
+    let mut retried: Vec<String> = Vec::new();
     let started = Instant::now();
     for i in 0..tries {
         let due = started + spread.mul_f64(i as f64 / tries as f64);
         thread::sleep(due.saturating_duration_since(Instant::now()));
         for source in [BYSTANDER, ATTACKER] {
-            match honest(source, target, connector.as_ref()) {
+            // Behind the flooding address itself, an honest TLS client
+            // cannot be told from the flood until its handshake completes:
+            // starved of CPU past the slot's grace, it loses its slot like
+            // the flood's, and must get in when it tries again (as a client
+            // reconnects). Everyone else must get in the first time.
+            let attempts = if attack == Attack::ClientHello && source == ATTACKER {
+                2
+            } else {
+                1
+            };
+            let mut result = honest(source, target, connector.as_ref());
+            for _ in 1..attempts {
+                if let Err(e) = &result {
+                    retried.push(format!("try {i} from {source}: {e}"));
+                    result = honest(source, target, connector.as_ref());
+                }
+            }
+            match result {
                 Ok(took) => times.push((source, took)),
                 Err(e) => failures.push(format!("try {i} from {source}: {e}")),
             }
@@ -305,6 +323,9 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
         rss_max >> 20
     );
     println!("{attack:?}: server counters {counters}");
+    for retry in &retried {
+        println!("{attack:?}: retried (behind the flooding address) after {retry}");
+    }
 
     ensure!(
         failures.is_empty(),
