@@ -29,7 +29,7 @@ use crate::codec::{lz4_compress, lz4_decompress, CodecId};
 use crate::error::{Error, Result};
 use crate::map::{
     Chunk, Entry, Location, Map, MapCounts, PageLoc, PageSource, PageStore, RangeState, Slot,
-    SnapshotPage, CHUNK_BLOCKS, TABLE_BASE, VERSION_MAX,
+    SnapshotPage, CHUNK_BLOCKS, SPACE_BLOCKS, TABLE_BASE, VERSION_MAX,
 };
 use crate::media::Media;
 use crate::meta::DumpRef;
@@ -37,6 +37,7 @@ use crate::record::{
     decode_record, encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
     MAP_CHUNK_PAYLOAD_MAX, RECORD_ALIGN, UNIT_BLOCKS_MAX, UNIT_PAYLOAD_MAX,
 };
+use crate::snapshots::SNAPSHOTS_MAX;
 use crate::units::SegmentId;
 
 const ITEM_END: u8 = 0;
@@ -506,10 +507,14 @@ pub(crate) fn decode_chunk_payload(
                 let end = start
                     .checked_add(blocks)
                     .ok_or("a map page beyond any volume")?;
-                // Within the volume, or the shared table's cells (format 5).
+                // Within the volume, the snapshots' key spaces (format 7;
+                // `check` verifies each kept entry names a block of the
+                // volume) or the shared table's cells (format 5).
                 let in_table = start >= TABLE_BASE
                     && end <= (TABLE_BASE + VERSION_MAX + 1).next_multiple_of(CHUNK_BLOCKS);
-                if end > chunk_limit * CHUNK_BLOCKS && !in_table {
+                let spaces_end = (SNAPSHOTS_MAX as u64 + 1) * SPACE_BLOCKS;
+                let in_spaces = start < spaces_end && end <= spaces_end;
+                if end > chunk_limit * CHUNK_BLOCKS && !in_table && !in_spaces {
                     return Err(format!("map page at {start} lies beyond the volume"));
                 }
                 if !(1..=MAP_CHUNK_PAYLOAD_MAX as u64).contains(&payload_len) {

@@ -81,6 +81,9 @@ pub fn fuzz_decoders(bytes: &[u8]) {
                         crate::record::RecordKind::Chapter => {
                             let _ = crate::dedup::decode_chapter(payload);
                         }
+                        crate::record::RecordKind::Snapshot => {
+                            let _ = crate::snapshots::decode_change(payload);
+                        }
                         _ => {}
                     }
                 }
@@ -241,6 +244,20 @@ mod tests {
                     }],
                 ),
             ),
+            (
+                RecordKind::Snapshot,
+                0,
+                0,
+                11,
+                crate::snapshots::encode_change(&crate::snapshots::SnapshotChange::Take(
+                    crate::snapshots::Snapshot {
+                        space: 1,
+                        version: 11,
+                        name: "nightly".into(),
+                        created_unix_secs: 1_700_000_000,
+                    },
+                )),
+            ),
         ];
         for (kind, codec, lba, version, payload) in records {
             let mut out = vec![0u8; record_len_for_payload(payload.len()) as usize];
@@ -336,7 +353,7 @@ mod tests {
             fuzz_decoders(&bytes);
             let decoded = match name {
                 "root" => crate::meta::Root::decode(&bytes).is_ok(),
-                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 7,
+                "segment" => scan_segment(&bytes, 0, 41, 4096, &KEY).records.len() == 8,
                 "staging" => Staged::decode(&bytes, &KEY).is_some(),
                 _ => true,
             };

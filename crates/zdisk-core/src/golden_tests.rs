@@ -31,14 +31,15 @@ const UUID: [u8; 16] = [
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
 ];
 
-/// A version 6 root of a 64 MiB file volume, written cleanly. (Version
-/// 3 to 5 roots have the same layout without the `dedup` byte: `meta.rs`
-/// tests that they still decode.)
+/// A version 7 root of a 64 MiB file volume with one snapshot, written
+/// cleanly. (Version 6 roots have the same layout without the snapshot
+/// list, versions 3 to 5 without the `dedup` byte either: `meta.rs` tests
+/// that they still decode.)
 #[rustfmt::skip]
-const ROOT_V6: &[u8] = &[
+const ROOT_V7: &[u8] = &[
     b'Z', b'D', b'I', b'S', b'K', b'M', b'T', b'1', // magic
-    0x06, 0x00, 0x00, 0x00,                         // format_version 6
-    0xc7, 0x01, 0x00, 0x00,                         // total_length 455
+    0x07, 0x00, 0x00, 0x00,                         // format_version 7
+    0xe3, 0x01, 0x00, 0x00,                         // total_length 483
     0x07, 0, 0, 0, 0, 0, 0, 0,                      // generation 7
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, // uuid
     0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
@@ -102,9 +103,15 @@ const ROOT_V6: &[u8] = &[
     0x17, 0x00, 0x17, 0, 0, 0, 0, 0, 0, 0,          //   23 dedup_blocks = 23
     0x18, 0x00, 0x18, 0, 0, 0, 0, 0, 0, 0,          //   24 dedup_saved_bytes = 24
     0x19, 0x00, 0x19, 0, 0, 0, 0, 0, 0, 0,          //   25 dedup_index_write_bytes = 25
+    0x01, 0x00,                                     // snapshot_count 1
+    0x02, 0x00,                                     //   space 2
+    0x84, 0x03, 0, 0, 0, 0, 0, 0,                   //   version 900
+    0x64, 0xf1, 0x53, 0x65, 0, 0, 0, 0,             //   created_unix_secs 1_700_000_100
+    0x07,                                           //   name_length 7
+    b'n', b'i', b'g', b'h', b't', b'l', b'y',       //   name "nightly"
     CRC_ROOT[0], CRC_ROOT[1], CRC_ROOT[2], CRC_ROOT[3], // crc: CRC32C of every byte above
 ];
-const CRC_ROOT: [u8; 4] = 0x4511_a9f4u32.to_le_bytes();
+const CRC_ROOT: [u8; 4] = 0x87ac_a4cbu32.to_le_bytes();
 
 fn root_fields() -> Root {
     let mut counters = Counters::default();
@@ -153,6 +160,18 @@ fn root_fields() -> Root {
                 generation: 7,
             }),
             counters,
+            snapshots: {
+                let mut snapshots = crate::snapshots::Snapshots::default();
+                snapshots.apply(&crate::snapshots::SnapshotChange::Take(
+                    crate::snapshots::Snapshot {
+                        space: 2,
+                        version: 900,
+                        name: "nightly".into(),
+                        created_unix_secs: 1_700_000_100,
+                    },
+                ));
+                snapshots
+            },
         },
     }
 }
@@ -219,8 +238,8 @@ fn counter_mut<'a>(counters: &'a mut Counters, name: &str) -> &'a mut u64 {
 }
 
 #[test]
-fn root_v5_decodes_to_its_fields() {
-    let root = Root::decode(ROOT_V6).expect("the golden root decodes");
+fn root_v7_decodes_to_its_fields() {
+    let root = Root::decode(ROOT_V7).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
         assert_eq!(
@@ -232,14 +251,14 @@ fn root_v5_decodes_to_its_fields() {
 }
 
 #[test]
-fn root_v5_fields_encode_to_the_golden_bytes() {
-    assert_eq!(root_fields().encode(), ROOT_V6);
+fn root_v7_fields_encode_to_the_golden_bytes() {
+    assert_eq!(root_fields().encode(), ROOT_V7);
 }
 
 #[test]
 fn a_root_with_any_byte_changed_is_refused() {
-    for at in [0, 8, 12, 16, 100, ROOT_V6.len() - 1] {
-        let mut bytes = ROOT_V6.to_vec();
+    for at in [0, 8, 12, 16, 100, ROOT_V7.len() - 1] {
+        let mut bytes = ROOT_V7.to_vec();
         bytes[at] ^= 0x01;
         assert!(Root::decode(&bytes).is_err(), "byte {at} flipped");
     }

@@ -33,6 +33,7 @@ pub mod record;
 mod segments;
 #[cfg(any(test, feature = "testing"))]
 pub mod sim;
+pub mod snapshots;
 mod stats;
 pub mod units;
 mod volume;
@@ -46,7 +47,8 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CreateOptions,
-    DedupIndex, DedupRunStats, DedupSummary, IdleBudget, LockProfile, OpenOptions, OpenReport,
-    Random, Recompress, Volume, WriteEstimate, WriteEstimator, DEFAULT_DEDUP,
+    default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, Compacted,
+    CreateOptions, DedupIndex, DedupRunStats, DedupSummary, DeletedSnapshot, IdleBudget,
+    LockProfile, OpenOptions, OpenReport, Random, Recompress, Snapshot, SnapshotDevice,
+    SnapshotInfo, Volume, WriteEstimate, WriteEstimator, DEFAULT_DEDUP,
 };

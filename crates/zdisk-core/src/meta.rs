@@ -14,6 +14,7 @@ use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::media::MediaGeometry;
+use crate::snapshots::Snapshots;
 use crate::stats::Counters;
 use crate::units::SegmentId;
 
@@ -31,7 +32,7 @@ pub use crate::media::META_MAGIC;
 /// Version 6 adds the `dedup` setting to the root and writes chapters of
 /// the deduplication index (record kind 8), which version 5 would refuse
 /// to scan.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -161,6 +162,9 @@ pub struct CheckpointRoot {
     pub open_segments: Vec<OpenSegmentPos>,
     pub dump: Option<DumpRef>,
     pub counters: Counters,
+    /// The snapshots the dump's map keeps entries for (format 7; none
+    /// before), oldest first.
+    pub snapshots: Snapshots,
 }
 
 /// Everything in one metadata slot.
@@ -182,6 +186,9 @@ pub(crate) struct RetainedRoot {
     /// Segments open at its snapshot, replayed from the recorded offset.
     pub open: Vec<OpenSegmentPos>,
     pub dump: Option<DumpRef>,
+    /// The snapshots as the dump's map holds them: a replay starts from
+    /// these (a newer registry would not match the dump's entries).
+    pub snapshots: Snapshots,
 }
 
 impl RetainedRoot {
@@ -213,6 +220,7 @@ impl Root {
             boundary: self.checkpoint.seq_boundary,
             open: self.checkpoint.open_segments.clone(),
             dump: self.checkpoint.dump.clone(),
+            snapshots: self.checkpoint.snapshots.clone(),
         }
     }
 
@@ -275,6 +283,7 @@ impl Root {
             }
         }
         cp.counters.encode(&mut out);
+        cp.snapshots.encode(&mut out);
 
         let total = out.buf.len() as u32 + 4;
         out.buf[12..16].copy_from_slice(&total.to_le_bytes());
@@ -407,6 +416,11 @@ impl Root {
             other => return Err(format!("bad dump marker {other}")),
         };
         let counters = Counters::decode(&mut input)?;
+        let snapshots = if version >= 7 {
+            Snapshots::decode(&mut input)?
+        } else {
+            Snapshots::default()
+        };
         Ok(Root {
             generation,
             superblock: Superblock {
@@ -435,6 +449,7 @@ impl Root {
                 open_segments,
                 dump,
                 counters,
+                snapshots,
             },
         })
     }
@@ -542,6 +557,18 @@ pub(crate) mod tests_support {
                     host_write_bytes: 5,
                     ..Counters::default()
                 },
+                snapshots: {
+                    let mut snapshots = Snapshots::default();
+                    snapshots.apply(&crate::snapshots::SnapshotChange::Take(
+                        crate::snapshots::Snapshot {
+                            space: 3,
+                            version: 1_000,
+                            name: "before-upgrade".into(),
+                            created_unix_secs: 1_790_000_000,
+                        },
+                    ));
+                    snapshots
+                },
             },
         }
     }
@@ -564,17 +591,23 @@ mod tests {
 
     /// Version 1 roots (no staging) still open; a version this zdisk does
     /// not know, such as the next one, does not. Roots before version 6
-    /// have no `dedup` byte and read as dedup off.
+    /// have no `dedup` byte and read as dedup off; before version 7, no
+    /// snapshot list (no snapshots).
     #[test]
-    fn roots_of_versions_2_to_5_decode_and_unknown_versions_do_not() {
+    fn roots_of_versions_2_to_6_decode_and_unknown_versions_do_not() {
         // Version 1 roots lack fields version 2 added (`unit_blocks`):
         // tests/format_v1.rs opens real version 1 images.
+        let sample = sample_root();
         let root = Root {
             settings: Settings {
                 dedup: false,
-                ..sample_root().settings
+                ..sample.settings
             },
-            ..sample_root()
+            checkpoint: CheckpointRoot {
+                snapshots: Snapshots::default(),
+                ..sample.checkpoint
+            },
+            ..sample
         };
         // Where the dedup byte is: the one byte the setting changes.
         let on = Root {
@@ -590,6 +623,13 @@ mod tests {
             .expect("the setting is encoded");
         let with_version = |version: u32| {
             let mut bytes = root.encode();
+            if version < 7 {
+                // The empty snapshot list: two bytes before the CRC.
+                let end = bytes.len() - 4;
+                bytes.drain(end - 2..end);
+                let total = bytes.len() as u32;
+                bytes[12..16].copy_from_slice(&total.to_le_bytes());
+            }
             if version < 6 {
                 bytes.remove(dedup_at);
                 let total = bytes.len() as u32;
@@ -601,12 +641,12 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 6);
-        assert_eq!(with_version(6).unwrap(), root);
-        for version in [2, 3, 4, 5] {
+        assert_eq!(FORMAT_VERSION, 7);
+        assert_eq!(with_version(7).unwrap(), root);
+        for version in [2, 3, 4, 5, 6] {
             assert_eq!(with_version(version).unwrap(), root, "version {version}");
         }
-        for version in [0, 7] {
+        for version in [0, 8] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

@@ -89,7 +89,15 @@ pub enum RecordKind {
     /// never live, never replayed, never relocated; header `lba` is the
     /// chapter's number and `version` is 0.
     Chapter = 8,
+    /// A snapshot taken or deleted (format 7): `snapshots::encode_change`.
+    /// Header `lba` is 0 and `version` the change's own (a snapshot sees
+    /// entries older than it).
+    Snapshot = 9,
 }
+
+/// The largest snapshot record payload: a snapshot taken with the longest
+/// name (`snapshots::encode_change`; its tests hold the two together).
+pub const SNAPSHOT_PAYLOAD_MAX: u32 = 1 + 2 + 8 + 8 + 1 + 64;
 
 impl RecordKind {
     pub fn from_u8(value: u8) -> Option<RecordKind> {
@@ -102,6 +110,7 @@ impl RecordKind {
             6 => Some(RecordKind::Unit),
             7 => Some(RecordKind::Ref),
             8 => Some(RecordKind::Chapter),
+            9 => Some(RecordKind::Snapshot),
             _ => None,
         }
     }
@@ -227,6 +236,7 @@ impl RecordHeader {
             }
             RecordKind::Chapter => (crate::dedup::CHAPTER_HEADER_LEN as u32..=CHAPTER_PAYLOAD_MAX)
                 .contains(&payload_len),
+            RecordKind::Snapshot => (3..=SNAPSHOT_PAYLOAD_MAX).contains(&payload_len),
         };
         if !length_ok {
             return Err(RecordError::BadLength(payload_len));

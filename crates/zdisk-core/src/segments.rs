@@ -351,10 +351,10 @@ impl SegmentTable {
             info.holds_ranges = true;
             info.range_bytes += header.record_len();
         }
-        // Reference records too are needed by recovery until a checkpoint
-        // covers them (they are not relocated: the cleaner checkpoints
+        // Reference and snapshot records too are needed by recovery until
+        // a checkpoint covers them (they are not relocated: the cleaner checkpoints
         // first, `clean.rs`).
-        if header.kind == RecordKind::Ref {
+        if matches!(header.kind, RecordKind::Ref | RecordKind::Snapshot) {
             info.holds_ranges = true;
         }
         if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {

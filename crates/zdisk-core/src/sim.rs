@@ -2,7 +2,7 @@
 //!
 //! A seeded random sequence of operations — writes (some with FUA, some
 //! partial-block), overwrites, trims, write-zeroes, flushes, cleaning steps,
-//! checkpoints and power cuts — runs against a [`Volume`] on a crash-capable
+//! checkpoints, snapshots taken, read and deleted, and power cuts — runs against a [`Volume`] on a crash-capable
 //! [`MemMedia`], with background work off so that every run is exactly
 //! reproducible from its seed. A [`Model`] tracks, per block, the content
 //! that a completed flush or FUA made durable and every value written since.
@@ -10,7 +10,9 @@
 //! After each power cut the volume is reopened (recovery runs) and checked:
 //! - every block returns its durable content or a value written after it —
 //!   never anything else;
-//! - the invariant checker, with data verification, finds nothing wrong.
+//! - the invariant checker, with data verification, finds nothing wrong;
+//! - every snapshot reads as the volume did when it was taken (one whose
+//!   take or delete the cut interrupted may exist or not).
 //!
 //! A failure names its seed; `ZDISK_SIM_SEED=<seed> cargo test -p zdisk-core
 //! --profile ci --lib sim_replay -- --ignored --nocapture` replays it.
@@ -344,6 +346,10 @@ pub struct SimStats {
     /// Blocks written that dedup found stored already (counted at each
     /// power cut, for the run the cut ends).
     pub dedup_found: u64,
+    /// Snapshots taken and deleted, and snapshots read back and compared.
+    pub snapshots_taken: u64,
+    pub snapshots_deleted: u64,
+    pub snapshot_reads: u64,
 }
 
 impl SimStats {
@@ -362,6 +368,9 @@ impl SimStats {
         self.map_pages_kept += other.map_pages_kept;
         self.clones += other.clones;
         self.dedup_found += other.dedup_found;
+        self.snapshots_taken += other.snapshots_taken;
+        self.snapshots_deleted += other.snapshots_deleted;
+        self.snapshot_reads += other.snapshot_reads;
     }
 }
 
@@ -471,6 +480,31 @@ struct Run<C: Choices> {
     stats: SimStats,
     /// The blocks the current request writes, and their new values.
     attempt: Vec<(u64, Option<Arc<Vec<u8>>>)>,
+    /// The snapshots taken and not deleted, and what each may hold.
+    snapshots: Vec<SimSnapshot>,
+    /// Snapshots taken so far (names them).
+    snapshot_names: u64,
+}
+
+/// A snapshot the run took: the values each block may read as (one, once
+/// the snapshot is known to exist), and whether it may exist at all (a
+/// take or a delete cut short by a power failure leaves either).
+struct SimSnapshot {
+    name: String,
+    blocks: Vec<Vec<Option<Arc<Vec<u8>>>>>,
+    certain: bool,
+}
+
+impl SimSnapshot {
+    /// Block `lba`'s allowed values in `model` now.
+    fn allowed(model: &Model, lba: u64) -> Vec<Option<Arc<Vec<u8>>>> {
+        match model.blocks.get(&lba) {
+            None => vec![None],
+            Some(block) => std::iter::once(block.durable.clone())
+                .chain(block.since.iter().cloned())
+                .collect(),
+        }
+    }
 }
 
 /// A moment the simulated clock stands still at.
@@ -748,6 +782,7 @@ impl<C: Choices> Run<C> {
                 }
                 cleaned.map(|_| ())
             }
+            91..=93 if self.rng.gen_bool(0.4) => self.snapshot_operation(step)?,
             91..=93 => {
                 self.trace.push("checkpoint".into());
                 self.stats.checkpoints += 1;
@@ -759,6 +794,142 @@ impl<C: Choices> Run<C> {
             }
             _ => unreachable!("choice {choice}"),
         })
+    }
+
+    /// Takes a snapshot, deletes one, or reads one back and compares it
+    /// with what it was taken from.
+    fn snapshot_operation(&mut self, step: usize) -> Result<crate::Result<()>, SimFailure> {
+        let roll = self.rng.gen_range(0..10);
+        if roll < 4 && self.snapshots.len() < 4 {
+            self.snapshot_names += 1;
+            let name = format!("s{}", self.snapshot_names);
+            self.trace.push(format!("snapshot {name}"));
+            let blocks = (0..self.config.logical_blocks)
+                .map(|lba| SimSnapshot::allowed(&self.model, lba))
+                .collect();
+            let result = self.volume.take_snapshot(&name);
+            let certain = result.is_ok();
+            if certain {
+                // Taking one flushes.
+                self.model.flush();
+                self.stats.snapshots_taken += 1;
+            }
+            let blocks: Vec<Vec<Option<Arc<Vec<u8>>>>> = if certain {
+                (0..self.config.logical_blocks)
+                    .map(|lba| vec![self.model.latest(lba).cloned()])
+                    .collect()
+            } else {
+                blocks
+            };
+            // A failed take may still have logged it: known after a crash.
+            self.snapshots.push(SimSnapshot {
+                name,
+                blocks,
+                certain,
+            });
+            return Ok(result.map(|_| ()));
+        }
+        let known: Vec<usize> = (0..self.snapshots.len())
+            .filter(|&i| self.snapshots[i].certain)
+            .collect();
+        if known.is_empty() {
+            return Ok(Ok(()));
+        }
+        let at = known[self.rng.gen_range(0..known.len())];
+        if roll < 7 {
+            let name = self.snapshots[at].name.clone();
+            self.trace.push(format!("delete snapshot {name}"));
+            let result = self.volume.delete_snapshot(&name).map(|_| ());
+            match &result {
+                Ok(()) => {
+                    self.snapshots.remove(at);
+                    self.stats.snapshots_deleted += 1;
+                }
+                // It may or may not be gone: known after a crash.
+                Err(_) => self.snapshots[at].certain = false,
+            }
+            return Ok(result);
+        }
+        self.trace
+            .push(format!("read snapshot {}", self.snapshots[at].name));
+        self.verify_snapshot(step, at)?;
+        Ok(Ok(()))
+    }
+
+    /// Reads snapshot `at` whole: every block holds one of its allowed
+    /// values, which becomes the only one.
+    fn verify_snapshot(&mut self, step: usize, at: usize) -> Result<(), SimFailure> {
+        let name = self.snapshots[at].name.clone();
+        let device = self
+            .volume
+            .snapshot_device(&name)
+            .map_err(|e| self.fail(step, format!("snapshot {name}: {e}")))?;
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for lba in 0..self.config.logical_blocks {
+            device.read(lba * BLOCK_SIZE_U64, &mut buf).map_err(|e| {
+                self.fail(step, format!("snapshot {name}: read of block {lba}: {e}"))
+            })?;
+            let allowed = &self.snapshots[at].blocks[lba as usize];
+            let found = allowed.iter().find(|value| match value {
+                None => is_zero(&buf),
+                Some(bytes) => bytes.as_slice() == buf.as_slice(),
+            });
+            match found {
+                Some(value) => {
+                    let value = value.clone();
+                    self.snapshots[at].blocks[lba as usize] = vec![value];
+                }
+                None => {
+                    return Err(self.fail(
+                        step,
+                        format!(
+                            "snapshot {name}: block {lba} reads {}, none of its {} allowed values",
+                            describe(&buf),
+                            allowed.len()
+                        ),
+                    ))
+                }
+            }
+        }
+        self.stats.snapshot_reads += 1;
+        Ok(())
+    }
+
+    /// After a recovery: the snapshots are those the run knows, and those
+    /// whose take or delete a crash cut short, if it left them; each
+    /// reads as it should.
+    fn verify_snapshots(&mut self, step: usize) -> Result<(), SimFailure> {
+        let listed: Vec<String> = self
+            .volume
+            .snapshots()
+            .map_err(|e| self.fail(step, format!("listing snapshots: {e}")))?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        for name in &listed {
+            if !self.snapshots.iter().any(|s| &s.name == name) {
+                return Err(self.fail(
+                    step,
+                    format!("snapshot {name} exists, never taken or deleted"),
+                ));
+            }
+        }
+        let mut at = 0;
+        while at < self.snapshots.len() {
+            let snapshot = &self.snapshots[at];
+            if !listed.contains(&snapshot.name) {
+                if snapshot.certain {
+                    let name = snapshot.name.clone();
+                    return Err(self.fail(step, format!("snapshot {name} was lost")));
+                }
+                self.snapshots.remove(at);
+                continue;
+            }
+            self.snapshots[at].certain = true;
+            self.verify_snapshot(step, at)?;
+            at += 1;
+        }
+        Ok(())
     }
 
     /// Clones a range of blocks onto another (sharing their records, as
@@ -867,7 +1038,7 @@ impl<C: Choices> Run<C> {
                 .settle(lba, &buf)
                 .map_err(|e| self.fail(step, e))?;
         }
-        Ok(())
+        self.verify_snapshots(step)
     }
 }
 
@@ -948,6 +1119,8 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
         )],
         stats: SimStats::default(),
         attempt: Vec::new(),
+        snapshots: Vec::new(),
+        snapshot_names: 0,
     };
     let mut steps = 0;
     while steps < config.operations && !run.rng.exhausted() {
@@ -1028,9 +1201,20 @@ mod tests {
                                 break;
                             }
                             in_place += SimConfig::for_seed(seed).reuse_in_place as u64;
-                            match run_seed(seed) {
-                                Ok(stats) => totals.add(&stats),
-                                Err(failure) => failed = Some((seed, failure.to_string())),
+                            // A panic (an engine assertion) names its seed too.
+                            match std::panic::catch_unwind(|| run_seed(seed)) {
+                                Ok(Ok(stats)) => totals.add(&stats),
+                                Ok(Err(failure)) => failed = Some((seed, failure.to_string())),
+                                Err(_) => {
+                                    failed = Some((
+                                        seed,
+                                        format!(
+                                            "seed {seed} panicked (see above); replay: \
+                                             ZDISK_SIM_SEED={seed} cargo test -p zdisk-core \
+                                             --profile ci --lib sim_replay -- --ignored --nocapture"
+                                        ),
+                                    ))
+                                }
                             }
                         }
                         (totals, in_place, failed)
@@ -1087,6 +1271,12 @@ mod tests {
             assert!(
                 totals.clones > 0,
                 "blocks must be cloned by reference in the simulation"
+            );
+            assert!(
+                totals.snapshots_taken > 0
+                    && totals.snapshots_deleted > 0
+                    && totals.snapshot_reads > 0,
+                "snapshots must be taken, read back and deleted in the simulation"
             );
             assert!(
                 totals.dedup_found > 0,

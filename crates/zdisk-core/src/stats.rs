@@ -197,6 +197,12 @@ pub struct Stats {
     /// Stored contents: blocks holding data, counting each shared content
     /// once.
     pub distinct_blocks: u64,
+    /// Snapshots of the volume, and the entries they keep that the volume
+    /// has changed since (blocks, and the stored bytes of those not
+    /// shared): what the snapshots cost beyond the volume.
+    pub snapshots: u64,
+    pub snapshot_kept_blocks: u64,
+    pub snapshot_kept_bytes: u64,
     /// Deduplication of new writes: on or off; the index's RAM and its
     /// bound (`--dedup-cache`); since the volume opened, the non-zero
     /// blocks written that were looked up, those found stored already
@@ -364,6 +370,12 @@ pub const FIELDS: &[Field] = &[
         Gauge("Stored contents shared by several blocks."), |s| s.shared_contents as f64),
     field("distinct_blocks", "blocks", "blocks of data stored: mapped blocks, each shared content counted once",
         Gauge("Blocks of data stored, each shared content once."), |s| s.distinct_blocks as f64),
+    field("snapshots", "snapshots", "snapshots of the volume (zdisk snapshot)",
+        Gauge("Snapshots of the volume."), |s| s.snapshots as f64),
+    field("snapshot_kept_blocks", "blocks", "blocks whose old entries snapshots keep because the volume changed them since",
+        Gauge("Blocks snapshots keep that the volume changed since."), |s| s.snapshot_kept_blocks as f64),
+    field("snapshot_kept_bytes", "bytes", "stored bytes only snapshots hold (their kept blocks that share nothing)",
+        Gauge("Stored bytes only snapshots hold."), |s| s.snapshot_kept_bytes as f64),
     shown("dedup", "name", "whether new writes are deduplicated: on or off (create --dedup, serve --dedup)"),
     field("dedup_index_bytes", "bytes", "RAM the dedup index takes: sampled hooks, cached chapters, the open chapter, where chapters were written",
         Gauge("RAM used by the dedup index."), |s| s.dedup_index_bytes as f64),

@@ -84,7 +84,14 @@ fn handshake_then_transmit(bytes: &[u8], device: Arc<RamDevice>, mode: TlsMode) 
         active: false,
     };
     let negotiated = loop {
-        match haggle(&mut input, &mut io::sink(), &export, flags, tls, &|| None) {
+        match haggle(
+            &mut input,
+            &mut io::sink(),
+            &export.clone().into(),
+            flags,
+            tls,
+            &|| None,
+        ) {
             Ok(Outcome::Transmission(negotiated)) => break negotiated,
             Ok(Outcome::StartTls) => {
                 assert!(!tls.active, "STARTTLS accepted twice");
@@ -118,6 +125,7 @@ pub fn fuzz_transmission(bytes: &[u8]) {
         base_allocation_id: (structured_replies && bit(1)).then_some(BASE_ALLOCATION_ID),
         compression_id: (structured_replies && bit(7)).then_some(ZDISK_COMPRESSION_ID),
         block_size_agreed: bit(2),
+        export: None,
     };
     let device = Arc::new(RamDevice::new(FUZZ_DEVICE_BYTES));
     if bit(4) {

@@ -52,9 +52,47 @@ pub(crate) struct Export {
     pub read_only: bool,
 }
 
-impl Export {
-    fn answers_to(&self, name: &[u8]) -> bool {
-        name.is_empty() || name == self.name.as_bytes()
+/// Every export: the main one, and those beside it (snapshots), which
+/// may come and go while the server runs.
+#[derive(Clone)]
+pub(crate) struct Exports {
+    pub main: Export,
+    pub extra: Option<std::sync::Arc<dyn crate::ExtraExports>>,
+}
+
+impl From<Export> for Exports {
+    fn from(main: Export) -> Exports {
+        Exports { main, extra: None }
+    }
+}
+
+impl Exports {
+    /// The export a client asks for by `name` (the main one for an empty
+    /// name), and its id among the extra ones (`None`: the main one).
+    fn find(&self, name: &[u8]) -> Option<(Export, Option<u64>)> {
+        if name.is_empty() || name == self.main.name.as_bytes() {
+            return Some((self.main.clone(), None));
+        }
+        let name = std::str::from_utf8(name).ok()?;
+        let extra = self.extra.as_ref()?.find(name)?;
+        Some((
+            Export {
+                name: extra.name,
+                description: extra.description,
+                size_bytes: extra.size_bytes,
+                read_only: true,
+            },
+            Some(extra.id),
+        ))
+    }
+
+    /// Every export's name and description, the main one first.
+    fn list(&self) -> Vec<(String, Option<String>)> {
+        let mut all = vec![(self.main.name.clone(), self.main.description.clone())];
+        if let Some(extra) = &self.extra {
+            all.extend(extra.list().into_iter().map(|e| (e.name, e.description)));
+        }
+        all
     }
 }
 
@@ -68,6 +106,8 @@ pub(crate) struct Negotiated {
     pub compression_id: Option<u32>,
     /// The client promised to honour NBD_INFO_BLOCK_SIZE (see module docs).
     pub block_size_agreed: bool,
+    /// Which export: `None` for the main one, else an extra one's id.
+    pub export: Option<u64>,
 }
 
 /// The transmission flags for an export. Write-type features are left out
@@ -191,7 +231,7 @@ pub(crate) fn greet<R: Read + ?Sized, W: Write + ?Sized>(
 pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
     reader: &mut R,
     writer: &mut W,
-    export: &Export,
+    exports: &Exports,
     client_flags: u32,
     tls: TlsState,
     refusal: &dyn Fn() -> Option<Refusal>,
@@ -209,10 +249,10 @@ pub(crate) fn haggle<R: Read + ?Sized, W: Write + ?Sized>(
         let next = if header.length > MAX_OPTION_BYTES {
             Haggle::check_oversized(header)?;
             discard(reader, u64::from(header.length))?;
-            haggle.answer(export, &mut out, header, None, refusal())?
+            haggle.answer(exports, &mut out, header, None, refusal())?
         } else {
             let data = read_vec(reader, header.length as usize)?;
-            haggle.answer(export, &mut out, header, Some(&data), refusal())?
+            haggle.answer(exports, &mut out, header, Some(&data), refusal())?
         };
         writer.write_all(&out)?;
         match next {
@@ -255,7 +295,7 @@ impl Haggle {
     /// serve this connection, if it will not.
     pub fn answer(
         &mut self,
-        export: &Export,
+        exports: &Exports,
         out: &mut Vec<u8>,
         header: OptionHeader,
         data: Option<&[u8]>,
@@ -265,7 +305,7 @@ impl Haggle {
             None => oversized_option(out, header),
             Some(data) => match refusal {
                 Some(refusal) => refuse(out, header.option, &refusal),
-                None => self.option(export, out, header.option, data),
+                None => self.option(exports, out, header.option, data),
             },
         }
     }
@@ -316,7 +356,7 @@ fn refuse(out: &mut Vec<u8>, option: u32, refusal: &Refusal) -> Result<Next, Ses
 impl Haggle {
     fn option(
         &mut self,
-        export: &Export,
+        exports: &Exports,
         out: &mut Vec<u8>,
         option: u32,
         data: &[u8],
@@ -338,7 +378,7 @@ impl Haggle {
         }
         match option {
             NBD_OPT_STARTTLS => Ok(self.start_tls(out, data)),
-            NBD_OPT_EXPORT_NAME => self.export_name(export, out, data),
+            NBD_OPT_EXPORT_NAME => self.export_name(exports, out, data),
             NBD_OPT_ABORT => {
                 // The specification asks servers to ignore any data here.
                 put_option_reply(out, option, NBD_REP_ACK, &[]);
@@ -346,8 +386,9 @@ impl Haggle {
             }
             NBD_OPT_LIST => {
                 if data.is_empty() {
-                    let description = export.description.as_deref();
-                    put_rep_server(out, option, &export.name, description);
+                    for (name, description) in exports.list() {
+                        put_rep_server(out, option, &name, description.as_deref());
+                    }
                     put_option_reply(out, option, NBD_REP_ACK, &[]);
                 } else {
                     put_option_error(
@@ -359,7 +400,7 @@ impl Haggle {
                 }
                 Ok(Next::Continue)
             }
-            NBD_OPT_INFO | NBD_OPT_GO => Ok(self.info_or_go(export, out, option, data)),
+            NBD_OPT_INFO | NBD_OPT_GO => Ok(self.info_or_go(exports, out, option, data)),
             NBD_OPT_STRUCTURED_REPLY => {
                 if data.is_empty() {
                     self.structured_replies = true;
@@ -375,11 +416,11 @@ impl Haggle {
                 Ok(Next::Continue)
             }
             NBD_OPT_LIST_META_CONTEXT => {
-                self.list_meta_context(export, out, data);
+                self.list_meta_context(exports, out, data);
                 Ok(Next::Continue)
             }
             NBD_OPT_SET_META_CONTEXT => {
-                self.set_meta_context(export, out, data);
+                self.set_meta_context(exports, out, data);
                 Ok(Next::Continue)
             }
             _ => {
@@ -419,17 +460,17 @@ impl Haggle {
 
     fn export_name(
         &self,
-        export: &Export,
+        exports: &Exports,
         out: &mut Vec<u8>,
         name: &[u8],
     ) -> Result<Next, SessionEnd> {
-        if !export.answers_to(name) {
+        let Some((export, id)) = exports.find(name) else {
             let shown = &name[..name.len().min(256)];
             return Err(SessionEnd::Protocol(format!(
                 "NBD_OPT_EXPORT_NAME for unknown export {:?}",
                 String::from_utf8_lossy(shown)
             )));
-        }
+        };
         let flags = transmission_flags(export.read_only, self.structured_replies);
         put_export_name_reply(out, export.size_bytes, flags, self.no_zeroes);
         Ok(Next::Transmission(Negotiated {
@@ -437,10 +478,11 @@ impl Haggle {
             base_allocation_id: self.base_allocation_id,
             compression_id: self.compression_id,
             block_size_agreed: false,
+            export: id,
         }))
     }
 
-    fn unknown_export(export: &Export, out: &mut Vec<u8>, option: u32, name: &[u8]) {
+    fn unknown_export(exports: &Exports, out: &mut Vec<u8>, option: u32, name: &[u8]) {
         put_option_error(
             out,
             option,
@@ -448,12 +490,22 @@ impl Haggle {
             &format!(
                 "no export named {:?}; this server exports {:?}",
                 String::from_utf8_lossy(name),
-                export.name
+                exports
+                    .list()
+                    .into_iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>()
             ),
         );
     }
 
-    fn info_or_go(&mut self, export: &Export, out: &mut Vec<u8>, option: u32, data: &[u8]) -> Next {
+    fn info_or_go(
+        &mut self,
+        exports: &Exports,
+        out: &mut Vec<u8>,
+        option: u32,
+        data: &[u8],
+    ) -> Next {
         let request = match parse_go_option(data) {
             Ok(request) => request,
             Err(error) => {
@@ -461,10 +513,10 @@ impl Haggle {
                 return Next::Continue;
             }
         };
-        if !export.answers_to(request.export_name) {
-            Self::unknown_export(export, out, option, request.export_name);
+        let Some((export, id)) = exports.find(request.export_name) else {
+            Self::unknown_export(exports, out, option, request.export_name);
             return Next::Continue;
-        }
+        };
         let flags = transmission_flags(export.read_only, self.structured_replies);
         put_info_export(out, option, export.size_bytes, flags);
         // Sent whether asked for or not: it tells every client our limits,
@@ -491,13 +543,14 @@ impl Haggle {
                 base_allocation_id: self.base_allocation_id,
                 compression_id: self.compression_id,
                 block_size_agreed: request.requests(NBD_INFO_BLOCK_SIZE),
+                export: id,
             })
         } else {
             Next::Continue
         }
     }
 
-    fn list_meta_context(&self, export: &Export, out: &mut Vec<u8>, data: &[u8]) {
+    fn list_meta_context(&self, exports: &Exports, out: &mut Vec<u8>, data: &[u8]) {
         let option = NBD_OPT_LIST_META_CONTEXT;
         let request = match parse_meta_context_option(data) {
             Ok(request) => request,
@@ -506,8 +559,8 @@ impl Haggle {
                 return;
             }
         };
-        if !export.answers_to(request.export_name) {
-            Self::unknown_export(export, out, option, request.export_name);
+        if exports.find(request.export_name).is_none() {
+            Self::unknown_export(exports, out, option, request.export_name);
             return;
         }
         // No queries lists everything; `base:` and `zdisk:` are namespace
@@ -530,7 +583,7 @@ impl Haggle {
         put_option_reply(out, option, NBD_REP_ACK, &[]);
     }
 
-    fn set_meta_context(&mut self, export: &Export, out: &mut Vec<u8>, data: &[u8]) {
+    fn set_meta_context(&mut self, exports: &Exports, out: &mut Vec<u8>, data: &[u8]) {
         let option = NBD_OPT_SET_META_CONTEXT;
         // Every SET replaces the previous selection, even when it fails.
         self.base_allocation_id = None;
@@ -551,8 +604,8 @@ impl Haggle {
                 return;
             }
         };
-        if !export.answers_to(request.export_name) {
-            Self::unknown_export(export, out, option, request.export_name);
+        if exports.find(request.export_name).is_none() {
+            Self::unknown_export(exports, out, option, request.export_name);
             return;
         }
         // A namespace alone must select nothing in SET; unknown queries

@@ -63,6 +63,7 @@ pub use counters::ServerCounters;
 #[cfg(any(test, feature = "testing"))]
 pub use fuzz::{fuzz_handshake, fuzz_transmission};
 pub use server::{
-    BoundListener, ListenAddr, Server, ServerConfig, ShutdownHandle, SHUTDOWN_REPLY_PATIENCE,
+    BoundListener, ExtraExport, ExtraExports, ListenAddr, Server, ServerConfig, ShutdownHandle,
+    SHUTDOWN_REPLY_PATIENCE,
 };
 pub use tls::{TlsConfig, TlsCredentials, TlsMode};

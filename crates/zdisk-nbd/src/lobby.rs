@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use crate::admission::{Admission, AdmissionLimits, Crowding, FairQueue, Source, Standing};
 use crate::counters::{bump, ServerCounters, Tally};
 use crate::handshake::{
-    client_flags, option_header, put_server_greeting, Export, Haggle, Negotiated, Next, Refusal,
+    client_flags, option_header, put_server_greeting, Exports, Haggle, Negotiated, Next, Refusal,
     TlsState,
 };
 use crate::session::{ConnLog, SessionEnd};
@@ -263,7 +263,7 @@ struct Tallies {
 /// The event loop and everything it owns.
 pub(crate) struct Lobby<'a> {
     config: LobbyConfig<'a>,
-    export: &'a Export,
+    export: &'a Exports,
     sessions: &'a dyn Sessions,
     counters: &'a ServerCounters,
     epoll: Epoll,
@@ -287,7 +287,7 @@ pub(crate) struct Lobby<'a> {
 impl<'a> Lobby<'a> {
     pub fn new(
         config: LobbyConfig<'a>,
-        export: &'a Export,
+        export: &'a Exports,
         sessions: &'a dyn Sessions,
         counters: &'a ServerCounters,
     ) -> io::Result<Lobby<'a>> {
@@ -905,7 +905,7 @@ impl<'a> Lobby<'a> {
 fn converse(
     conn: &mut Waiting,
     scratch: &mut [u8],
-    export: &Export,
+    exports: &Exports,
     config: &LobbyConfig<'_>,
     refusal: &Option<Refusal>,
 ) -> Turn {
@@ -983,7 +983,7 @@ fn converse(
                 continue;
             }
             let header = *header;
-            if let Err(end) = answer(conn, export, header, None, refusal) {
+            if let Err(end) = answer(conn, exports, header, None, refusal) {
                 return Turn::Ended(end);
             }
             continue;
@@ -992,7 +992,7 @@ fn converse(
         if conn.frame.len() < needed {
             continue;
         }
-        if let Err(end) = complete(conn, export, config, refusal) {
+        if let Err(end) = complete(conn, exports, config, refusal) {
             return Turn::Ended(end);
         }
     }
@@ -1002,7 +1002,7 @@ fn converse(
 /// A whole message is in `conn.frame`: act on it.
 fn complete(
     conn: &mut Waiting,
-    export: &Export,
+    exports: &Exports,
     config: &LobbyConfig<'_>,
     refusal: &Option<Refusal>,
 ) -> Result<(), SessionEnd> {
@@ -1026,12 +1026,12 @@ fn complete(
                 Haggle::check_oversized(header)?;
                 conn.stage = Stage::Discard(header, u64::from(header.length));
             } else if header.length == 0 {
-                answer(conn, export, header, Some(&[]), refusal)?;
+                answer(conn, exports, header, Some(&[]), refusal)?;
             } else {
                 conn.stage = Stage::Data(header);
             }
         }
-        Stage::Data(header) => answer(conn, export, header, Some(&frame), refusal)?,
+        Stage::Data(header) => answer(conn, exports, header, Some(&frame), refusal)?,
         Stage::Discard(..) | Stage::TlsQueued | Stage::Tls(_) => {
             unreachable!("no frame is gathered in this stage")
         }
@@ -1042,7 +1042,7 @@ fn complete(
 /// Answers an option, and says what follows once the answer is sent.
 fn answer(
     conn: &mut Waiting,
-    export: &Export,
+    exports: &Exports,
     header: OptionHeader,
     data: Option<&[u8]>,
     refusal: &Option<Refusal>,
@@ -1052,7 +1052,7 @@ fn answer(
     }
     let next = conn
         .haggle
-        .answer(export, &mut conn.output, header, data, refusal.clone())?;
+        .answer(exports, &mut conn.output, header, data, refusal.clone())?;
     conn.stage = Stage::Header;
     conn.then = match next {
         Next::Continue => Then::Read,
@@ -1112,6 +1112,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     use super::*;
+    use crate::handshake::Export;
 
     fn os(errno: i32) -> io::Error {
         io::Error::from_raw_os_error(errno)
@@ -1185,7 +1186,8 @@ mod tests {
             tls_mode: TlsMode::Off,
             tls: None,
         };
-        let mut lobby = Lobby::new(config, &export, &NoSessions, &counters).unwrap();
+        let exports = Exports::from(export);
+        let mut lobby = Lobby::new(config, &exports, &NoSessions, &counters).unwrap();
         let mut clients = Vec::new();
         for _ in 0..3 {
             clients.push(TcpStream::connect(address).unwrap());
@@ -1244,7 +1246,8 @@ mod tests {
             tls_mode: TlsMode::Off,
             tls: None,
         };
-        let mut lobby = Lobby::new(config, &export, &NoSessions, &counters).unwrap();
+        let exports = Exports::from(export);
+        let mut lobby = Lobby::new(config, &exports, &NoSessions, &counters).unwrap();
         let mut clients = Vec::new();
         for _ in 0..4 {
             clients.push(TcpStream::connect(address).unwrap());

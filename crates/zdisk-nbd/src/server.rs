@@ -52,7 +52,7 @@ use zdisk_core::BlockDevice;
 use crate::admission::AdmissionLimits;
 use crate::budget::{InFlightLimits, MemoryBudget};
 use crate::counters::ServerCounters;
-use crate::handshake::{Export, Negotiated};
+use crate::handshake::{Export, Exports, Negotiated};
 use crate::lobby::{Accepted, Doors, Lobby, LobbyConfig, Sessions};
 use crate::pool::{PoolHandle, WorkerPool};
 use crate::request::Session;
@@ -372,6 +372,7 @@ impl Drop for Registration {
 /// What every connection thread needs.
 struct Context {
     device: Arc<dyn BlockDevice>,
+    extra: Option<Arc<dyn ExtraExports>>,
     config: ServerConfig,
     shared: Arc<Shared>,
     pool: PoolHandle,
@@ -383,13 +384,16 @@ impl Context {
         self.shared.stopping.load(Ordering::SeqCst)
     }
 
-    /// The export as the handshake describes it.
-    fn export(&self) -> Export {
-        Export {
-            name: self.config.export_name.clone(),
-            description: self.config.description.clone(),
-            size_bytes: self.device.size_bytes(),
-            read_only: self.config.read_only || self.device.is_read_only(),
+    /// The exports as the handshake describes them.
+    fn exports(&self) -> Exports {
+        Exports {
+            main: Export {
+                name: self.config.export_name.clone(),
+                description: self.config.description.clone(),
+                size_bytes: self.device.size_bytes(),
+                read_only: self.config.read_only || self.device.is_read_only(),
+            },
+            extra: self.extra.clone(),
         }
     }
 }
@@ -440,10 +444,35 @@ impl BoundListener {
     }
 }
 
-/// An NBD server for one export backed by a [`BlockDevice`].
+/// An export served beside the main one (a snapshot), as the handshake
+/// describes it. Extra exports are read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtraExport {
+    /// Names it to [`ExtraExports::open`] for as long as it exists.
+    pub id: u64,
+    pub name: String,
+    pub description: Option<String>,
+    pub size_bytes: u64,
+}
+
+/// Exports beside the main one, which may come and go while the server
+/// runs: each handshake asks what exists then.
+pub trait ExtraExports: Send + Sync {
+    /// Every extra export now.
+    fn list(&self) -> Vec<ExtraExport>;
+    /// The extra export named `name`, if it exists now.
+    fn find(&self, name: &str) -> Option<ExtraExport>;
+    /// The device behind extra export `id` (served read-only), if it
+    /// still exists.
+    fn open(&self, id: u64) -> Option<Arc<dyn BlockDevice>>;
+}
+
+/// An NBD server for an export backed by a [`BlockDevice`], and any extra
+/// read-only exports ([`Server::set_extra_exports`]).
 pub struct Server {
     listener: Listener,
     device: Arc<dyn BlockDevice>,
+    extra: Option<Arc<dyn ExtraExports>>,
     config: ServerConfig,
     shared: Arc<Shared>,
     started: AtomicBool,
@@ -474,6 +503,7 @@ impl Server {
         Ok(Server {
             listener: bound.listener,
             device,
+            extra: None,
             config,
             shared: Arc::new(Shared {
                 stopping: AtomicBool::new(false),
@@ -488,6 +518,11 @@ impl Server {
     /// The address actually bound, e.g. the port chosen for port 0.
     pub fn local_addr(&self) -> io::Result<ListenAddr> {
         self.listener.local_addr()
+    }
+
+    /// Serves `extra` beside the main export (before [`Server::run`]).
+    pub fn set_extra_exports(&mut self, extra: Arc<dyn ExtraExports>) {
+        self.extra = Some(extra);
     }
 
     /// The server's connection counters, live: handshakes, evictions,
@@ -512,6 +547,7 @@ impl Server {
         let mut pool = WorkerPool::new(self.config.worker_threads, self.config.read_threads)?;
         let context = Arc::new(Context {
             device: Arc::clone(&self.device),
+            extra: self.extra.clone(),
             config: self.config.clone(),
             shared: Arc::clone(&self.shared),
             pool: pool.handle(),
@@ -544,7 +580,7 @@ impl Server {
     /// Accepts connections and runs their handshakes until shut down.
     fn run_lobby(&self, context: &Arc<Context>, registry: &Arc<Registry>) -> io::Result<()> {
         let config = &self.config;
-        let export = context.export();
+        let export = context.exports();
         let starter = Starter { context, registry };
         let mut lobby = Lobby::new(
             LobbyConfig {
@@ -710,7 +746,21 @@ fn transmit(
     negotiated: Negotiated,
     log: &ConnLog,
 ) -> (SessionEnd, (u64, u64)) {
-    let device = &context.device;
+    // An extra export (a snapshot) deleted since the handshake chose it
+    // ends the session.
+    let device = match negotiated.export {
+        None => Arc::clone(&context.device),
+        Some(id) => match context.extra.as_ref().and_then(|extra| extra.open(id)) {
+            Some(device) => device,
+            None => {
+                return (
+                    SessionEnd::Protocol("the export chosen went away before transmission".into()),
+                    (0, 0),
+                )
+            }
+        },
+    };
+    let device = &device;
     let read_only = context.config.read_only || device.is_read_only();
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, transport.reader(None));
     let session = Session {

@@ -293,6 +293,47 @@ pub struct StatsArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct SnapshotArgs {
+    /// The image; while it is served, its server takes the snapshot.
+    pub image: PathBuf,
+    /// The snapshot's name (1 to 64 letters, digits, '.', '_', '-'): its
+    /// read-only NBD export's name too.
+    pub name: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct VolumesArgs {
+    /// The image; while it is served, its server answers.
+    pub image: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DeleteArgs {
+    /// The image; while it is served, its server deletes the snapshot.
+    pub image: PathBuf,
+    /// The snapshot to delete.
+    pub name: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CompactArgs {
+    /// The image; while it is served, its server compacts it.
+    pub image: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
 pub struct EstimateArgs {
     /// A file, disk image or block device (opened read-only), or - for standard input.
     pub path: PathBuf,

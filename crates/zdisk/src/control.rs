@@ -1,6 +1,8 @@
 //! The control socket: a Unix socket next to a served image, through
-//! which `zdisk stats IMAGE` asks the server for its statistics (an image
-//! being served is locked, so it cannot be read directly).
+//! which `zdisk stats IMAGE` asks the server for its statistics, and
+//! `zdisk snapshot`, `volumes` and `delete` ask it to take, list and
+//! delete snapshots (an image being served is locked, so it cannot be
+//! opened directly).
 //!
 //! Where: `.NAME.zdisk-control` in the directory of the image file (its
 //! symbolic links resolved, so every path to the image finds it); for a
@@ -8,9 +10,14 @@
 //! permissions follow the image's read bits (whoever may read the image
 //! may read its statistics).
 //!
-//! The protocol is one line each way: the client sends `stats`, the
-//! server answers with the statistics as one line of JSON (the keys of
-//! `zdisk stats --json`), or a line starting `error:`.
+//! The protocol is one line each way: the client sends `stats`,
+//! `snapshots`, `snapshot NAME`, `delete NAME` or `compact`; the server answers with
+//! one line of JSON (the statistics with the keys of `zdisk stats --json`;
+//! the snapshots as `zdisk volumes --json` lists them; the snapshot taken;
+//! what deleting freed; what compacting did), or a line starting `error:`.
+//! Taking and deleting snapshots and compacting change the image, so it takes write permission on the
+//! image: the server checks the asking process's credentials
+//! (`SO_PEERCRED`) against the image file's owner and mode.
 //!
 //! A server killed with -9 leaves its socket behind. The next server of
 //! the image holds the image's lock when it binds, so no other process can
@@ -80,6 +87,7 @@ impl Drop for ControlSocket {
 /// the open `volume`) and answers on a thread of its own.
 pub fn serve(image: &Path, volume: Arc<Volume>) -> Result<ControlSocket, String> {
     let path = socket_path(image)?;
+    let image_path = image.to_path_buf();
     if path.starts_with(RUN_DIR) {
         fs::create_dir_all(RUN_DIR).map_err(|e| format!("cannot create {RUN_DIR}: {e}"))?;
     }
@@ -123,9 +131,10 @@ pub fn serve(image: &Path, volume: Arc<Volume>) -> Result<ControlSocket, String>
     std::thread::Builder::new()
         .name("zdisk-control".into())
         .spawn(move || {
+            let image = image_path;
             for stream in listener.incoming() {
                 match stream {
-                    Ok(stream) => answer(&stream, &volume),
+                    Ok(stream) => answer(&stream, &volume, &image),
                     // Out of descriptors (EMFILE) fails at once: wait
                     // rather than spin on it.
                     Err(_) => std::thread::sleep(Duration::from_millis(100)),
@@ -136,8 +145,70 @@ pub fn serve(image: &Path, volume: Arc<Volume>) -> Result<ControlSocket, String>
     Ok(socket)
 }
 
+/// JSON encoding behind a trait object, for the replies above.
+mod erased {
+    pub trait Json {
+        fn json(&self) -> Result<String, String>;
+    }
+
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> Result<String, String> {
+            serde_json::to_string(self).map_err(|e| format!("cannot encode the reply: {e}"))
+        }
+    }
+}
+
+/// Whether the process at the other end of `stream` may change `image`:
+/// root, or a user with write permission on the image file by its mode.
+fn may_change(stream: &UnixStream, image: &Path) -> Result<(), String> {
+    let (uid, gid) = peer_credentials(stream)?;
+    let metadata =
+        fs::metadata(image).map_err(|e| format!("cannot inspect {}: {e}", image.display()))?;
+    let mode = metadata.mode();
+    let writable = uid == 0
+        || (uid == metadata.uid() && mode & 0o200 != 0)
+        || (gid == metadata.gid() && mode & 0o020 != 0)
+        || mode & 0o002 != 0;
+    if writable {
+        Ok(())
+    } else {
+        Err(format!(
+            "user {uid} may not write {}, so may not take or delete its snapshots",
+            image.display()
+        ))
+    }
+}
+
+/// The user and group of the process at the other end of `stream`.
+fn peer_credentials(stream: &UnixStream) -> Result<(u32, u32), String> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a valid ucred of `len` bytes for the kernel to fill.
+    let done = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if done != 0 {
+        return Err(format!(
+            "cannot tell who asks: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok((cred.uid, cred.gid))
+}
+
 /// Answers one request on `stream`.
-fn answer(stream: &UnixStream, volume: &Volume) {
+fn answer(stream: &UnixStream, volume: &Volume, image: &Path) {
     let _ = stream.set_read_timeout(Some(TIMEOUT));
     let _ = stream.set_write_timeout(Some(TIMEOUT));
     // A request line is short: a client cannot make the server read much.
@@ -148,10 +219,44 @@ fn answer(stream: &UnixStream, volume: &Volume) {
     {
         return;
     }
-    let reply = match request.trim() {
-        "stats" => serde_json::to_string(&volume.stats())
-            .unwrap_or_else(|e| format!("error: cannot encode the statistics: {e}")),
-        other => format!("error: unknown request {other:?}; try stats"),
+    let request = request.trim();
+    let json = |value: Result<String, String>| value.unwrap_or_else(|e| format!("error: {e}"));
+    let encode = |value: &dyn erased::Json| value.json();
+    let reply = match request.split_once(' ') {
+        None if request == "stats" => json(encode(&volume.stats())),
+        None if request == "snapshots" => json(
+            volume
+                .snapshots()
+                .map_err(|e| e.to_string())
+                .and_then(|list| encode(&list)),
+        ),
+        None if request == "compact" => match may_change(stream, image) {
+            Err(why) => format!("error: {why}"),
+            Ok(()) => json(
+                volume
+                    .compact()
+                    .map_err(|e| e.to_string())
+                    .and_then(|done| encode(&done)),
+            ),
+        },
+        Some((verb @ ("snapshot" | "delete"), name)) => match may_change(stream, image) {
+            Err(why) => format!("error: {why}"),
+            Ok(()) if verb == "snapshot" => json(
+                volume
+                    .take_snapshot(name)
+                    .map_err(|e| e.to_string())
+                    .and_then(|taken| encode(&taken)),
+            ),
+            Ok(()) => json(
+                volume
+                    .delete_snapshot(name)
+                    .map_err(|e| e.to_string())
+                    .and_then(|deleted| encode(&deleted)),
+            ),
+        },
+        _ => format!(
+            "error: unknown request {request:?}; try stats, snapshots, snapshot NAME, delete NAME or compact"
+        ),
     };
     let mut stream = stream;
     let _ = writeln!(stream, "{reply}");
@@ -168,13 +273,25 @@ pub enum AskError {
 
 /// Asks the server of `image`, if any, for its statistics.
 pub fn ask_stats(image: &Path) -> Result<Stats, AskError> {
+    let reply = ask(image, "stats", "zdisk stats")?;
+    serde_json::from_str(&reply).map_err(|e| {
+        AskError::Failed(format!(
+            "the server of {} answered what is not statistics ({e})",
+            image.display()
+        ))
+    })
+}
+
+/// Asks the server of `image`, if any, `request` (for `command`, which
+/// the permission error names); returns its JSON reply.
+pub fn ask(image: &Path, request: &str, command: &str) -> Result<String, AskError> {
     let path = socket_path(image).map_err(AskError::NotServed)?;
     let stream = match UnixStream::connect(&path) {
         Ok(stream) => stream,
         Err(e) if e.kind() == ErrorKind::PermissionDenied => {
             return Err(AskError::Failed(format!(
                 "{} is being served, and its control socket {} refuses this user ({e}): \
-                 run zdisk stats as the user serving it, or as root",
+                 run {command} as the user serving it, or as root",
                 image.display(),
                 path.display()
             )))
@@ -205,9 +322,17 @@ pub fn ask_stats(image: &Path) -> Result<Stats, AskError> {
             path.display()
         ))
     };
-    stream.set_read_timeout(Some(TIMEOUT)).map_err(failed)?;
+    // Statistics come at once; a snapshot or a deletion flushes, and
+    // compacting cleans the whole image: those wait as long as they take.
+    let read_timeout = match request {
+        "stats" | "snapshots" => Some(TIMEOUT),
+        _ => None,
+    };
+    stream.set_read_timeout(read_timeout).map_err(failed)?;
     stream.set_write_timeout(Some(TIMEOUT)).map_err(failed)?;
-    (&stream).write_all(b"stats\n").map_err(failed)?;
+    (&stream)
+        .write_all(format!("{request}\n").as_bytes())
+        .map_err(failed)?;
     let mut reply = String::new();
     BufReader::new(&stream)
         .read_line(&mut reply)
@@ -219,10 +344,5 @@ pub fn ask_stats(image: &Path) -> Result<Stats, AskError> {
             error.trim()
         )));
     }
-    serde_json::from_str(&reply).map_err(|e| {
-        AskError::Failed(format!(
-            "the server of {} answered what is not statistics ({e})",
-            image.display()
-        ))
-    })
+    Ok(reply)
 }

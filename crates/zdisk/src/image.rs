@@ -88,6 +88,32 @@ pub fn create(
     })
 }
 
+/// An image with snapshots is in use as surely as a served one: `--force`
+/// does not overwrite it (its snapshots would go with it). A file that is
+/// not a readable zdisk image is left to `--force`.
+fn refuse_if_snapshotted(path: &Path) -> Result<(), String> {
+    let options = OpenOptions {
+        read_only: true,
+        background: false,
+        ..OpenOptions::default()
+    };
+    let Ok(volume) = open(path, options) else {
+        return Ok(());
+    };
+    let names: Vec<String> = volume.snapshot_list().into_iter().map(|s| s.name).collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} has {} snapshot(s) ({}): --force does not overwrite an image with snapshots; \
+         delete them first (zdisk delete {} NAME)",
+        path.display(),
+        names.len(),
+        names.join(", "),
+        path.display()
+    ))
+}
+
 /// Builds a new image and puts it at `path` only once it is complete, so a
 /// failed create leaves whatever was at `path` byte for byte.
 ///
@@ -129,6 +155,7 @@ fn create_replacing(
             ))
         }
         Some(_) => {
+            refuse_if_snapshotted(path)?;
             let file = std::fs::File::open(path)
                 .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
             zdisk_core::media::lock_file(&file, path, true).map_err(|e| e.to_string())?;

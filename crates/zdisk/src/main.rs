@@ -15,6 +15,7 @@ mod metrics;
 mod nand;
 mod output;
 mod serve;
+mod snapshot;
 mod stats;
 
 use std::process::ExitCode;
@@ -22,7 +23,10 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use crate::args::{BenchArgs, CheckArgs, CreateArgs, EstimateArgs, MapArgs, ServeArgs, StatsArgs};
+use crate::args::{
+    BenchArgs, CheckArgs, CompactArgs, CreateArgs, DeleteArgs, EstimateArgs, MapArgs, ServeArgs,
+    SnapshotArgs, StatsArgs, VolumesArgs,
+};
 
 /// A software compressing drive, served over NBD.
 #[derive(Parser, Debug)]
@@ -40,6 +44,14 @@ enum Command {
     Serve(ServeArgs),
     /// Print an image's statistics (asking its server while it is served).
     Stats(StatsArgs),
+    /// Take a read-only, crash-consistent snapshot of an image's volume.
+    Snapshot(SnapshotArgs),
+    /// List an image's volume and its snapshots.
+    Volumes(VolumesArgs),
+    /// Delete a snapshot; what it alone kept becomes free.
+    Delete(DeleteArgs),
+    /// Reclaim every free byte now: clean segments until none has garbage worth it.
+    Compact(CompactArgs),
     /// Verify an image's invariants and every stored extent's checksum.
     Check(CheckArgs),
     /// Predict what a file, disk image or block device would take on a volume, per codec.
@@ -98,6 +110,10 @@ fn main() -> ExitCode {
         Command::Create(args) => image::create_command(&args).map(|_| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(args).map(|_| ExitCode::SUCCESS),
         Command::Stats(args) => stats::run(&args).map(|_| ExitCode::SUCCESS),
+        Command::Snapshot(args) => snapshot::snapshot(&args).map(|_| ExitCode::SUCCESS),
+        Command::Volumes(args) => snapshot::volumes(&args).map(|_| ExitCode::SUCCESS),
+        Command::Delete(args) => snapshot::delete(&args).map(|_| ExitCode::SUCCESS),
+        Command::Compact(args) => snapshot::compact(&args).map(|_| ExitCode::SUCCESS),
         Command::Check(args) => check::run(&args),
         Command::Estimate(args) => estimate::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Map(args) => map::run(&args).map(|_| ExitCode::SUCCESS),

@@ -19,7 +19,8 @@ use signal_hook::iterator::Signals;
 use zdisk_core::units::format_size;
 use zdisk_core::{BlockDevice, OpenOptions, Recompress, Volume};
 use zdisk_nbd::{
-    BoundListener, ListenAddr, Server, ServerConfig, TlsConfig, TlsCredentials, TlsMode,
+    BoundListener, ExtraExport, ExtraExports, ListenAddr, Server, ServerConfig, TlsConfig,
+    TlsCredentials, TlsMode,
 };
 
 use crate::args::ServeArgs;
@@ -255,7 +256,10 @@ fn serve(
         config.tls.as_ref().map(|t| t.summary().to_string()),
     );
     let device: Arc<dyn BlockDevice> = volume.clone();
-    let server = Server::with_listener(bound, device, config).map_err(|e| e.to_string())?;
+    let mut server = Server::with_listener(bound, device, config).map_err(|e| e.to_string())?;
+    server.set_extra_exports(Arc::new(SnapshotExports {
+        volume: volume.clone(),
+    }));
     let counters = server.counters();
     let bound = server.local_addr().map_err(|e| e.to_string())?;
     let control = match crate::control::serve(&args.image, volume.clone()) {
@@ -352,4 +356,54 @@ fn absolute(path: &Path) -> String {
         .unwrap_or_else(|_| path.to_path_buf())
         .display()
         .to_string()
+}
+
+/// The volume's snapshots, each a read-only export under its name
+/// (`nbdinfo --list` shows them; one taken while the server runs is
+/// served at once, one deleted is gone for new connections).
+struct SnapshotExports {
+    volume: Arc<Volume>,
+}
+
+impl SnapshotExports {
+    fn describe(&self, snapshot: &zdisk_core::Snapshot) -> ExtraExport {
+        ExtraExport {
+            // Versions are never reused: an id names one snapshot for good.
+            id: snapshot.version,
+            name: snapshot.name.clone(),
+            description: Some(format!(
+                "zdisk snapshot {} (read-only), taken at version {}",
+                snapshot.name, snapshot.version
+            )),
+            size_bytes: self.volume.size_bytes(),
+        }
+    }
+}
+
+impl ExtraExports for SnapshotExports {
+    fn list(&self) -> Vec<ExtraExport> {
+        self.volume
+            .snapshot_list()
+            .iter()
+            .map(|s| self.describe(s))
+            .collect()
+    }
+
+    fn find(&self, name: &str) -> Option<ExtraExport> {
+        self.volume
+            .snapshot_list()
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| self.describe(s))
+    }
+
+    fn open(&self, id: u64) -> Option<Arc<dyn BlockDevice>> {
+        let snapshot = self
+            .volume
+            .snapshot_list()
+            .into_iter()
+            .find(|s| s.version == id)?;
+        let device = self.volume.snapshot_device(&snapshot.name).ok()?;
+        Some(Arc::new(device))
+    }
 }

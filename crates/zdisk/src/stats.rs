@@ -302,6 +302,9 @@ mod tests {
             "shared_blocks",
             "shared_contents",
             "distinct_blocks",
+            "snapshots",
+            "snapshot_kept_blocks",
+            "snapshot_kept_bytes",
             "dedup_index_bytes",
             "dedup_index_bound_bytes",
         ];

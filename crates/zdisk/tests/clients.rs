@@ -412,10 +412,22 @@ fn kill9_rounds(m: Medium, rounds: u64, dup: bool) -> TestResult {
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| e.to_string())?;
-        // Let it write for a while, through several flushes, then pull the
-        // plug; with many rounds, for less and less predictable times.
+        // Let it write through two flushes at least (however slowly a
+        // loaded machine starts it), then for a while longer, then pull
+        // the plug; with many rounds, for less and less predictable times.
+        let started = std::time::Instant::now();
+        while flushes_logged(&log_path) < 2 {
+            ensure!(
+                started.elapsed() < Duration::from_secs(60),
+                "the writer completed fewer than 2 flushes in 60 s"
+            );
+            if let Some(status) = writer.try_wait().map_err(|e| e.to_string())? {
+                return Err(format!("the writer exited early: {status}").into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let millis = if rounds > 3 {
-            400 + (round * 137) % 600
+            200 + (round * 137) % 600
         } else {
             1500 + 700 * round
         };
@@ -426,8 +438,7 @@ fn kill9_rounds(m: Medium, rounds: u64, dup: bool) -> TestResult {
             "the server should have died from SIGKILL"
         );
         let _ = writer.wait();
-        let logged = std::fs::read_to_string(&log_path).map_err(|e| e.to_string())?;
-        let flushes = logged.lines().filter(|l| l.starts_with('F')).count();
+        let flushes = flushes_logged(&log_path);
         ensure!(
             flushes >= 2,
             "the writer completed only {flushes} flushes before the kill"
@@ -469,6 +480,13 @@ fn kill9_rounds(m: Medium, rounds: u64, dup: bool) -> TestResult {
         "no block was ever shared: the writer's duplicates were not found"
     );
     Ok(Completion::Completed)
+}
+
+/// Flushes the crash writer logged as completed so far.
+fn flushes_logged(log: &std::path::Path) -> usize {
+    std::fs::read_to_string(log)
+        .map(|text| text.lines().filter(|l| l.starts_with('F')).count())
+        .unwrap_or(0)
 }
 
 fn python_file(name: &str, args: &[&str]) -> Result<std::process::Output, Failed> {

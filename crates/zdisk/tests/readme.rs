@@ -30,6 +30,7 @@ fn main() {
     let tests: Vec<(&str, TestFn)> = vec![
         ("the_first_command_serves_as_written", first_command),
         ("the_quick_start_runs_as_written", quick_start),
+        ("the_snapshot_commands_run_as_written", snapshot_commands),
         (
             "the_kernel_filesystem_recipe_runs_as_written",
             kernel_filesystem,
@@ -234,6 +235,34 @@ fn quick_start() -> TestResult {
         log.contains("closed cleanly"),
         "Ctrl-C stopped the server cleanly: {log}"
     );
+    Ok(Completion::Completed)
+}
+
+fn snapshot_commands() -> TestResult {
+    let ready = require_tools(&["bash", "nbdinfo", "nbdcopy", "tar", "/usr/share/doc"])
+        .and_then(|()| port_for_snippets());
+    if let Some(skip) = skip_unless(ready) {
+        return skip;
+    }
+    let scratch = Scratch::new("readme-snapshots");
+    // After the quick start's writes, the snapshot snippet as written.
+    let client = format!("{}\n{}", snippet("quick-start")?, snippet("snapshots")?);
+    let (out, log) = with_readme_server(&scratch.path, &client)?;
+    ensure!(
+        out.contains("took snapshot nightly") && out.contains("export=\"nightly\""),
+        "the snapshot was taken and listed: {out}"
+    );
+    ensure!(
+        out.contains("deleted snapshot nightly") && out.contains("compacted demo.zdisk"),
+        "delete and compact ran: {out}"
+    );
+    let copied = std::fs::metadata(scratch.path.join("nightly.img")).map_err(|e| e.to_string())?;
+    ensure!(
+        copied.len() == 8 << 30,
+        "nbdcopy copied the snapshot whole: {} bytes",
+        copied.len()
+    );
+    ensure!(log.contains("closed cleanly"), "{log}");
     Ok(Completion::Completed)
 }
 

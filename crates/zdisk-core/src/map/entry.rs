@@ -100,6 +100,30 @@ pub(crate) enum Slot {
 /// cleaner's summaries treat it as any other entry.
 pub(crate) const TABLE_BASE: u64 = 1 << 56;
 
+/// Snapshots keep the entries the volume replaced but they still see in
+/// key spaces of their own: space `s` (1 and up) holds block `lba`'s
+/// entry at `s * SPACE_BLOCKS + lba`. Space 0 is the volume itself, whose
+/// blocks (at most 2^40) are their own keys, so images without snapshots
+/// are unchanged; spaces end below the shared table.
+pub(crate) const SPACE_SHIFT: u32 = 40;
+pub(crate) const SPACE_BLOCKS: u64 = 1 << SPACE_SHIFT;
+
+/// The key of block `lba`'s entry in key space `space`.
+pub(crate) fn space_key(space: u16, lba: u64) -> crate::units::Lba {
+    debug_assert!(lba < SPACE_BLOCKS, "block {lba} beyond a key space");
+    crate::units::Lba(((space as u64) << SPACE_SHIFT) | lba)
+}
+
+/// The key space of a block key (`None` for a shared table cell).
+pub(crate) fn key_space(key: u64) -> Option<u16> {
+    (key < TABLE_BASE).then_some((key >> SPACE_SHIFT) as u16)
+}
+
+/// The block a key of any key space names.
+pub(crate) fn key_block(key: u64) -> u64 {
+    key & (SPACE_BLOCKS - 1)
+}
+
 /// The map key of the shared table's cell for `content`.
 pub(crate) fn table_key(content: u64) -> crate::units::Lba {
     debug_assert!(content <= VERSION_MAX, "content version {content}");

@@ -69,8 +69,8 @@ use column::alloc_bytes;
 /// [`Map::dirty_over_cache`].
 const DIRTY_SLACK_BYTES: u64 = 1 << 20;
 pub(crate) use entry::{
-    table_content, table_key, Chunk, Entry, Location, MapCounts, RangeState, Slot, CHUNK_BLOCKS,
-    TABLE_BASE, VERSION_MAX,
+    key_block, key_space, space_key, table_content, table_key, Chunk, Entry, Location, MapCounts,
+    RangeState, Slot, CHUNK_BLOCKS, SPACE_BLOCKS, TABLE_BASE, VERSION_MAX,
 };
 use entry::{CHUNK_MASK, CHUNK_SHIFT};
 pub(crate) use fault::{Fault, FaultPin, ReadLeaf};
@@ -88,8 +88,11 @@ pub(crate) struct Map {
     /// The part of `counts` the shared table's cells make (kept by `set`,
     /// the only way a cell changes, once `table_counted`).
     table_counts: MapCounts,
-    /// False while a dump's totals hold cells not counted yet (from
-    /// `add_paged_counts` until `recount_table`).
+    /// The part of `counts` snapshots' kept entries make (keys from
+    /// `SPACE_BLOCKS` below `TABLE_BASE`), kept the same way.
+    kept_counts: MapCounts,
+    /// False while a dump's totals hold cells or kept entries not counted
+    /// yet (from `add_paged_counts` until `recount_table`).
     table_counted: bool,
     /// Keep trimmed entries with their versions (during recovery).
     keep_tombstones: bool,
@@ -188,6 +191,7 @@ impl Map {
             leaves: BTreeMap::new(),
             counts: MapCounts::default(),
             table_counts: MapCounts::default(),
+            kept_counts: MapCounts::default(),
             table_counted: true,
             keep_tombstones,
             chunk_items: 0,
@@ -213,30 +217,52 @@ impl Map {
 
     /// Counts of the volume's blocks: a shared block counts as data
     /// taking no bytes, its content's cell as the bytes alone.
+    /// Snapshots' kept entries (as stored bytes alone) are left out too.
     pub(crate) fn block_counts(&self) -> MapCounts {
         let cells = MapCounts {
-            data_blocks: self.table_counts.data_blocks,
-            damaged_blocks: self.table_counts.damaged_blocks,
+            data_blocks: self.table_counts.data_blocks + self.kept_counts.data_blocks,
+            damaged_blocks: self.table_counts.damaged_blocks + self.kept_counts.damaged_blocks,
+            zero_blocks: self.kept_counts.zero_blocks,
             ..MapCounts::default()
         };
         self.counts.without(cells)
     }
 
-    /// Counts the shared table's cells again (after recovery's replay).
+    /// Counts of the entries snapshots keep (their key spaces).
+    pub(crate) fn kept_counts(&self) -> MapCounts {
+        self.kept_counts
+    }
+
+    /// Counts the shared table's cells and the snapshots' kept entries
+    /// again (after recovery's replay).
     pub(crate) fn recount_table(&mut self, media: &dyn Media) -> Result<()> {
-        let mut counts = MapCounts::default();
-        self.for_each_leaf_from(media, TABLE_BASE, |start, leaf| {
+        let mut table = MapCounts::default();
+        let mut kept = MapCounts::default();
+        // From the leaf holding the first kept key: a leaf may span the
+        // end of the volume's space if its blocks reach it.
+        let from = self
+            .leaves
+            .range(..SPACE_BLOCKS)
+            .next_back()
+            .map_or(SPACE_BLOCKS, |(&start, _)| start);
+        self.for_each_leaf_from(media, from, |start, leaf| {
             let _ = leaf.visit(start, start, start + leaf.blocks(), &mut |piece| {
-                match piece {
-                    Piece::One(_, entry) => counts.add(entry.slot(), 1),
-                    Piece::Same(from, to, entry) => counts.add(entry.slot(), to - from),
-                    Piece::Gap(..) => {}
+                let (key, entry, count) = match piece {
+                    Piece::One(key, entry) => (key, entry, 1),
+                    Piece::Same(from, to, entry) => (from, entry, to - from),
+                    Piece::Gap(..) => return ControlFlow::Continue(()),
+                };
+                if key >= TABLE_BASE {
+                    table.add(entry.slot(), count);
+                } else if key >= SPACE_BLOCKS {
+                    kept.add(entry.slot(), count);
                 }
                 ControlFlow::Continue(())
             });
             Ok(())
         })?;
-        self.table_counts = counts;
+        self.table_counts = table;
+        self.kept_counts = kept;
         self.table_counted = true;
         Ok(())
     }
@@ -334,9 +360,14 @@ impl Map {
         let old = self.put(lba.0, new);
         self.counts.sub(old.slot(), 1);
         self.counts.add(slot, 1);
-        if lba.0 >= TABLE_BASE && self.table_counted {
-            self.table_counts.sub(old.slot(), 1);
-            self.table_counts.add(slot, 1);
+        if lba.0 >= SPACE_BLOCKS && self.table_counted {
+            let counts = if lba.0 >= TABLE_BASE {
+                &mut self.table_counts
+            } else {
+                &mut self.kept_counts
+            };
+            counts.sub(old.slot(), 1);
+            counts.add(slot, 1);
         }
         debug_assert_eq!(self.get(lba).slot(), slot);
         old
@@ -1223,6 +1254,48 @@ impl Map {
         f: impl FnMut(u64, &Leaf) -> Result<()>,
     ) -> Result<()> {
         self.for_each_leaf_from(media, 0, f)
+    }
+
+    /// Calls `f` with every entry that is not a hole among keys
+    /// `first..first+count`, reading evicted leaves' pages as it goes
+    /// (without keeping them).
+    pub(crate) fn for_each_kept(
+        &self,
+        media: &dyn Media,
+        first: Lba,
+        count: u64,
+        mut f: impl FnMut(Entry),
+    ) -> Result<()> {
+        let end = first.0.saturating_add(count);
+        let from = self
+            .leaves
+            .range(..=first.0)
+            .next_back()
+            .map_or(first.0, |(&start, _)| start);
+        for (&start, leaf) in self.leaves.range(from..end) {
+            let (lo, hi) = (start.max(first.0), (start + leaf.blocks()).min(end));
+            if lo >= hi {
+                continue;
+            }
+            let read;
+            let leaf = if leaf.is_resident() {
+                leaf
+            } else {
+                read = self.read_leaf(media, start, leaf)?;
+                &read
+            };
+            let _ = leaf.visit(start, lo, hi, &mut |piece| {
+                match piece {
+                    Piece::One(_, entry) if !entry.is_hole() => f(entry),
+                    Piece::Same(from, to, entry) if !entry.is_hole() => {
+                        (from..to).for_each(|_| f(entry))
+                    }
+                    _ => {}
+                }
+                ControlFlow::Continue(())
+            });
+        }
+        Ok(())
     }
 
     /// Every shared content whose cell holds data or damage.

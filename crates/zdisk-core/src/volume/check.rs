@@ -36,14 +36,14 @@ use std::collections::{HashMap, HashSet};
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::map::{table_content, Location, Slot};
+use crate::map::{key_block, key_space, table_content, Location, Slot, SPACE_BLOCKS, TABLE_BASE};
 use crate::record::RecordKind;
 use crate::segments::SegmentState;
 use crate::units::{Lba, BLOCK_SIZE};
 
 use super::io::{decode_into, Wanted, RANGE_RECORD_LEN};
 use super::space::Writer;
-use super::state::State;
+use super::state::{keeps, State};
 use super::Volume;
 
 /// A live block: where its record is, its number and version.
@@ -108,6 +108,9 @@ impl Volume {
             report.errors.push(format!("map: {error}"));
         }
         check_extents(&state, &mut extents, &mut report.errors);
+        if let Err(error) = check_snapshots(&state, media, &mut report.errors) {
+            report.errors.push(format!("map: {error}"));
+        }
         check_segments(&state, &extents, &mut report.errors);
         let referrers = match check_shared(&state, media) {
             Ok((referrers, errors)) => {
@@ -199,7 +202,7 @@ impl Volume {
             .iter()
             .find(|(_, key, _)| table_content(key.0).is_none());
         let base = match direct {
-            Some(&(loc, lba, _)) => match lba.0.checked_sub(loc.member as u64) {
+            Some(&(loc, lba, _)) => match key_block(lba.0).checked_sub(loc.member as u64) {
                 Some(base) => base,
                 None => {
                     report.damaged_blocks.push(lba.0);
@@ -211,8 +214,12 @@ impl Volume {
         let mut wanted = Vec::with_capacity(members.len());
         let mut keys = Vec::with_capacity(members.len());
         for &(loc, key, version) in members {
-            let shared = table_content(key.0).is_some();
-            if shared || key.0.checked_sub(base) == Some(loc.member as u64) {
+            // A snapshot's kept entry may lie under another key than the
+            // record names: versions are never reused, so the version
+            // alone says the record holds it.
+            let cell = table_content(key.0).is_some();
+            let shared = cell || key.0 >= SPACE_BLOCKS;
+            if cell || key_block(key.0).checked_sub(base) == Some(loc.member as u64) {
                 wanted.push(Wanted {
                     index: loc.member as usize,
                     loc,
@@ -313,13 +320,14 @@ fn check_extents(state: &State, extents: &mut [Extent], errors: &mut Vec<String>
             // Two blocks of one unit: same record, different places in it,
             // counted from the same first block.
             // (A cell's key says nothing of the unit's first block.)
+            // A snapshot's kept entry counts by its block.
             let cell = table_content(a_lba.0).is_some() || table_content(b_lba.0).is_some();
             let same_unit = a.len == b.len
                 && a.members == b.members
                 && a.member < b.member
                 && (cell
-                    || a_lba.0.checked_sub(a.member as u64)
-                        == b_lba.0.checked_sub(b.member as u64));
+                    || key_block(a_lba.0).checked_sub(a.member as u64)
+                        == key_block(b_lba.0).checked_sub(b.member as u64));
             if !same_unit {
                 errors.push(format!(
                     "blocks {a_lba} and {b_lba} claim one record in segment {} differently \
@@ -412,6 +420,51 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
             ));
         }
     }
+}
+
+/// Every entry in a snapshot's key space belongs to a snapshot that sees
+/// it: data, shared data or damage, older than the snapshot, for a block
+/// of the volume.
+fn check_snapshots(
+    state: &State,
+    media: &dyn crate::media::Media,
+    errors: &mut Vec<String>,
+) -> Result<()> {
+    let snapshots = state.snapshots();
+    let logical = state.logical_blocks();
+    state.map().for_each_stored(media, |key, entry| {
+        if !(SPACE_BLOCKS..TABLE_BASE).contains(&key) || entry.is_hole() {
+            return;
+        }
+        let space = key_space(key).expect("a block key");
+        let block = key_block(key);
+        let Some(snapshot) = snapshots.by_space(space) else {
+            errors.push(format!(
+                "block {block} has an entry in key space {space}, which no snapshot owns"
+            ));
+            return;
+        };
+        if !keeps(entry) {
+            errors.push(format!(
+                "snapshot {} keeps {:?} for block {block}",
+                snapshot.name,
+                entry.slot()
+            ));
+        } else if entry.version() >= snapshot.version {
+            errors.push(format!(
+                "snapshot {} (version {}) keeps block {block} at version {}, which it cannot see",
+                snapshot.name,
+                snapshot.version,
+                entry.version()
+            ));
+        }
+        if block >= logical {
+            errors.push(format!(
+                "snapshot {} keeps block {block}, beyond the volume",
+                snapshot.name
+            ));
+        }
+    })
 }
 
 /// The blocks sharing each content.

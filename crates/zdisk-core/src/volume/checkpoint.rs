@@ -62,6 +62,8 @@ struct Snapshot {
     boundary: u64,
     /// Where the open streams stood.
     open: Vec<OpenSegmentPos>,
+    /// The snapshots the map holds kept entries for.
+    snapshots: crate::snapshots::Snapshots,
 }
 
 /// The dump of `state`: its map's directory and pages (those it keeps
@@ -229,6 +231,7 @@ impl Volume {
                 source: state.map().store().cloned(),
                 boundary: state.space().next_seq(),
                 open: state.open_positions(),
+                snapshots: state.snapshots().clone(),
             };
             (snapshot, gen)
         };
@@ -286,6 +289,7 @@ impl Volume {
             boundary: snapshot.boundary,
             open: snapshot.open,
             dump: Some(dump),
+            snapshots: snapshot.snapshots,
         };
         state.install_root(retained, &reservation);
         let first_page = snapshot.directory.len();
@@ -388,6 +392,7 @@ impl Volume {
             boundary: snapshot.boundary,
             open: snapshot.open.clone(),
             dump: Some(dump.clone()),
+            snapshots: snapshot.snapshots.clone(),
         };
         let (root, reservation) = {
             let mut state = self.lock();

@@ -43,13 +43,34 @@ const RELOCATION_SLACK_BYTES: u64 = 256;
 const MERGE_GAP_BYTES: u64 = 16 * 1024;
 
 /// The best victim under `policy` with at least `min_garbage_bytes` reclaimable.
-fn pick_victim(state: &State, policy: GcPolicy, min_garbage_bytes: u64) -> Option<SegmentId> {
+/// Free segments beyond which the cleaner may wait for checkpoints rather
+/// than copy what a recovery would replay (`Volume::clean_one_by`).
+const SETTLING_SPARE_SEGMENTS: u64 = 8;
+
+/// True if free segments leave room for the checkpoints that settle a
+/// victim: below that, the cleaner takes the best victim as it is.
+fn roomy(state: &State) -> bool {
+    state.space().free_count() >= state.floor(Writer::Cleaner) + SETTLING_SPARE_SEGMENTS
+}
+
+/// With `settled`, only victims whose copies no recovery would replay out
+/// of order with what they copy: no retained root replays them, or they
+/// hold no live data to copy (see `Volume::clean_one_by`).
+fn pick_victim(
+    state: &State,
+    policy: GcPolicy,
+    min_garbage_bytes: u64,
+    settled: bool,
+) -> Option<SegmentId> {
     let space = state.space();
     let segment_size = state.segment_size_bytes();
     let now = space.next_version();
     let mut best: Option<(SegmentId, f64)> = None;
     for (segment, info) in space.table().iter() {
         if info.state != SegmentState::Sealed {
+            continue;
+        }
+        if settled && info.live_bytes > 0 && state.needed_by_recovery(segment) {
             continue;
         }
         // Trims recovery may still need move with the segment: they are
@@ -183,6 +204,39 @@ impl Volume {
         let Some(mut victim) = self.choose_victim(min_garbage_bytes)? else {
             return Ok(false);
         };
+        // No copy may be replayed out of order with the records it
+        // copies: a recovery replays segments in sequence order, so a copy
+        // in a GC segment can come before a reference record that needs
+        // the data it copies (the reference is lost), or before a snapshot
+        // record (the entry is kept for the wrong snapshot). A victim with
+        // live data that a retained root would replay waits for
+        // checkpoints (two at most, for both roots) to put it behind every
+        // root; victims behind them are chosen first (`choose_victim`).
+        // With few free segments (`roomy`), or if no checkpoint fits, it is
+        // cleaned at once: the order then matters only if the newest root
+        // is lost too.
+        for _ in 0..2 {
+            let unsettled = {
+                let state = self.lock();
+                victim.needed_by_recovery
+                    && state.space().segment(victim.segment).live_bytes > 0
+                    && roomy(&state)
+            };
+            if !unsettled {
+                break;
+            }
+            match self.checkpoint_locked(false) {
+                Ok(()) => {}
+                Err(Error::NoSpace { .. }) => break,
+                Err(other) => return Err(other),
+            }
+            let state = self.lock();
+            if state.space().segment(victim.segment).state != SegmentState::Sealed {
+                // The checkpoint cleaned it to make room for itself.
+                return Ok(true);
+            }
+            victim = victim_of(&state, victim.segment);
+        }
         // With `--recompress gc`, the background cleaner rewrites cold
         // victims with the stronger codec.
         victim.recompress = self.recompress_when_cleaning(who, victim.cold);
@@ -226,8 +280,18 @@ impl Volume {
             let state = self.lock();
             state.check_writable()?;
             let policy = self.settings.gc_policy;
-            let Some(best) = pick_victim(&state, policy, min_garbage_bytes) else {
-                return Ok(None);
+            // Settled victims first while there is room to wait for
+            // checkpoints; others only if there is none.
+            let settled_first = roomy(&state);
+            let settled = settled_first
+                .then(|| pick_victim(&state, policy, min_garbage_bytes, true))
+                .flatten();
+            let (best, settled) = match settled {
+                Some(best) => (best, true),
+                None => match pick_victim(&state, policy, min_garbage_bytes, false) {
+                    Some(best) => (best, false),
+                    None => return Ok(None),
+                },
             };
             let need = relocation_need(&state, best, 0);
             if state
@@ -236,7 +300,7 @@ impl Volume {
             {
                 best
             } else {
-                pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes).unwrap_or(best)
+                pick_victim(&state, GcPolicy::Greedy, min_garbage_bytes, settled).unwrap_or(best)
             }
         };
         let Some(state) = self.room_to_relocate(segment, 0, &[])? else {
@@ -516,7 +580,9 @@ fn relocate_scanned(
                     state.relocate_range(header, payload)?;
                 }
             }
-            RecordKind::Ref => refs = true,
+            // Snapshot records a replay still needs hold the victim as
+            // reference records do, until a checkpoint.
+            RecordKind::Ref | RecordKind::Snapshot => refs = true,
             RecordKind::MapChunk | RecordKind::Chapter => {}
         }
     }

@@ -242,7 +242,11 @@ pub(crate) fn idle_choice(
         .filter(|(segment, _)| !read_recently(*segment))
         .min_by_key(|(_, info)| info.max_version);
     match emptiest.or(oldest_warm) {
-        Some((segment, info)) if info.holds_ranges && state.needed_by_recovery(segment) => {
+        // Nothing a recovery would replay is copied (`Volume::clean_one_by`
+        // says why).
+        Some((segment, info))
+            if (info.holds_ranges || info.live_bytes > 0) && state.needed_by_recovery(segment) =>
+        {
             IdleChoice::CheckpointFirst
         }
         Some((segment, _)) => IdleChoice::Victim(segment),

@@ -63,9 +63,14 @@ impl Volume {
         let mut rounds = 0;
         let result = loop {
             let mut seen = HashSet::new();
-            // The cells of the shared entries in the ranges come too.
-            let cells = state.map().paged_cells(ranges);
-            let wanted: Vec<(Lba, u64, Vec<Fault>)> = ranges
+            // The same blocks in every snapshot's key space come too (a
+            // change there may keep an entry for a snapshot, the cleaner
+            // may find a member kept), and the cells of the shared
+            // entries in all of them.
+            let kept = state.kept_ranges(ranges);
+            let all: Vec<(Lba, u64)> = ranges.iter().chain(&kept).copied().collect();
+            let cells = state.map().paged_cells(&all);
+            let wanted: Vec<(Lba, u64, Vec<Fault>)> = all
                 .iter()
                 .chain(&cells)
                 .filter_map(|&(first, count)| {

@@ -27,7 +27,7 @@ use crate::codec::{
 use crate::dedup::Hit;
 use crate::error::{Error, Result};
 use crate::fingerprint::Fingerprint;
-use crate::map::{table_key, Entry, Location, Slot};
+use crate::map::{key_block, table_key, Entry, Location, Slot, TABLE_BASE};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
     decode_record, decode_unit, record_len_for_payload, unit_prefix_head, RecordKey, RecordKind,
@@ -258,11 +258,22 @@ impl Volume {
     /// its blocks are wanted), verifies and decompresses them, and looks
     /// again at any block that failed (the cleaner may have moved it).
     pub(crate) fn read_blocks(&self, first: Lba, out: &mut [u8]) -> Result<()> {
+        let lookup = self.look_up(first, out)?;
+        let failed = self.fetch(first, lookup, out);
+        for (index, error) in failed {
+            self.reread_block(Lba(first.0 + index as u64), block_mut(out, index), error)?;
+        }
+        Ok(())
+    }
+
+    /// Reads, verifies and decodes into `out` what `lookup` found for the
+    /// blocks from `first`; returns the blocks that failed.
+    pub(super) fn fetch(&self, first: Lba, lookup: Lookup, out: &mut [u8]) -> Vec<(usize, Error)> {
         let Lookup {
             wanted,
             buffered,
             incarnations,
-        } = self.look_up(first, out)?;
+        } = lookup;
         let mut last_segment = None;
         for wanted in &wanted {
             if last_segment != Some(wanted.loc.segment) {
@@ -284,10 +295,7 @@ impl Volume {
         let records = by_record(wanted);
         let runs = coalesce(&records);
         failed.extend(self.read_runs(first, &records, &runs, &incarnations, out));
-        for (index, error) in failed {
-            self.reread_block(Lba(first.0 + index as u64), block_mut(out, index), error)?;
-        }
-        Ok(())
+        failed
     }
 
     /// Under the state lock: fills holes and zeros in `out`, copies
@@ -521,7 +529,13 @@ impl Volume {
 
     /// Reads block `lba`, whose entry is `entry` (for a shared block, its
     /// content's cell).
-    fn read_block_once(&self, lba: Lba, entry: Entry, shared: bool, out: &mut [u8]) -> Result<()> {
+    pub(super) fn read_block_once(
+        &self,
+        lba: Lba,
+        entry: Entry,
+        shared: bool,
+        out: &mut [u8],
+    ) -> Result<()> {
         match entry.slot() {
             Slot::Hole if shared => Err(damaged_earlier(
                 lba,
@@ -1004,8 +1018,11 @@ fn look_up_in(state: &State, first: Lba, out: &mut [u8], lookup: &mut Lookup) ->
 /// Sorts the entries a read looks up, block by block, under the state
 /// lock: holes and zeros filled in `out`, records not on the medium yet
 /// copied, the rest listed with their segments' incarnations.
-struct Finder<'a, 'b> {
+pub(super) struct Finder<'a, 'b> {
     state: &'a State,
+    /// Verify records by version alone (a snapshot's view: the entry may
+    /// be kept under another key than the record's block).
+    by_version: bool,
     first: Lba,
     out: &'b mut [u8],
     lookup: &'b mut Lookup,
@@ -1017,9 +1034,15 @@ struct Finder<'a, 'b> {
 }
 
 impl<'a, 'b> Finder<'a, 'b> {
-    fn new(state: &'a State, first: Lba, out: &'b mut [u8], lookup: &'b mut Lookup) -> Self {
+    pub(super) fn new(
+        state: &'a State,
+        first: Lba,
+        out: &'b mut [u8],
+        lookup: &'b mut Lookup,
+    ) -> Self {
         Finder {
             state,
+            by_version: false,
             first,
             out,
             lookup,
@@ -1029,7 +1052,13 @@ impl<'a, 'b> Finder<'a, 'b> {
         }
     }
 
-    fn add(&mut self, lba: Lba, entry: Entry) {
+    /// Records are verified by version alone.
+    pub(super) fn by_version(mut self) -> Self {
+        self.by_version = true;
+        self
+    }
+
+    pub(super) fn add(&mut self, lba: Lba, entry: Entry) {
         if self.error.is_some() {
             return;
         }
@@ -1042,7 +1071,7 @@ impl<'a, 'b> Finder<'a, 'b> {
                     "its data was found damaged earlier; rewrite the block to clear",
                 ))
             }
-            Slot::Data(loc) => self.add_stored(index, loc, entry.version(), false),
+            Slot::Data(loc) => self.add_stored(index, loc, entry.version(), self.by_version),
             Slot::Shared { content } => {
                 let cell = table_key(content);
                 if !self.state.map().is_resident(cell, 1) {
@@ -1092,7 +1121,7 @@ impl<'a, 'b> Finder<'a, 'b> {
 
     /// Ok(false) if a shared block's cell was paged out: the lookup must
     /// be made again with it in RAM.
-    fn finish(self) -> Result<bool> {
+    pub(super) fn finish(self) -> Result<bool> {
         match self.error {
             Some(error) => Err(error),
             None => Ok(!self.cells_paged),
@@ -1101,7 +1130,7 @@ impl<'a, 'b> Finder<'a, 'b> {
 }
 
 /// What a read finds under the lock.
-struct Lookup {
+pub(super) struct Lookup {
     wanted: Vec<Wanted>,
     /// Each segment `wanted` reads from, with its incarnation (`seq`) at lookup.
     incarnations: Vec<(SegmentId, u64)>,
@@ -1110,6 +1139,14 @@ struct Lookup {
 }
 
 impl Lookup {
+    pub(super) fn with_capacity(count: usize) -> Lookup {
+        Lookup {
+            wanted: Vec::with_capacity(count),
+            buffered: Vec::new(),
+            incarnations: Vec::with_capacity(count.min(16)),
+        }
+    }
+
     /// Forgets a lookup to be made again.
     fn clear(&mut self) {
         self.wanted.clear();
@@ -1170,7 +1207,7 @@ fn coalesce(records: &[Vec<Wanted>]) -> Vec<Run> {
 }
 
 /// The `index`th block of `out`.
-fn block_mut(out: &mut [u8], index: usize) -> &mut [u8] {
+pub(super) fn block_mut(out: &mut [u8], index: usize) -> &mut [u8] {
     &mut out[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE]
 }
 
@@ -1184,6 +1221,15 @@ fn damaged_earlier(lba: Lba, reason: &str) -> Error {
 }
 
 /// Verifies the record in `bytes` is block `lba` at `version` and decompresses it.
+/// True if a record whose header names key `named` was written for block
+/// key `lba`: the same key, or the same block in another key space (the
+/// cleaner rewrites an entry a snapshot keeps under its key there, and a
+/// replay that lost the change which made it kept gives it back to the
+/// volume; the version, never reused, says it is that block's).
+fn names_block(named: u64, lba: u64) -> bool {
+    named == lba || (named < TABLE_BASE && lba < TABLE_BASE && key_block(named) == key_block(lba))
+}
+
 pub(crate) fn decode_block(
     key: &RecordKey,
     lba: Lba,
@@ -1216,7 +1262,7 @@ pub(crate) fn decode_block(
     // content's cell): versions are never reused, so the version alone
     // says the record holds the content.
     if header.kind != RecordKind::Data
-        || (header.lba != lba.0 && !shared)
+        || (!names_block(header.lba, lba.0) && !shared)
         || header.version != version
     {
         return Err(damaged(format!(
@@ -1315,7 +1361,10 @@ pub(crate) fn decode_into(
     for wanted in members {
         let member = wanted.loc.member as usize;
         let expected = (wanted.shared
-            || lba_of(wanted).0.checked_sub(member as u64) == Some(header.lba))
+            || lba_of(wanted)
+                .0
+                .checked_sub(member as u64)
+                .is_some_and(|first| names_block(header.lba, first)))
             && wanted.loc.members as usize == count
             && unit.versions.get(member) == Some(&wanted.version);
         if expected {

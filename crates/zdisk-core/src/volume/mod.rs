@@ -39,6 +39,9 @@ mod room;
 mod roots;
 pub(crate) mod scan;
 mod share;
+mod snapshot;
+#[cfg(test)]
+mod snapshot_tests;
 mod space;
 pub(crate) mod staging;
 mod state;
@@ -47,6 +50,7 @@ mod tallies;
 #[cfg(test)]
 mod tests;
 
+pub use crate::snapshots::Snapshot;
 pub use check::CheckReport;
 pub use cold::{IdleBudget, Recompress};
 pub use dedup::DedupRunStats;
@@ -57,6 +61,7 @@ pub use options::{
     DEFAULT_DEDUP,
 };
 pub use recovery::OpenReport;
+pub use snapshot::{Compacted, DeletedSnapshot, SnapshotDevice, SnapshotInfo};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
@@ -181,6 +186,7 @@ impl Volume {
                     boundary: 1,
                     open: Vec::new(),
                     dump: None,
+                    snapshots: Default::default(),
                 },
                 next_seq: 1,
                 next_version: 1,
@@ -587,8 +593,14 @@ impl Volume {
             map_pages_kept: cache.pages_kept,
             shared_blocks: state.shared().references(),
             shared_contents: state.shared().contents(),
-            distinct_blocks: (counts.data_blocks + state.shared().contents())
-                .saturating_sub(state.shared().references()),
+            distinct_blocks: (counts.data_blocks
+                + state.map().kept_counts().data_blocks
+                + state.shared().contents())
+            .saturating_sub(state.shared().references()),
+            snapshots: state.snapshots().len() as u64,
+            snapshot_kept_blocks: state.map().kept_counts().data_blocks
+                + state.map().kept_counts().damaged_blocks,
+            snapshot_kept_bytes: state.map().kept_counts().stored_bytes,
             dedup: if self.settings.dedup { "on" } else { "off" }.to_string(),
             dedup_index_bytes: dedup.ram_bytes,
             dedup_index_bound_bytes: dedup.ram_bound_bytes,
@@ -721,6 +733,7 @@ fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead:
         roots,
         map,
         shared,
+        snapshots,
         segments,
         next_seq,
         next_version,
@@ -738,6 +751,7 @@ fn start_from(recovered: Recovered, root: &Root, geometry: MediaGeometry, ahead:
     let start = Start {
         map,
         shared,
+        snapshots,
         space,
         counters,
         generation: root.generation,
@@ -827,6 +841,32 @@ fn maintenance_loop(volume: Weak<Volume>) {
     }
 }
 
+/// Block status as extents of `offset..offset+len`, from runs of blocks
+/// (state, count) starting at the block holding `offset` (they may cover
+/// less than the range: a reply may say less than asked).
+pub(super) fn extents_of(
+    offset: u64,
+    len: u64,
+    runs: impl IntoIterator<Item = (ExtentState, u64)>,
+) -> Vec<Extent> {
+    let limit = offset + len;
+    let mut position = offset;
+    let mut run_start = offset / BLOCK_SIZE_U64 * BLOCK_SIZE_U64;
+    let mut extents = Vec::new();
+    for (state, blocks) in runs {
+        let run_end = (run_start + blocks * BLOCK_SIZE_U64).min(limit);
+        if run_end > position {
+            extents.push(Extent {
+                length_bytes: run_end - position,
+                state,
+            });
+            position = run_end;
+        }
+        run_start += blocks * BLOCK_SIZE_U64;
+    }
+    extents
+}
+
 impl BlockDevice for Volume {
     fn size_bytes(&self) -> u64 {
         self.superblock.logical_size_bytes
@@ -884,27 +924,15 @@ impl BlockDevice for Volume {
                 .map()
                 .runs(Lba(first), end - first, max_extents.max(1))
         };
-        let mut extents = Vec::with_capacity(runs.len());
-        let mut position = offset;
-        let limit = offset + len;
-        let mut run_start = first * BLOCK_SIZE_U64;
-        for (slot, blocks) in runs {
-            let run_end = (run_start + blocks * BLOCK_SIZE_U64).min(limit);
-            if run_end > position {
-                let state = match slot {
-                    Slot::Hole => ExtentState::Hole,
-                    Slot::Zero => ExtentState::Zero,
-                    Slot::Data(_) | Slot::Shared { .. } | Slot::Damaged => ExtentState::Data,
-                };
-                extents.push(Extent {
-                    length_bytes: run_end - position,
-                    state,
-                });
-                position = run_end;
-            }
-            run_start += blocks * BLOCK_SIZE_U64;
-        }
-        Ok(extents)
+        let runs = runs.into_iter().map(|(slot, blocks)| {
+            let state = match slot {
+                Slot::Hole => ExtentState::Hole,
+                Slot::Zero => ExtentState::Zero,
+                Slot::Data(_) | Slot::Shared { .. } | Slot::Damaged => ExtentState::Data,
+            };
+            (state, blocks)
+        });
+        Ok(extents_of(offset, len, runs))
     }
 
     fn stored_status(

@@ -27,7 +27,7 @@
 
 use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, RunPiece};
 use crate::error::Result;
-use crate::map::{table_key, Location, Slot, TABLE_BASE};
+use crate::map::{key_block, table_key, Location, Slot, SPACE_BLOCKS, TABLE_BASE};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
 use crate::units::{Lba, BLOCK_SIZE};
 
@@ -104,13 +104,30 @@ pub(crate) fn plan_record(
         payload: payload.to_vec(),
         codec,
     };
+    // A member a snapshot keeps is never copied unchanged: the copy would
+    // name the volume's block, and a replay that no longer finds the kept
+    // entry (its snapshot deleted meanwhile) could take it for a write of
+    // that block after a trim whose version the checkpoint forgot. It is
+    // rewritten naming its key in the snapshot's space instead.
+    let kept = live
+        .iter()
+        .any(|&(key, _, _)| (SPACE_BLOCKS..TABLE_BASE).contains(&key.0));
     match header.kind {
         RecordKind::Data => {
             let (key, _, version) = live[0];
             if live.len() != 1 || !names_member(key, &header, 0, version) {
                 return damaged();
             }
-            copy()
+            if !kept {
+                return copy();
+            }
+            match decompress_unit(&header, payload, 1) {
+                Some(block) => Move::Rewrite(
+                    rewrite_live(&block, &[header.version], live, codec, false),
+                    codec,
+                ),
+                None => damaged(),
+            }
         }
         RecordKind::Unit => {
             let Ok(unit) = decode_unit(&header, payload) else {
@@ -125,7 +142,7 @@ pub(crate) fn plan_record(
             if !matches {
                 return damaged();
             }
-            if live.len() == unit.count() {
+            if live.len() == unit.count() && !kept {
                 return copy();
             }
             match decompress_unit(&header, unit.data, unit.count()) {
@@ -143,7 +160,15 @@ pub(crate) fn plan_record(
 /// True if the entry at `key` may name member `member` (at `version`) of
 /// the record `header`: the member's own block, or its cell.
 fn names_member(key: Lba, header: &RecordHeader, member: usize, version: u64) -> bool {
-    key.0.checked_sub(header.lba) == Some(member as u64) || key == table_key(version)
+    if key == table_key(version) || key.0.checked_sub(header.lba) == Some(member as u64) {
+        return true;
+    }
+    // An entry a snapshot keeps names its block in its own key space; the
+    // record names it in the volume's, or in the space it was kept in
+    // when the cleaner rewrote it.
+    key.0 < TABLE_BASE
+        && header.lba < TABLE_BASE
+        && key_block(key.0).checked_sub(key_block(header.lba)) == Some(member as u64)
 }
 
 /// The cells of the members of the data or unit record `header`, were
@@ -356,10 +381,9 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
             moved += record.versions.len() as u64;
             continue;
         }
-        // Its keys are consecutive: blocks, or cells.
-        let keys: Vec<Lba> = (0..record.versions.len() as u64)
-            .map(|i| Lba(record.first.0 + i))
-            .collect();
+        // Its keys are consecutive (blocks, or cells), unless a snapshot's
+        // kept entry moved since.
+        let keys = state.rewritten_keys(record.first, &record.versions);
         let still = still_live(state, &keys, &record.versions, |i| record.sources[i]);
         if still.is_empty() {
             continue;
@@ -368,7 +392,10 @@ fn apply_rewrites(state: &mut State, records: Vec<Rewritten>, codec: Codec) -> R
         let as_members: Vec<LiveExtent> = still
             .iter()
             .map(|&(key, loc, version)| {
-                let i = (key.0 - record.first.0) as u8;
+                let i = keys
+                    .iter()
+                    .position(|&k| k == key)
+                    .expect("a key of the record") as u8;
                 (
                     key,
                     loc.with_member_of(i, record.versions.len() as u8),

@@ -27,7 +27,10 @@ use serde::Serialize;
 
 use crate::dump::load_dump;
 use crate::error::Result;
-use crate::map::{table_content, table_key, Location, Map, RangeState, Slot, TABLE_BASE};
+use crate::map::{
+    key_block, space_key, table_content, table_key, Entry, Location, Map, RangeState, Slot,
+    SPACE_BLOCKS, TABLE_BASE,
+};
 use crate::media::Media;
 use crate::meta::{RetainedRoot, Root};
 use crate::record::{
@@ -39,7 +42,8 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use super::scan::{scan_segment, Scanned};
 use super::staging::{lay_over, recover_staged, Staged};
-use super::state::SharedCounts;
+use super::state::{keeps, SharedCounts};
+use crate::snapshots::{decode_change, SnapshotChange, Snapshots};
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -87,6 +91,7 @@ pub(crate) struct Recovered {
     pub map: Map,
     /// References to each shared content, counted from the map.
     pub shared: SharedCounts,
+    pub snapshots: Snapshots,
     pub segments: SegmentTable,
     pub next_seq: u64,
     pub next_version: u64,
@@ -141,6 +146,12 @@ struct Recovery<'a> {
     /// from `version`).
     refs: Vec<ReplayedRange>,
     shared: SharedCounts,
+    /// The snapshots, as the root's dump has them and as replayed records
+    /// changed them since.
+    snapshots: Snapshots,
+    /// Segments holding a snapshot record replayed: needed until the next
+    /// checkpoint, as reference records are.
+    snapshot_segments: HashSet<SegmentId>,
     /// Sectors found only in staging slots, read as if they were in place.
     staged: Vec<Staged>,
     report: OpenReport,
@@ -228,6 +239,8 @@ impl<'a> Recovery<'a> {
             ranges: Vec::new(),
             refs: Vec::new(),
             shared: SharedCounts::default(),
+            snapshots: checkpoint.snapshots.clone(),
+            snapshot_segments: HashSet::new(),
             staged: Vec::new(),
             report: OpenReport {
                 clean: checkpoint.clean && trust_clean,
@@ -379,8 +392,9 @@ impl<'a> Recovery<'a> {
                     (0..versions.len())
                         .any(|i| table_content(header.lba + i as u64) != Some(versions[i]))
                 } else {
-                    header
-                        .lba
+                    // A record the cleaner rewrote from entries a snapshot
+                    // kept names their keys in its space.
+                    key_block(header.lba)
                         .checked_add(versions.len() as u64)
                         .is_none_or(|end| end > self.logical_blocks)
                 };
@@ -411,12 +425,12 @@ impl<'a> Recovery<'a> {
                     // A shared member's copy updates its cell, whichever
                     // block the record was written for.
                     let lba = Lba(header.lba + member as u64);
-                    let key = if cells || self.map.get(table_key(version)).is_hole() {
-                        lba
+                    if cells || !self.map.get(table_key(version)).is_hole() {
+                        let key = if cells { lba } else { table_key(version) };
+                        self.map.set_if_newer(key, Slot::Data(loc), version);
                     } else {
-                        table_key(version)
-                    };
-                    self.map.set_if_newer(key, Slot::Data(loc), version);
+                        self.replay_block(lba, Slot::Data(loc), version)?;
+                    }
                     if version >= self.root.checkpoint.next_version && versions_seen.insert(version)
                     {
                         self.counters.host_write_bytes += BLOCK_SIZE_U64;
@@ -459,6 +473,7 @@ impl<'a> Recovery<'a> {
                     RecordKind::Zero => RangeState::Zero,
                     _ => RangeState::Damaged,
                 };
+                self.keep_replayed_range(Lba(header.lba), count, header.version)?;
                 self.map.set_range(
                     Lba(header.lba),
                     count,
@@ -469,6 +484,17 @@ impl<'a> Recovery<'a> {
                 );
             }
             RecordKind::Ref => self.replay_ref(seq, segment, record, payload, versions_seen)?,
+            RecordKind::Snapshot => match decode_change(payload) {
+                Ok(change) => {
+                    self.report.replayed_records += 1;
+                    self.snapshot_segments.insert(segment);
+                    self.replay_snapshot(&change)?;
+                }
+                Err(why) => self.report.replay_damage.push(format!(
+                    "segment {segment} (seq {seq}) at offset {}: {why}",
+                    record.offset
+                )),
+            },
             RecordKind::MapChunk | RecordKind::Chapter => {}
         }
         Ok(())
@@ -566,8 +592,7 @@ impl<'a> Recovery<'a> {
                 let slot = Slot::Shared {
                     content: member.content,
                 };
-                self.map
-                    .set_if_newer(Lba(header.lba + i as u64), slot, version);
+                self.replay_block(Lba(header.lba + i as u64), slot, version)?;
             }
             if version >= self.root.checkpoint.next_version && versions_seen.insert(version) {
                 self.counters.host_write_bytes += BLOCK_SIZE_U64;
@@ -610,6 +635,127 @@ impl<'a> Recovery<'a> {
             }
         }
         Ok(holds_ranges)
+    }
+
+    /// Replays `slot` at `version` for block key `key` (a volume block, or
+    /// an entry a snapshot kept if the cleaner rewrote it from there): a
+    /// copy of an entry that exists at that version (the volume's or a
+    /// snapshot's) moves it; else, for a volume block, a newer write
+    /// replaces the entry, which the newest snapshot keeps if it sees it,
+    /// as `State::release_entry` did.
+    fn replay_block(&mut self, key: Lba, slot: Slot, version: u64) -> Result<()> {
+        if self.snapshots.is_empty() && key.0 < SPACE_BLOCKS {
+            self.map.set_if_newer(key, slot, version);
+            return Ok(());
+        }
+        let block = key_block(key.0);
+        let candidates: Vec<Lba> = std::iter::once(Lba(block))
+            .chain(
+                self.snapshots
+                    .list()
+                    .iter()
+                    .map(|s| space_key(s.space, block)),
+            )
+            .collect();
+        for &at in &candidates {
+            self.map.load(self.media, at, 1)?;
+            let entry = self.map.get(at);
+            let data = matches!(entry.slot(), Slot::Data(_) | Slot::Shared { .. });
+            if data && entry.version() == version {
+                self.map.set(at, slot, version);
+                return Ok(());
+            }
+        }
+        if key.0 >= SPACE_BLOCKS {
+            // A copy of an entry no snapshot keeps any more.
+            return Ok(());
+        }
+        let old = self.map.get(key);
+        if old.version() > version {
+            return Ok(());
+        }
+        self.keep_replayed(key, old)?;
+        self.map.set(key, slot, version);
+        Ok(())
+    }
+
+    /// Volume block `key`'s entry `old` is being replaced: the newest
+    /// snapshot keeps it if it sees it and keeps nothing there yet.
+    fn keep_replayed(&mut self, key: Lba, old: Entry) -> Result<()> {
+        let Some(newest) = self.snapshots.newest() else {
+            return Ok(());
+        };
+        if !keeps(old) || old.version() >= newest.version {
+            return Ok(());
+        }
+        let at = space_key(newest.space, key.0);
+        self.map.load(self.media, at, 1)?;
+        if self.map.get(at).is_hole() {
+            self.map.set(at, old.slot(), old.version());
+            self.map.set(key, Slot::Hole, 0);
+        }
+        Ok(())
+    }
+
+    /// Before a range record at `version` replays over volume blocks
+    /// `first..first+count`: what the newest snapshot sees there moves to
+    /// its space.
+    fn keep_replayed_range(&mut self, first: Lba, count: u64, version: u64) -> Result<()> {
+        if self.snapshots.is_empty() {
+            return Ok(());
+        }
+        let mut seen = Vec::new();
+        self.map.for_each_run(first, count, |at, blocks, entry| {
+            if blocks == 1 && keeps(entry) && entry.version() < version {
+                seen.push((at, entry));
+            }
+            std::ops::ControlFlow::Continue(())
+        });
+        for (key, old) in seen {
+            self.keep_replayed(key, old)?;
+        }
+        Ok(())
+    }
+
+    /// Replays a snapshot taken or deleted, unless the dump has it so
+    /// already. A deletion hands down or drops the entries it kept, as
+    /// `State::delete_snapshot` did (live bytes and counts are derived
+    /// from the map afterwards).
+    fn replay_snapshot(&mut self, change: &SnapshotChange) -> Result<()> {
+        if let SnapshotChange::Delete { space } = *change {
+            if self.snapshots.by_space(space).is_none() {
+                return Ok(());
+            }
+            let older = self
+                .snapshots
+                .older_than(space)
+                .map(|s| (s.space, s.version));
+            self.map
+                .load(self.media, space_key(space, 0), SPACE_BLOCKS)?;
+            if let Some((older_space, _)) = older {
+                self.map
+                    .load(self.media, space_key(older_space, 0), SPACE_BLOCKS)?;
+            }
+            let mut kept = Vec::new();
+            self.map
+                .for_each_run(space_key(space, 0), SPACE_BLOCKS, |at, blocks, entry| {
+                    if !entry.is_hole() {
+                        kept.extend((0..blocks).map(|i| (Lba(at.0 + i), entry)));
+                    }
+                    std::ops::ControlFlow::Continue(())
+                });
+            for (key, entry) in kept {
+                self.map.set(key, Slot::Hole, 0);
+                if let Some((older_space, older_version)) = older {
+                    let at = space_key(older_space, key_block(key.0));
+                    if entry.version() < older_version && self.map.get(at).is_hole() {
+                        self.map.set(at, entry.slot(), entry.version());
+                    }
+                }
+            }
+        }
+        self.snapshots.apply(change);
+        Ok(())
     }
 
     /// Rebuilds live bytes from the map; entries that point nowhere valid
@@ -763,7 +909,8 @@ impl<'a> Recovery<'a> {
     /// Settles every segment's state from the map and what replay kept.
     fn finish(mut self, writable: bool) -> Result<Recovered> {
         let segment_size = self.media.geometry().segment_size_bytes;
-        let holds_ranges = self.segments_holding_needed_ranges()?;
+        let mut holds_ranges = self.segments_holding_needed_ranges()?;
+        holds_ranges.extend(self.snapshot_segments.iter().copied());
         self.map.compact();
         self.count_live_bytes()?;
         self.map.recount_table(self.media)?;
@@ -808,6 +955,7 @@ impl<'a> Recovery<'a> {
             roots: self.roots,
             map: self.map,
             shared: self.shared,
+            snapshots: self.snapshots,
             segments,
             next_seq: self.next_seq,
             next_version: self.next_version,

@@ -70,6 +70,7 @@ pub(super) fn build_root(
             open_segments: retained.open.clone(),
             dump: retained.dump.clone(),
             counters,
+            snapshots: retained.snapshots.clone(),
         },
     }
 }

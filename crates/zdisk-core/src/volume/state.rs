@@ -46,7 +46,9 @@ use super::tallies::Tallies;
 pub(crate) use super::tallies::Tally;
 
 mod shares;
+mod snapshots;
 pub(crate) use shares::{Dedup, SharedCounts};
+pub(crate) use snapshots::keeps;
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +122,8 @@ pub(crate) struct State {
     map: Map,
     /// References to each shared content (`shares.rs`).
     shared: SharedCounts,
+    /// The volume's snapshots (`snapshots.rs`).
+    snapshots: crate::snapshots::Snapshots,
     space: Space,
     streams: [Stream; 2],
     /// Whole pages appended and not yet on the medium (see `outbound.rs`).
@@ -146,6 +150,7 @@ pub(crate) struct State {
 pub(crate) struct Start {
     pub map: Map,
     pub shared: SharedCounts,
+    pub snapshots: crate::snapshots::Snapshots,
     pub space: Space,
     pub counters: Counters,
     pub generation: u64,
@@ -173,6 +178,7 @@ impl State {
             write_batch_bytes: write_batch_bytes.max(geometry.page_size_bytes as usize),
             map: start.map,
             shared: start.shared,
+            snapshots: start.snapshots,
             space: start.space,
             streams: [Stream::default(), Stream::default()],
             outbound: Outbound::default(),
@@ -190,6 +196,10 @@ impl State {
 
     pub(crate) fn map(&self) -> &Map {
         &self.map
+    }
+
+    pub(crate) fn logical_blocks(&self) -> u64 {
+        self.logical_blocks
     }
 
     /// Reads back the paged-out leaves of blocks `first..first+count`, so
@@ -534,6 +544,7 @@ impl State {
         let payload = count.to_le_bytes();
         debug_assert_eq!(payload.len() as u32, RANGE_PAYLOAD_LEN);
         self.append_metadata(StreamKind::Host, kind, first, version, &payload, floor)?;
+        self.keep_range_for_snapshots(first, count)?;
         let mut unshared = Vec::new();
         let State { map, space, .. } = self;
         map.set_range(
@@ -647,12 +658,45 @@ impl State {
             for &version in versions {
                 self.load_map(crate::map::table_key(version), 1)?;
             }
+            if !self.snapshots.is_empty() || lba >= crate::map::SPACE_BLOCKS {
+                let candidates: Vec<Lba> = self.member_candidates(lba).collect();
+                for key in candidates {
+                    self.load_map(key, versions.len() as u64)?;
+                }
+            }
         }
         Ok(versions
             .iter()
             .enumerate()
             .map(|(i, &version)| self.member_key(lba + i as u64, version))
             .collect())
+    }
+
+    /// The keys of the entries of blocks `first..` at `versions`, which a
+    /// rewrite planned as consecutive: each one's own, unless an entry a
+    /// snapshot keeps moved to another key space since (a write kept it,
+    /// a deletion handed it down). The leaves must be in RAM, as
+    /// `Volume::make_resident` brings them with the range.
+    pub(crate) fn rewritten_keys(&self, first: Lba, versions: &[u64]) -> Vec<Lba> {
+        (0..versions.len())
+            .map(|i| {
+                let key = Lba(first.0 + i as u64);
+                let holds = |at: Lba| {
+                    let entry = self.map.get(at);
+                    matches!(entry.slot(), Slot::Data(_)) && entry.version() == versions[i]
+                };
+                let kept = key.0 >= crate::map::SPACE_BLOCKS;
+                if key.0 >= crate::map::TABLE_BASE
+                    || (self.snapshots.is_empty() && !kept)
+                    || holds(key)
+                {
+                    return key;
+                }
+                self.member_candidates(key.0)
+                    .find(|&at| holds(at))
+                    .unwrap_or(key)
+            })
+            .collect()
     }
 
     /// True if the entry at `keys[i]` names `source(i)` at `versions[i]`,
@@ -686,9 +730,7 @@ impl State {
     ) -> Result<bool> {
         assert_eq!(versions.len(), sources.len(), "a version per source");
         self.load_map(first, versions.len() as u64)?;
-        let keys: Vec<Lba> = (0..versions.len() as u64)
-            .map(|i| Lba(first.0 + i))
-            .collect();
+        let keys = self.rewritten_keys(first, versions);
         if !self.all_live_at(&keys, versions, |i| sources[i]) {
             return Ok(false);
         }
@@ -712,7 +754,10 @@ impl State {
         let moved = self.append_gc(header, &payload)?;
         for (i, &version) in versions.iter().enumerate() {
             let loc = moved.with_member_of(i as u8, versions.len() as u8);
-            self.repoint(Lba(first.0 + i as u64), loc, version)?;
+            if keys[i].0 != first.0 + i as u64 {
+                self.space.add_member(moved.segment, keys[i].0);
+            }
+            self.repoint(keys[i], loc, version)?;
         }
         if cold {
             self.space.add_cold(moved.segment, moved.len as u64);
@@ -750,9 +795,18 @@ impl State {
             &payload,
             0,
         )?;
-        let old = self.map.set(lba, Slot::Damaged, version);
-        debug_assert!(old.version() < version, "block {lba} went back in time");
-        self.drop_slot(old.slot())?;
+        if lba.0 >= crate::map::SPACE_BLOCKS && lba.0 < crate::map::TABLE_BASE {
+            // An entry a snapshot keeps stays at its version, which says
+            // the snapshot sees it.
+            let old = self
+                .map
+                .set(lba, Slot::Damaged, self.map.get(lba).version());
+            self.drop_slot(old.slot())?;
+        } else {
+            let old = self.map.set(lba, Slot::Damaged, version);
+            debug_assert!(old.version() < version, "block {lba} went back in time");
+            self.release_entry(lba, old)?;
+        }
         self.counters.damaged_blocks_found += 1;
         Ok(())
     }
@@ -772,7 +826,12 @@ impl State {
             Slot::Data(loc),
             "block {lba} repointed at itself"
         );
-        self.drop_slot(old.slot())?;
+        if old.version() < version {
+            self.release_entry(lba, old)?;
+        } else {
+            // The cleaner moved the record: the old place dies.
+            self.drop_slot(old.slot())?;
+        }
         debug_assert_eq!(self.map.get(lba).slot(), Slot::Data(loc));
         Ok(())
     }

@@ -192,16 +192,30 @@ impl State {
     /// record whose header names block `lba`: its cell, if the member is
     /// shared, else its block (a record the cleaner rewrote from shared
     /// members names their cells itself). The cell's leaf must be in RAM.
+    ///
+    /// With snapshots, the entry may be one a snapshot keeps: the volume's
+    /// block is looked at first, then each snapshot's space (their leaves
+    /// must be in RAM too: `State::member_keys` reads them in).
     pub(crate) fn member_key(&self, lba: u64, version: u64) -> Lba {
         if lba >= TABLE_BASE {
             return Lba(lba);
         }
         let cell = table_key(version);
-        if self.map.get(cell).is_hole() {
-            Lba(lba)
-        } else {
-            cell
+        if !self.map.get(cell).is_hole() {
+            return cell;
         }
+        // A record rewritten from a kept entry names its key in a
+        // snapshot's space; the entry may be back in the volume since (a
+        // replay that lost what made it kept), whatever snapshots remain.
+        if self.snapshots.is_empty() && lba < crate::map::SPACE_BLOCKS {
+            return Lba(lba);
+        }
+        self.member_candidates(lba)
+            .find(|&key| {
+                let entry = self.map.get(key);
+                matches!(entry.slot(), Slot::Data(_)) && entry.version() == version
+            })
+            .unwrap_or(Lba(lba))
     }
 
     /// Points blocks `first..` at the contents `members` (from
@@ -266,10 +280,10 @@ impl State {
                 version + i as u64,
             );
             self.shared.add(member.content);
-            replaced.push(old.slot());
+            replaced.push((lba, old));
         }
-        for old in replaced {
-            self.drop_slot(old)?;
+        for (lba, old) in replaced {
+            self.release_entry(lba, old)?;
         }
         Ok(())
     }

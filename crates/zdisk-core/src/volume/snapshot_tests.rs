@@ -1,0 +1,302 @@
+//! Snapshots against a model: random writes (with duplicates, so that
+//! dedup shares contents), trims, zeroes, snapshots taken and deleted,
+//! cleaning, checkpoints and power cuts; every snapshot and the volume
+//! read back as the model says, and `check` finds nothing wrong.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::device::BlockDevice;
+use crate::media::{CrashConfig, Media, MemMedia};
+use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
+use crate::{CreateOptions, OpenOptions, Volume};
+
+const BLOCKS: u64 = 2048;
+
+fn options() -> OpenOptions {
+    OpenOptions {
+        background: false,
+        ..OpenOptions::default()
+    }
+}
+
+fn create(segment_size: u64, segments: u32, dedup: bool) -> (Arc<MemMedia>, Arc<Volume>) {
+    let media = Arc::new(MemMedia::with_size(4096, segment_size, segments).unwrap());
+    let create = CreateOptions {
+        dedup,
+        ..CreateOptions::new(BLOCKS * BLOCK_SIZE_U64)
+    };
+    let volume = Volume::create(media.clone() as Arc<dyn Media>, create, options()).unwrap();
+    (media, volume)
+}
+
+/// Block contents by seed: 0 is zeros; a seed repeats its bytes, so equal
+/// seeds are duplicates. Half compressible, half not.
+fn content(seed: u64) -> Vec<u8> {
+    if seed == 0 {
+        return vec![0u8; BLOCK_SIZE];
+    }
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut block = vec![0u8; BLOCK_SIZE];
+    rng.fill(&mut block[..BLOCK_SIZE / 2]);
+    for (i, byte) in block[BLOCK_SIZE / 2..].iter_mut().enumerate() {
+        *byte = (seed as u8).wrapping_add((i / 64) as u8);
+    }
+    block
+}
+
+/// What every block of the volume and of each snapshot holds (seeds).
+#[derive(Default)]
+struct Model {
+    volume: Vec<u64>,
+    snapshots: Vec<(String, Vec<u64>)>,
+}
+
+impl Model {
+    fn new() -> Model {
+        Model {
+            volume: vec![0; BLOCKS as usize],
+            snapshots: Vec::new(),
+        }
+    }
+
+    fn check(&self, volume: &Arc<Volume>, context: &str) {
+        let mut buf = vec![0u8; BLOCKS as usize * BLOCK_SIZE];
+        volume.read(0, &mut buf).unwrap();
+        compare(&buf, &self.volume, &format!("{context}: the volume"));
+        for (name, seeds) in &self.snapshots {
+            let device = volume.snapshot_device(name).unwrap();
+            device.read(0, &mut buf).unwrap();
+            compare(&buf, seeds, &format!("{context}: snapshot {name}"));
+        }
+        let names: Vec<String> = volume
+            .snapshots()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        let want: Vec<String> = self.snapshots.iter().map(|(n, _)| n.clone()).collect();
+        assert_eq!(names, want, "{context}: the snapshots listed");
+        let report = volume.check(true).unwrap();
+        assert!(report.is_clean(), "{context}: {report:?}");
+    }
+}
+
+fn compare(buf: &[u8], seeds: &[u64], what: &str) {
+    for (lba, &seed) in seeds.iter().enumerate() {
+        let got = &buf[lba * BLOCK_SIZE..(lba + 1) * BLOCK_SIZE];
+        assert!(
+            got == &content(seed)[..],
+            "{what}: block {lba} does not hold seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn snapshots_see_what_was_there_through_cleaning_checkpoints_and_crashes() {
+    // ZDISK_SNAPSHOT_SEEDS=n runs n seeds (8 by default).
+    let seeds = std::env::var("ZDISK_SNAPSHOT_SEEDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(8u64);
+    // ZDISK_SNAPSHOT_SEED=n runs that seed alone; with
+    // ZDISK_SNAPSHOT_TRACE=lba it prints every step touching block lba.
+    let only: Option<u64> = std::env::var("ZDISK_SNAPSHOT_SEED")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    let trace: Option<u64> = std::env::var("ZDISK_SNAPSHOT_TRACE")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    let seeds = match only {
+        Some(seed) => seed..seed + 1,
+        None => 0..seeds,
+    };
+    for seed in seeds {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let dedup = seed % 2 == 0;
+        let (mut media, mut volume) = create(64 * 1024, 768, dedup);
+        let mut model = Model::new();
+        let mut taken = 0;
+        for step in 0..1200 {
+            let roll: u32 = rng.gen_range(0..100);
+            if roll < 60 {
+                let lba = rng.gen_range(0..BLOCKS);
+                let count = rng.gen_range(1..=16).min(BLOCKS - lba);
+                // Few distinct seeds: duplicates for dedup to share.
+                let seeds: Vec<u64> = (0..count).map(|_| rng.gen_range(1..400u64)).collect();
+                let data: Vec<u8> = seeds.iter().flat_map(|&s| content(s)).collect();
+                volume.write(lba * BLOCK_SIZE_U64, &data, false).unwrap();
+                model.volume[lba as usize..(lba + count) as usize].copy_from_slice(&seeds);
+            } else if roll < 68 {
+                let lba = rng.gen_range(0..BLOCKS);
+                let count = rng.gen_range(1..=300).min(BLOCKS - lba);
+                let (offset, len) = (lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64);
+                if rng.gen_bool(0.5) {
+                    volume.trim(offset, len, false).unwrap();
+                } else {
+                    volume.write_zeroes(offset, len, false, false).unwrap();
+                }
+                model.volume[lba as usize..(lba + count) as usize].fill(0);
+            } else if roll < 74 && model.snapshots.len() < 6 {
+                taken += 1;
+                let name = format!("s{taken}");
+                volume.take_snapshot(&name).unwrap();
+                model.snapshots.push((name, model.volume.clone()));
+            } else if roll < 78 && !model.snapshots.is_empty() {
+                let at = rng.gen_range(0..model.snapshots.len());
+                let (name, _) = model.snapshots.remove(at);
+                volume.delete_snapshot(&name).unwrap();
+            } else if roll < 90 {
+                // A few victims with a quarter of a segment of garbage.
+                for _ in 0..4 {
+                    if !volume.clean_one(16 * 1024).unwrap() {
+                        break;
+                    }
+                }
+            } else if roll < 92 {
+                volume.checkpoint().unwrap();
+            } else if roll < 94 {
+                // The cold-data pass rewrites whole runs of blocks.
+                for _ in 0..4 {
+                    volume.idle_step().unwrap();
+                }
+            } else {
+                // Everything flushed survives a power cut exactly.
+                volume.flush().unwrap();
+                drop(volume);
+                let crashed = media.crash(&mut rng, CrashConfig::default());
+                media = Arc::new(crashed);
+                volume = Volume::open(media.clone() as Arc<dyn Media>, options()).unwrap();
+            }
+            if let Some(lba) = trace {
+                let seeds: Vec<u64> = model
+                    .snapshots
+                    .iter()
+                    .map(|(_, s)| s[lba as usize])
+                    .collect();
+                let mut state = volume.lock();
+                let spaces: Vec<u16> = state.snapshots().list().iter().map(|s| s.space).collect();
+                state.load_map(crate::Lba(lba), 1).unwrap();
+                for space in spaces {
+                    state
+                        .load_map(crate::map::space_key(space, lba), 1)
+                        .unwrap();
+                }
+                let entries: Vec<String> = state
+                    .snapshots()
+                    .list()
+                    .iter()
+                    .map(|s| {
+                        let own = state.map().get(crate::map::space_key(s.space, lba));
+                        let seen = state.snapshot_entry(s.space, crate::Lba(lba));
+                        format!(
+                            "{}@{}: own {:?} v{} sees {:?} v{}",
+                            s.name,
+                            s.version,
+                            own.slot(),
+                            own.version(),
+                            seen.slot(),
+                            seen.version()
+                        )
+                    })
+                    .collect();
+                let live = state.map().get(crate::Lba(lba));
+                println!(
+                    "step {step} roll {roll}: model {} snapshots {seeds:?}; volume {:?} v{}; {entries:?}",
+                    model.volume[lba as usize],
+                    live.slot(),
+                    live.version()
+                );
+            }
+            if step % 50 == 49 {
+                model.check(&volume, &format!("seed {seed} step {step}"));
+            }
+        }
+        model.check(&volume, &format!("seed {seed} at the end"));
+        let stats = volume.stats();
+        println!(
+            "seed {seed}: {taken} snapshots taken, {} kept blocks, {} segments cleaned, {} recoveries",
+            stats.snapshot_kept_blocks, stats.counters.segments_cleaned, stats.counters.recoveries
+        );
+        assert!(
+            stats.counters.segments_cleaned > 0,
+            "seed {seed} cleaned nothing"
+        );
+        // Deleting every snapshot leaves the volume's own stored bytes.
+        for (name, _) in std::mem::take(&mut model.snapshots) {
+            volume.delete_snapshot(&name).unwrap();
+        }
+        let stats = volume.stats();
+        assert_eq!(stats.snapshots, 0);
+        assert_eq!(stats.snapshot_kept_blocks, 0, "seed {seed}");
+        assert_eq!(stats.snapshot_kept_bytes, 0, "seed {seed}");
+        model.check(&volume, &format!("seed {seed} without snapshots"));
+        volume.close().unwrap();
+        let volume = Volume::open(media as Arc<dyn Media>, options()).unwrap();
+        model.check(&volume, &format!("seed {seed} reopened"));
+    }
+}
+
+#[test]
+fn taking_a_snapshot_writes_a_record_whatever_the_volume_holds() {
+    let mut costs = HashMap::new();
+    for mapped_blocks in [64u64, 2048] {
+        let (_media, volume) = create(256 * 1024, 256, false);
+        let data: Vec<u8> = (0..mapped_blocks).flat_map(|s| content(s + 1)).collect();
+        volume.write(0, &data, false).unwrap();
+        volume.checkpoint().unwrap();
+        let before = volume.stats().counters.media_write_bytes;
+        volume.take_snapshot("now").unwrap();
+        let cost = volume.stats().counters.media_write_bytes - before;
+        costs.insert(mapped_blocks, cost);
+        // The record and the flush's padding or staging: a page at most.
+        assert!(cost <= 8192, "{mapped_blocks} blocks: {cost} bytes");
+    }
+    assert_eq!(costs[&64], costs[&2048], "{costs:?}");
+}
+
+#[test]
+fn a_snapshot_is_durable_when_taken_and_unflushed_writes_after_it_never_reach_it() {
+    let (media, volume) = create(256 * 1024, 256, true);
+    let old: Vec<u8> = (1..=32).flat_map(content).collect();
+    volume.write(0, &old, false).unwrap();
+    volume.take_snapshot("before").unwrap();
+    let new: Vec<u8> = (100..132).flat_map(content).collect();
+    volume.write(0, &new, false).unwrap();
+    volume
+        .trim(32 * BLOCK_SIZE_U64, 8 * BLOCK_SIZE_U64, false)
+        .unwrap();
+    drop(volume);
+    // Nothing flushed after the snapshot: any subset of it may survive.
+    let mut rng = SmallRng::seed_from_u64(7);
+    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
+    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let mut buf = vec![0u8; 32 * BLOCK_SIZE];
+    volume
+        .snapshot_device("before")
+        .unwrap()
+        .read(0, &mut buf)
+        .unwrap();
+    assert!(buf == old, "the snapshot lost what it held");
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn snapshot_errors_are_clear() {
+    let (_media, volume) = create(256 * 1024, 64, false);
+    volume.take_snapshot("a").unwrap();
+    let twice = volume.take_snapshot("a").unwrap_err().to_string();
+    assert!(twice.contains("exists already"), "{twice}");
+    let bad = volume.take_snapshot("a b").unwrap_err().to_string();
+    assert!(bad.contains("letters, digits"), "{bad}");
+    let missing = volume.delete_snapshot("nope").unwrap_err().to_string();
+    assert!(missing.contains("no snapshot named \"nope\""), "{missing}");
+    assert!(volume.snapshot_device("nope").is_err());
+    let device = volume.snapshot_device("a").unwrap();
+    assert!(device.write(0, &[0u8; 4096], false).is_err());
+    assert!(device.is_read_only());
+}

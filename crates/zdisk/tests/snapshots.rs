@@ -1,0 +1,506 @@
+//! Snapshots through the real binary and real clients: taken while the
+//! image is served (through its control socket) and while it is not,
+//! listed by `zdisk volumes` and by `nbdinfo --list`, read by qemu-io
+//! under their own export names while the volume changes beside them,
+//! refused writes, deleted, and what deleting and compacting give back.
+//! An emulated drive and a malformed name get one clear line each; an
+//! image with snapshots is not overwritten by `create --force`. And 30
+//! rounds of kill -9 under a writer (repeating contents, overwrites and
+//! trims) while snapshots are taken and deleted: every flushed block of
+//! the volume survives, every snapshot whose command returned survives
+//! and reads as the volume did when it was taken, and `check` is clean.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Trial};
+
+use support::*;
+
+type TestFn = fn() -> TestResult;
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests: Vec<(&str, TestFn)> = vec![
+        (
+            "snapshots_of_a_served_image_are_exports_that_keep_their_data",
+            served_snapshots,
+        ),
+        (
+            "snapshots_of_an_image_at_rest_and_what_force_and_compact_do",
+            snapshots_at_rest,
+        ),
+        ("snapshot_errors_are_one_clear_line", snapshot_errors),
+        (
+            "kill_9_while_snapshots_are_taken_and_deleted_loses_nothing",
+            kill9_snapshots,
+        ),
+    ];
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| Trial::ignorable_test(name, test))
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn zdisk_ok(args: &[&str]) -> Result<String, Failed> {
+    Ok(stdout(&run(zdisk_bin().to_str().unwrap(), args)?))
+}
+
+fn json(args: &[&str]) -> Result<serde_json::Value, Failed> {
+    let out = zdisk_ok(args)?;
+    serde_json::from_str(&out).map_err(|e| format!("{args:?}: bad JSON ({e}): {out}").into())
+}
+
+/// qemu-io on `uri` running `command` (read-only with `-r`); its output.
+fn qemu_io(uri: &str, read_only: bool, command: &str) -> Result<std::process::Output, Failed> {
+    let mut args = vec!["-f", "raw"];
+    if read_only {
+        args.push("-r");
+    }
+    args.extend(["-c", command, uri]);
+    std::process::Command::new("qemu-io")
+        .args(&args)
+        .output()
+        .map_err(|e| format!("qemu-io: {e}").into())
+}
+
+/// Fails unless `command` succeeds on `uri` without a verification error.
+fn qemu_io_ok(uri: &str, read_only: bool, command: &str) -> Result<(), Failed> {
+    let output = qemu_io(uri, read_only, command)?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        output.status.success() && !text.contains("Pattern verification failed"),
+        "qemu-io {command:?} on {uri}: {text}"
+    );
+    Ok(())
+}
+
+fn export_uri(socket: &Path, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", socket.display())
+}
+
+fn served_snapshots() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["qemu-io", "nbdinfo"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("snapshots-served");
+    let image = scratch.join("vol.zdisk");
+    let image_arg = image.to_str().unwrap();
+    let socket = scratch.join("sock");
+    zdisk_ok(&["create", image_arg, "--logical", "256M"])?;
+    let mut server = Server::start(&image, &socket, &[])?;
+    let volume = server.uri();
+    // 16 MiB of 0xaa, then a snapshot, then 8 MiB of it overwritten with
+    // 0xbb, a second snapshot, then 4 MiB trimmed.
+    qemu_io_ok(&volume, false, "write -P 0xaa 0 16M")?;
+    let said = zdisk_ok(&["snapshot", image_arg, "monday"])?;
+    println!("{}", said.trim());
+    ensure!(
+        said.contains("took snapshot monday") && said.contains("exports it read-only"),
+        "zdisk snapshot said: {said}"
+    );
+    qemu_io_ok(&volume, false, "write -P 0xbb 4M 8M")?;
+    zdisk_ok(&["snapshot", image_arg, "tuesday"])?;
+    qemu_io_ok(&volume, false, "discard 0 4M")?;
+
+    // Every export is listed; each reads as it was.
+    let list = stdout(&run("nbdinfo", &["--list", &volume])?);
+    for name in ["monday", "tuesday"] {
+        ensure!(
+            list.contains(&format!("export=\"{name}\"")) || list.contains(name),
+            "nbdinfo --list does not show {name}:\n{list}"
+        );
+    }
+    let monday = export_uri(&socket, "monday");
+    let tuesday = export_uri(&socket, "tuesday");
+    qemu_io_ok(&monday, true, "read -P 0xaa 0 16M")?;
+    qemu_io_ok(&tuesday, true, "read -P 0xaa 0 4M")?;
+    qemu_io_ok(&tuesday, true, "read -P 0xbb 4M 8M")?;
+    qemu_io_ok(&tuesday, true, "read -P 0xaa 12M 4M")?;
+    qemu_io_ok(&volume, true, "read -P 0 0 4M")?;
+    qemu_io_ok(&volume, true, "read -P 0xbb 4M 8M")?;
+    // A snapshot refuses writes (read-only export).
+    let write = qemu_io(&monday, false, "write -P 0xcc 0 4k")?;
+    ensure!(
+        !write.status.success()
+            || String::from_utf8_lossy(&write.stderr).contains("read-only")
+            || String::from_utf8_lossy(&write.stdout).contains("read-only")
+            || String::from_utf8_lossy(&write.stdout).contains("Operation not permitted"),
+        "a write to a snapshot went through: {write:?}"
+    );
+    qemu_io_ok(&monday, true, "read -P 0xaa 0 4k")?;
+
+    // What each keeps: monday the 8 MiB overwritten (it alone sees those),
+    // tuesday the 4 MiB trimmed.
+    let listed = json(&["volumes", image_arg, "--json"])?;
+    println!("{listed}");
+    let kept = |i: usize| listed[i]["kept_blocks"].as_u64().unwrap_or(0);
+    ensure!(
+        listed.as_array().map(Vec::len) == Some(2)
+            && listed[0]["name"] == "monday"
+            && kept(0) == 2048
+            && listed[1]["name"] == "tuesday"
+            && kept(1) == 1024,
+        "zdisk volumes --json: {listed}"
+    );
+    let stats = json(&["stats", image_arg, "--json"])?;
+    ensure!(
+        stats["snapshots"] == 2 && stats["snapshot_kept_blocks"] == 3072,
+        "stats: snapshots {} kept {}",
+        stats["snapshots"],
+        stats["snapshot_kept_blocks"]
+    );
+    let human = zdisk_ok(&["volumes", image_arg])?;
+    println!("{human}");
+    ensure!(
+        human.contains("monday") && human.contains("being served"),
+        "{human}"
+    );
+
+    // Deleting monday frees what only it kept; tuesday reads the same.
+    let deleted = json(&["delete", image_arg, "monday", "--json"])?;
+    ensure!(
+        deleted["freed"] == 2048 && deleted["handed_down"] == 0,
+        "delete monday: {deleted}"
+    );
+    let list = stdout(&run("nbdinfo", &["--list", &volume])?);
+    ensure!(
+        !list.contains("monday"),
+        "nbdinfo --list still shows monday:\n{list}"
+    );
+    qemu_io_ok(&tuesday, true, "read -P 0xaa 0 4M")?;
+    qemu_io_ok(&tuesday, true, "read -P 0xbb 4M 8M")?;
+    let gone = qemu_io(&monday, true, "read 0 4k")?;
+    ensure!(!gone.status.success(), "a deleted snapshot still reads");
+
+    // A restart keeps tuesday; check finds nothing wrong.
+    server.stop()?;
+    let report = zdisk_ok(&["check", image_arg])?;
+    println!("{}", report.trim());
+    let _server = Server::start(&image, &socket, &[])?;
+    qemu_io_ok(&tuesday, true, "read -P 0xbb 4M 8M")?;
+    qemu_io_ok(&tuesday, true, "read -P 0xaa 12M 4M")?;
+    Ok(Completion::Completed)
+}
+
+/// Copies `data` onto the export at `uri` from offset 0 with nbdcopy.
+fn copy_in(scratch: &Scratch, uri: &str, data: &[u8]) -> Result<(), Failed> {
+    let file = scratch.join("in.bin");
+    std::fs::write(&file, data).map_err(|e| e.to_string())?;
+    run("nbdcopy", &["--", file.to_str().unwrap(), uri])?;
+    Ok(())
+}
+
+/// The first `len` bytes of the export at `uri`.
+fn copy_out(scratch: &Scratch, uri: &str, len: usize) -> Result<Vec<u8>, Failed> {
+    let file = scratch.join("out.bin");
+    let _ = std::fs::remove_file(&file);
+    run("nbdcopy", &["--", uri, file.to_str().unwrap()])?;
+    let mut bytes = std::fs::read(&file).map_err(|e| e.to_string())?;
+    bytes.truncate(len);
+    Ok(bytes)
+}
+
+fn snapshots_at_rest() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("snapshots-at-rest");
+    let image = scratch.join("vol.zdisk");
+    let image_arg = image.to_str().unwrap();
+    let socket = scratch.join("sock");
+    zdisk_ok(&["create", image_arg, "--logical", "32M"])?;
+    // Incompressible data, so that what it takes on the medium shows.
+    let first = pseudo_random(8 << 20, 11);
+    let second = pseudo_random(8 << 20, 12);
+    {
+        let mut server = Server::start(&image, &socket, &[])?;
+        copy_in(&scratch, &server.uri(), &first)?;
+        server.stop()?;
+    }
+    let said = zdisk_ok(&["snapshot", image_arg, "base"])?;
+    ensure!(said.contains("will export it"), "{said}");
+    let forced = zdisk(&["create", image_arg, "--logical", "64M", "--force"]);
+    let message = String::from_utf8_lossy(&forced.stderr);
+    ensure!(
+        !forced.status.success() && message.contains("snapshot") && message.lines().count() == 1,
+        "create --force over an image with snapshots: {message}"
+    );
+    {
+        let mut server = Server::start(&image, &socket, &[])?;
+        copy_in(&scratch, &server.uri(), &second)?;
+        let base = copy_out(&scratch, &export_uri(&socket, "base"), first.len())?;
+        ensure!(base == first, "snapshot base does not read as it was taken");
+        let now = copy_out(&scratch, &server.uri(), second.len())?;
+        ensure!(now == second, "the volume does not read as written");
+        server.stop()?;
+    }
+    let listed = json(&["volumes", image_arg, "--json"])?;
+    ensure!(listed[0]["kept_blocks"] == 2048, "{listed}");
+    let before = json(&["stats", image_arg, "--json"])?;
+    json(&["delete", image_arg, "base", "--json"])?;
+    let compacted = json(&["compact", image_arg, "--json"])?;
+    let after = json(&["stats", image_arg, "--json"])?;
+    println!(
+        "stored {} -> {}, medium in use {} -> {} ({compacted})",
+        before["stored_bytes"],
+        after["stored_bytes"],
+        before["physical_used_bytes"],
+        after["physical_used_bytes"]
+    );
+    let stored = |v: &serde_json::Value| v["stored_bytes"].as_u64().unwrap_or(0);
+    let used = |v: &serde_json::Value| v["physical_used_bytes"].as_u64().unwrap_or(0);
+    ensure!(
+        stored(&after) < stored(&before) * 6 / 10,
+        "deleting the snapshot did not free its 8 MiB"
+    );
+    ensure!(
+        used(&after) < used(&before) * 6 / 10,
+        "compact gave the medium back too little: {compacted}"
+    );
+    let forced = zdisk(&["create", image_arg, "--logical", "64M", "--force"]);
+    ensure!(
+        forced.status.success(),
+        "create --force once the snapshots are gone: {}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    Ok(Completion::Completed)
+}
+
+fn snapshot_errors() -> TestResult {
+    let scratch = Scratch::new("snapshot-errors");
+    let image = scratch.join("vol.zdisk");
+    let image_arg = image.to_str().unwrap();
+    zdisk_ok(&["create", image_arg, "--logical", "64M"])?;
+    one_line_error(&["snapshot", image_arg, "a b"], "letters, digits")?;
+    one_line_error(&["snapshot", image_arg, "-x"], "")?;
+    one_line_error(&["delete", image_arg, "nope"], "no snapshot named \"nope\"")?;
+    zdisk_ok(&["snapshot", image_arg, "once"])?;
+    one_line_error(&["snapshot", image_arg, "once"], "exists already")?;
+    let nand = scratch.join("nand.zdisk");
+    let nand_arg = nand.to_str().unwrap();
+    zdisk_ok(&["create", nand_arg, "--nand", "tiny"])?;
+    one_line_error(&["snapshot", nand_arg, "x"], "emulated drive")?;
+    let missing = scratch.join("missing.zdisk");
+    one_line_error(&["volumes", missing.to_str().unwrap()], "does not exist")?;
+    Ok(Completion::Completed)
+}
+
+fn crashwriter() -> String {
+    format!(
+        "{}/tests/scripts/crashwriter.py",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// Lines of the crash writer's log that start with `F`.
+fn flushes_logged(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .map(|text| text.lines().filter(|l| l.starts_with('F')).count())
+        .unwrap_or(0)
+}
+
+/// A snapshot the test took: what the writer had logged when the
+/// command returned (nothing logged later may be in it), and the values
+/// blocks held when the writer's round began.
+struct Taken {
+    name: String,
+    log_prefix: std::path::PathBuf,
+    baseline: std::path::PathBuf,
+}
+
+/// The crash writer's verifier on `snapshot`'s export: every block holds
+/// a value its log prefix allows.
+fn verify_snapshot(
+    socket: &Path,
+    blocks: &str,
+    snapshot: &Taken,
+    when: &str,
+) -> Result<(), Failed> {
+    let uri = export_uri(socket, &snapshot.name);
+    let output = Command::new("/usr/bin/python3")
+        .arg(crashwriter())
+        .args([
+            "verify",
+            &uri,
+            blocks,
+            snapshot.log_prefix.to_str().unwrap(),
+            snapshot.baseline.to_str().unwrap(),
+            "dup",
+        ])
+        .output()
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        output.status.success(),
+        "{when}: snapshot {} does not read as taken: {}{}",
+        snapshot.name,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
+fn kill9_snapshots() -> TestResult {
+    if let Some(skip) = skip_unless(python_has_libnbd()) {
+        return skip;
+    }
+    let scratch = Scratch::new("snapshots-kill9");
+    let image = scratch.join("crash.zdisk");
+    let image_arg = image.to_str().unwrap();
+    let socket = scratch.join("sock");
+    zdisk_ok(&["create", image_arg, "--logical", "64M", "--physical", "64M"])?;
+    let blocks = "4096";
+    let baseline = scratch.join("baseline");
+    let mut taken: Vec<Taken> = Vec::new();
+    let mut verified = 0;
+    for round in 0..30u64 {
+        let mut server = Server::start(&image, &socket, &[])?;
+        if round > 0 {
+            ensure!(
+                server.log().contains("recovered after an unclean stop"),
+                "round {round}: restart did not report a recovery:\n{}",
+                server.log()
+            );
+        }
+        // The snapshot of the round the kill ended reads as it was taken
+        // (each is read once after a crash here, and all at the end).
+        for snapshot in taken
+            .iter()
+            .filter(|t| t.name == format!("r{}", round.wrapping_sub(1)))
+        {
+            verify_snapshot(&socket, blocks, snapshot, &format!("round {round}"))?;
+            verified += 1;
+        }
+        // The volume as the previous round's writer left it.
+        if round > 0 {
+            let log = scratch.join(&format!("writes-{}.log", round - 1));
+            let output = Command::new("/usr/bin/python3")
+                .arg(crashwriter())
+                .args([
+                    "verify",
+                    &server.uri(),
+                    blocks,
+                    log.to_str().unwrap(),
+                    baseline.to_str().unwrap(),
+                    "dup",
+                ])
+                .output()
+                .map_err(|e| e.to_string())?;
+            ensure!(
+                output.status.success(),
+                "round {round}: the volume lost flushed blocks: {}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let round_baseline = scratch.join(&format!("baseline-{round}"));
+        if baseline.exists() {
+            std::fs::copy(&baseline, &round_baseline).map_err(|e| e.to_string())?;
+        }
+        let log_path = scratch.join(&format!("writes-{round}.log"));
+        let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+        let mut writer = Command::new("/usr/bin/python3")
+            .arg(crashwriter())
+            .args([
+                "write",
+                &server.uri(),
+                blocks,
+                &round.to_string(),
+                baseline.to_str().unwrap(),
+                "dup",
+            ])
+            .stdout(log)
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        while flushes_logged(&log_path) < 2 {
+            ensure!(
+                started.elapsed() < Duration::from_secs(60),
+                "round {round}: the writer completed fewer than 2 flushes in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // A snapshot while it writes; every third round one is deleted.
+        // What it must hold: the values as of the last flush logged before
+        // the command was issued; what it may hold besides: any write
+        // logged before the command returned (the writer logs a write
+        // before issuing it). Flushes logged after it was issued say
+        // nothing about it, so they are left out of its log.
+        let name = format!("r{round}");
+        let before = std::fs::read(&log_path).map_err(|e| e.to_string())?;
+        zdisk_ok(&["snapshot", image_arg, &name])?;
+        let after = std::fs::read(&log_path).map_err(|e| e.to_string())?;
+        let whole_lines = |bytes: &[u8]| {
+            let end = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            String::from_utf8_lossy(&bytes[..end]).into_owned()
+        };
+        let issued = whole_lines(&before);
+        let mut prefix_text = issued.clone();
+        for line in whole_lines(&after)[issued.len()..].lines() {
+            if line.starts_with('W') {
+                prefix_text.push_str(line);
+                prefix_text.push('\n');
+            }
+        }
+        let prefix = scratch.join(&format!("prefix-{round}"));
+        std::fs::write(&prefix, prefix_text).map_err(|e| e.to_string())?;
+        let snapshot_baseline = scratch.join(&format!("snapshot-baseline-{round}"));
+        if round_baseline.exists() {
+            std::fs::copy(&round_baseline, &snapshot_baseline).map_err(|e| e.to_string())?;
+        }
+        taken.push(Taken {
+            name,
+            log_prefix: prefix,
+            baseline: snapshot_baseline,
+        });
+        if round % 3 == 2 && taken.len() > 2 {
+            let gone = taken.remove(round as usize % (taken.len() - 1));
+            zdisk_ok(&["delete", image_arg, &gone.name])?;
+        }
+        std::thread::sleep(Duration::from_millis(100 + (round * 137) % 400));
+        let status = server.stop_with("KILL")?;
+        ensure!(
+            !status.success(),
+            "the server should have died from SIGKILL"
+        );
+        let _ = writer.wait();
+        println!(
+            "round {round}: {} flushes before kill -9, {} snapshots",
+            flushes_logged(&log_path),
+            taken.len()
+        );
+    }
+    // The last round's writes, every snapshot left, then a clean stop and
+    // a check.
+    let mut server = Server::start(&image, &socket, &[])?;
+    for snapshot in &taken {
+        verify_snapshot(&socket, blocks, snapshot, "at the end")?;
+        verified += 1;
+    }
+    let listed = json(&["volumes", image_arg, "--json"])?;
+    let names: Vec<&str> = listed
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["name"].as_str()).collect())
+        .unwrap_or_default();
+    let want: Vec<&str> = taken.iter().map(|t| t.name.as_str()).collect();
+    ensure!(names == want, "snapshots {names:?}, expected {want:?}");
+    server.stop()?;
+    let report = zdisk(&["check", image_arg]);
+    ensure!(
+        report.status.success(),
+        "check after the rounds: {}{}",
+        String::from_utf8_lossy(&report.stdout),
+        String::from_utf8_lossy(&report.stderr)
+    );
+    println!("{verified} snapshot verifications, check clean");
+    Ok(Completion::Completed)
+}
