@@ -119,7 +119,15 @@ fn compacts_when_idle(recompress: Recompress) {
     );
     assert!(idle.segments_cleaned > busy.segments_cleaned);
     assert!(idle.physical_used_bytes < busy.physical_used_bytes);
-    assert!(idle.available_bytes >= busy.available_bytes);
+    // The pass may first take the checkpoints that put recent segments
+    // behind both retained roots (nothing a recovery replays is copied):
+    // their dumps hold a few segments while the roots keep them.
+    assert!(
+        idle.available_bytes + 4 * SEGMENT >= busy.available_bytes,
+        "available {} -> {}",
+        busy.available_bytes,
+        idle.available_bytes
+    );
     let mut got = vec![0u8; model.len()];
     volume.read(0, &mut got).expect("read");
     assert!(got == model, "compaction changed the data");

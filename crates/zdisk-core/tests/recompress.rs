@@ -176,8 +176,10 @@ fn the_idle_pass_recompresses_cold_data_once_and_it_survives_restarts() {
     // is to do.
     let open_at_close = after.segments_by_state.open;
     let steps = idle_until_done(&volume);
+    // Plus at most the two checkpoints that put those segments behind
+    // both retained roots before anything is copied from them.
     assert!(
-        u64::from(steps) <= open_at_close + 1,
+        u64::from(steps) <= open_at_close + 3,
         "{steps} idle steps after a restart ({open_at_close} segments were open)"
     );
     assert!(volume.stats().stored_bytes <= after.stored_bytes);
@@ -211,8 +213,9 @@ fn recompressed_units_replay_after_a_crash() {
     // Replay knows which units are cold: at most the partly filled
     // segments left open at the crash are compacted again (and a flush
     // releases them).
+    // (and at most two checkpoints first, to put them behind both roots).
     let steps = idle_until_done(&volume);
-    assert!(steps <= 3, "{steps} idle steps after recovery");
+    assert!(steps <= 5, "{steps} idle steps after recovery");
     assert!(volume.stats().stored_bytes <= stored);
     assert_reads(
         &volume,
