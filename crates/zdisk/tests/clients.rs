@@ -482,13 +482,6 @@ fn kill9_rounds(m: Medium, rounds: u64, dup: bool) -> TestResult {
     Ok(Completion::Completed)
 }
 
-/// Flushes the crash writer logged as completed so far.
-fn flushes_logged(log: &std::path::Path) -> usize {
-    std::fs::read_to_string(log)
-        .map(|text| text.lines().filter(|l| l.starts_with('F')).count())
-        .unwrap_or(0)
-}
-
 fn python_file(name: &str, args: &[&str]) -> Result<std::process::Output, Failed> {
     let path = script(name);
     let mut all = vec![path.as_str()];

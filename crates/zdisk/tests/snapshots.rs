@@ -301,13 +301,6 @@ fn crashwriter() -> String {
     )
 }
 
-/// Lines of the crash writer's log that start with `F`.
-fn flushes_logged(log: &Path) -> usize {
-    std::fs::read_to_string(log)
-        .map(|text| text.lines().filter(|l| l.starts_with('F')).count())
-        .unwrap_or(0)
-}
-
 /// A snapshot the test took: what the writer had logged when the
 /// command returned (nothing logged later may be in it), and the values
 /// blocks held when the writer's round began.

@@ -482,3 +482,11 @@ pub fn make_pki(dir: &Path) -> Result<(), Failed> {
     }
     Ok(())
 }
+
+/// Flushes the crash writer (`tests/scripts/crashwriter.py`) logged as
+/// completed so far in `log` (its lines starting with `F`).
+pub fn flushes_logged(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .map(|text| text.lines().filter(|l| l.starts_with('F')).count())
+        .unwrap_or(0)
+}
