@@ -20,10 +20,13 @@
 //!   ClientHello left in the kernel. While some wait and every slot is
 //!   taken, a handshake past [`TLS_SLOT_GRACE`] is served once more and,
 //!   if still unfinished, dropped to free its slot: of those past it, one
-//!   from the source holding the most slots, the oldest of them. So a
-//!   flood's handshakes go before the lone handshake of an honest client
-//!   from another address that is slow to answer (starved of CPU, say),
-//!   while a client that sends a ClientHello and stalls still holds
+//!   from the source holding the most slots, the oldest of them; a source
+//!   holding a single slot keeps it while another holds more (the queue
+//!   waits at most the grace for one of theirs to age). So a flood's
+//!   handshakes go before the lone handshake of an honest client from
+//!   another address that is slow to answer (starved of CPU, say),
+//!   however long it takes, while a client that sends a ClientHello and
+//!   stalls still holds
 //!   nothing for long, and a flood of them costs at most
 //!   `max_tls_handshakes` key exchanges per grace period. (A longer grace
 //!   lets a one-address flood outgrow that address's budget, and
@@ -711,21 +714,24 @@ impl<'a> Lobby<'a> {
 
     /// The TLS handshake whose slot goes first: of those that have held
     /// theirs for [`TLS_SLOT_GRACE`] (and are not in `skip`), one from the
-    /// source holding the most slots, the oldest of them. A flood's slots
-    /// thus go before a lone honest client's from another address.
+    /// source holding the most slots, the oldest of them. A source holding
+    /// a single slot keeps it while another holds more, even young ones:
+    /// a lone honest client from another address never pays for a flood.
     fn tls_slot_to_reclaim(&self, now: Instant, skip: &HashSet<u64>) -> Option<u64> {
         let mut held: HashMap<Source, usize> = HashMap::new();
-        for id in &self.tls_running {
+        let running = || self.tls_running.iter().filter(|id| !skip.contains(*id));
+        for id in running() {
             *held.entry(self.conns[id].source).or_default() += 1;
         }
-        self.tls_running
-            .iter()
-            .filter(|id| !skip.contains(*id))
+        let most = held.values().copied().max()?;
+        running()
             .filter_map(|&id| {
                 let conn = &self.conns[&id];
                 let started = conn.tls_started?;
-                (now.duration_since(started) >= TLS_SLOT_GRACE).then_some((
-                    Reverse(held[&conn.source]),
+                let held = held[&conn.source];
+                let eligible = held > 1 || most == 1;
+                (eligible && now.duration_since(started) >= TLS_SLOT_GRACE).then_some((
+                    Reverse(held),
                     started,
                     id,
                 ))
@@ -1221,9 +1227,9 @@ mod tests {
 
     /// Of the TLS handshakes past their grace, one from the source holding
     /// the most slots goes first, the oldest of them; a lone client from
-    /// another address, however long past it, stays while a flood's slot
-    /// can go instead, and goes only among equals. Slots are set up by
-    /// hand: the choice looks only at sources and times.
+    /// another address, however long past it, stays while the flood holds
+    /// more slots, even young ones, and goes only among equals. Slots are
+    /// set up by hand: the choice looks only at sources and times.
     #[test]
     fn tls_slots_are_reclaimed_from_the_source_holding_most() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1278,7 +1284,11 @@ mod tests {
         assert_eq!(lobby.tls_slot_to_reclaim(now, &none), Some(flood_b));
         let mut skip = HashSet::from([flood_b]);
         assert_eq!(lobby.tls_slot_to_reclaim(now, &skip), Some(flood_a));
-        // The flood's only slot left is within its grace: the lone one goes.
+        // The flood's two slots left are within their grace: nothing goes,
+        // the lone one least of all.
+        lobby.conns.get_mut(&flood_a).unwrap().tls_started = Some(now - grace / 4);
+        assert_eq!(lobby.tls_slot_to_reclaim(now, &skip), None);
+        // With one slot each, the oldest past its grace goes.
         skip.insert(flood_a);
         assert_eq!(lobby.tls_slot_to_reclaim(now, &skip), Some(honest));
         // Between sources holding as many, the oldest goes.
