@@ -71,6 +71,11 @@ const TESTS: &[(&str, &str, TestFn)] = &[
         os_install,
     ),
     (
+        "snapshots.py",
+        "snapshots_cost_no_more_as_the_volume_grows_and_keep_only_what_changed",
+        snapshots,
+    ),
+    (
         "kv-vs-rocksdb.py",
         "kv_vs_rocksdb_quick_runs_every_engine_and_workload",
         kv_vs_rocksdb,
@@ -518,6 +523,89 @@ fn peers() -> TestResult {
         zdisk["corpus_bytes"]
     );
     ensure!(positive(zdisk, "ratio")? > 1.0, "no compression: {zdisk}");
+    Ok(Completion::Completed)
+}
+
+/// Snapshot cost on a 64 MiB volume and on a 1 TiB one with 1 GiB mapped,
+/// then three snapshots over the two-image layout with 5% of its blocks
+/// rewritten after each. Bytes are judged; times are only printed.
+fn snapshots() -> TestResult {
+    if let Some(skip) = skip_unless(
+        requires_python()
+            .and(require_tools(&[
+                "nbdcopy",
+                "nbdkit",
+                "fio",
+                "mkfs.ext4",
+                "mkfs.btrfs",
+                "compsize",
+                "qemu-img",
+                "qemu-io",
+            ]))
+            .and(require_root_fuse_loop()),
+    ) {
+        return skip;
+    }
+    let scratch = Scratch::new("script-snapshots");
+    let output = script_zdisk(
+        "snapshots.py",
+        &["--quick", "--dir", path_arg(&scratch.path)],
+    )?;
+    print!("{output}");
+    let rows = json_lines(&output);
+    // Taking a snapshot writes a record and a flush, whatever the size.
+    for volume in ["small", "large"] {
+        let row = rows
+            .iter()
+            .find(|r| r["part"] == "cost" && r["volume"] == volume)
+            .ok_or_else(|| format!("no cost row for {volume}"))?;
+        let mapped = positive(row, "mapped_bytes")?;
+        let takes = row["takes"].as_array().ok_or("no takes")?;
+        ensure!(takes.len() == 5, "{row}");
+        for take in takes {
+            positive(take, "seconds")?;
+            let written = positive(take, "media_write_bytes")?;
+            ensure!(
+                written <= 64.0 * 1024.0 && number(take, "metadata_growth_bytes")? <= 1048576.0,
+                "{volume} ({mapped} bytes mapped): a snapshot wrote {take}"
+            );
+        }
+    }
+    let row = |system: &str| {
+        rows.iter()
+            .find(|r| r["part"] == "series" && r["system"] == system)
+            .ok_or_else(|| Failed::from(format!("no series row for {system}")))
+    };
+    for system in ["zdisk lz4", "zdisk zstd"] {
+        let zdisk = row(system)?;
+        let stored = positive(zdisk, "stored_with_metadata_bytes")?;
+        ensure!(
+            stored <= positive(zdisk, "target_bytes")?,
+            "{system}: stored {stored} over the target: {zdisk}"
+        );
+        ensure!(
+            stored > positive(zdisk, "first_stored_bytes")?,
+            "{system}: the snapshots kept nothing: {zdisk}"
+        );
+        positive(zdisk, "snapshot_kept_bytes")?;
+        positive(zdisk, "snapshot_read_iops")?;
+        positive(zdisk, "volume_read_iops")?;
+        // Deleting every snapshot and compacting leaves what the volume
+        // alone stores: no more than a fresh copy of it, within 1%.
+        let left = positive(zdisk, "after_delete_stored_bytes")?;
+        let fresh = positive(zdisk, "fresh_copy_stored_bytes")?;
+        ensure!(
+            left <= 1.01 * fresh && left < stored,
+            "{system}: {left} stored after deleting every snapshot, {fresh} in a fresh copy"
+        );
+    }
+    for system in ["btrfs compress-force=zstd:1", "qcow2 internal snapshots"] {
+        let peer = row(system)?;
+        ensure!(
+            positive(peer, "stored_bytes")? > positive(peer, "first_stored_bytes")?,
+            "{system}: {peer}"
+        );
+    }
     Ok(Completion::Completed)
 }
 

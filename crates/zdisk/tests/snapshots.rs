@@ -138,6 +138,22 @@ fn served_snapshots() -> TestResult {
     );
     qemu_io_ok(&monday, true, "read -P 0xaa 0 4k")?;
 
+    // `zdisk map` of each export says how the blocks it sees are stored:
+    // monday's 16 MiB and tuesday's all compressed (a byte pattern), the
+    // volume's 12 MiB after the trim.
+    for (uri, written) in [
+        (&monday, "16 MiB"),
+        (&tuesday, "16 MiB"),
+        (&volume, "12 MiB"),
+    ] {
+        let map = zdisk_ok(&["map", uri])?;
+        println!("{}", map.lines().next().unwrap_or(""));
+        ensure!(
+            map.contains(&format!("{written} written (0 B raw, {written} compressed")),
+            "zdisk map {uri}:\n{map}"
+        );
+    }
+
     // What each keeps: monday the 8 MiB overwritten (it alone sees those),
     // tuesday the 4 MiB trimmed.
     let listed = json(&["volumes", image_arg, "--json"])?;

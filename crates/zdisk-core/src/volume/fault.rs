@@ -68,7 +68,11 @@ impl Volume {
             // may find a member kept), and the cells of the shared
             // entries in all of them.
             let kept = state.kept_ranges(ranges);
-            let all: Vec<(Lba, u64)> = ranges.iter().chain(&kept).copied().collect();
+            let mut all: Vec<(Lba, u64)> = ranges.iter().chain(&kept).copied().collect();
+            // A snapshot's read names every newer snapshot's space, and so
+            // does each range's kept set: look at each range once.
+            all.sort_unstable();
+            all.dedup();
             let cells = state.map().paged_cells(&all);
             let wanted: Vec<(Lba, u64, Vec<Fault>)> = all
                 .iter()

@@ -942,6 +942,6 @@ impl BlockDevice for Volume {
         max_extents: usize,
     ) -> Result<Vec<StoredExtent>> {
         self.check_access(offset, len, false)?;
-        self.stored_runs(offset, len, max_extents)
+        self.stored_runs(status::View::Volume, offset, len, max_extents)
     }
 }

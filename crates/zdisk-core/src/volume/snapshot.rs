@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::device::{BlockDevice, Extent, ExtentState};
+use crate::device::{BlockDevice, Extent, ExtentState, StoredExtent};
 use crate::error::{Error, Result};
 use crate::map::{Slot, SPACE_BLOCKS};
 use crate::snapshots::Snapshot;
@@ -15,6 +15,7 @@ use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 use super::io::{block_mut, Finder, Lookup, RANGE_RECORD_LEN};
 use super::space::{Need, Reach, Writer};
 use super::state::StreamKind;
+use super::status::View;
 use super::Volume;
 
 /// Blocks one block-status call on a snapshot describes at most (a reply
@@ -204,10 +205,10 @@ impl Volume {
         out: &mut [u8],
     ) -> Result<()> {
         let count = (out.len() / BLOCK_SIZE) as u64;
-        let ranges = self.lock().snapshot_ranges(space, first, count);
         let mut lookup = Lookup::with_capacity(count as usize);
         {
-            let state = self.make_resident(self.lock(), &ranges)?;
+            // The same blocks in every snapshot's space come with them.
+            let state = self.make_resident(self.lock(), &[(first, count)])?;
             if state.snapshots().by_space(space).is_none() {
                 return Err(no_such_snapshot(name));
             }
@@ -223,8 +224,7 @@ impl Volume {
             // The cleaner may have moved the record meanwhile: once more.
             let lba = Lba(first.0 + index as u64);
             let entry = {
-                let ranges = self.lock().snapshot_ranges(space, lba, 1);
-                let state = self.make_resident(self.lock(), &ranges)?;
+                let state = self.make_resident(self.lock(), &[(lba, 1)])?;
                 let entry = state.snapshot_entry(space, lba);
                 match entry.slot() {
                     Slot::Shared { content } => {
@@ -255,8 +255,7 @@ impl Volume {
         max: usize,
     ) -> Result<Vec<(ExtentState, u64)>> {
         let count = count.min(STATUS_BLOCKS_MAX);
-        let ranges = self.lock().snapshot_ranges(space, first, count);
-        let state = self.make_resident(self.lock(), &ranges)?;
+        let state = self.make_resident(self.lock(), &[(first, count)])?;
         let mut runs: Vec<(ExtentState, u64)> = Vec::new();
         for i in 0..count {
             let extent = match state.snapshot_entry(space, Lba(first.0 + i)).slot() {
@@ -359,5 +358,18 @@ impl BlockDevice for SnapshotDevice {
             .volume
             .snapshot_status(self.space, Lba(first), end - first, max_extents)?;
         Ok(super::extents_of(offset, len, runs))
+    }
+
+    /// How each block the snapshot sees is stored (`zdisk map`, NBD's
+    /// `zdisk:compression`), as the volume's export says it.
+    fn stored_status(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<StoredExtent>> {
+        self.volume.check_access(offset, len, false)?;
+        self.volume
+            .stored_runs(View::Snapshot(self.space), offset, len, max_extents)
     }
 }

@@ -13,6 +13,10 @@
 //! A header read races with the cleaner, which may move the record and
 //! reuse its segment meanwhile: a header that is not the record the map
 //! pointed at is not believed, and the run says the codec is unknown.
+//!
+//! A snapshot's export is described the same way, from the entries the
+//! snapshot sees (`State::snapshot_entry`, block by block); a record kept
+//! for it may name the block in the snapshot's key space.
 
 use std::collections::hash_map::Entry::Vacant;
 use std::collections::HashMap;
@@ -20,8 +24,9 @@ use std::ops::ControlFlow;
 
 use crate::codec::CodecId;
 use crate::device::{Stored, StoredExtent};
+use crate::error::Error;
 use crate::error::Result;
-use crate::map::{table_key, Location, Slot};
+use crate::map::{key_block, table_key, Entry, Location, Slot};
 use crate::record::{RecordHeader, RecordKind, HEADER_SIZE, RAW_RECORD_LEN};
 use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
@@ -37,6 +42,14 @@ const DATA_BLOCKS_PER_CALL: u64 = 1 << 18;
 const WINDOW_SPAN_BLOCKS: u64 = 1 << 20;
 
 type Headers = HashMap<(SegmentId, u32), Option<RecordHeader>>;
+
+/// Whose blocks a status describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum View {
+    Volume,
+    /// The snapshot whose key space this is.
+    Snapshot(u16),
+}
 
 /// What one window of the map holds, found under the state lock.
 struct Window {
@@ -65,6 +78,7 @@ impl Volume {
     /// `offset..offset + len`; see the module documentation.
     pub(crate) fn stored_runs(
         &self,
+        view: View,
         offset: u64,
         len: u64,
         max_extents: usize,
@@ -79,7 +93,7 @@ impl Volume {
         let mut cursor = first;
         let mut data_blocks = 0u64;
         while cursor < end && runs.len() <= max_extents && data_blocks < DATA_BLOCKS_PER_CALL {
-            let window = self.look_up_window(Lba(cursor), end)?;
+            let window = self.look_up_window(view, Lba(cursor), end)?;
             let headers = self.read_headers(&window.found, window.headers);
             for piece in window.found {
                 let (stored, blocks) = match piece {
@@ -91,7 +105,7 @@ impl Volume {
                         shared,
                     } => {
                         let header = headers.get(&loc.record_key()).copied().flatten();
-                        (classify(lba, loc, shared, header), blocks)
+                        (classify(view, lba, loc, shared, header), blocks)
                     }
                 };
                 match runs.last_mut() {
@@ -124,60 +138,75 @@ impl Volume {
 
     /// Under the state lock: the runs from `from` up to about
     /// `WINDOW_DATA_BLOCKS` data blocks, within `WINDOW_SPAN_BLOCKS`.
-    fn look_up_window(&self, from: Lba, end: u64) -> Result<Window> {
+    fn look_up_window(&self, view: View, from: Lba, end: u64) -> Result<Window> {
         let end = end.min(from.0 + WINDOW_SPAN_BLOCKS);
         let mut found = Vec::new();
         let mut headers = HashMap::new();
         let mut next = from.0;
         let mut window_data = 0u64;
         let mut partial = Vec::new();
+        // Every snapshot's space comes with the volume's blocks.
         let state = self.lock_resident(from, end - from.0)?;
-        state
-            .map()
-            .for_each_run(from, end - from.0, |lba, blocks, entry| {
-                // A shared block is stored where its content's cell says.
-                let (slot, shared) = match entry.slot() {
-                    Slot::Shared { content } => match state.map().get(table_key(content)).slot() {
-                        Slot::Data(loc) => (Slot::Data(loc), true),
-                        _ => (Slot::Damaged, true),
-                    },
-                    slot => (slot, false),
-                };
-                let piece = match slot {
-                    Slot::Hole => Found::Known(Stored::Hole, blocks),
-                    Slot::Shared { .. } => Found::Known(Stored::Damaged, blocks),
-                    Slot::Zero => Found::Known(Stored::Zero, blocks),
-                    Slot::Damaged => Found::Known(Stored::Damaged, blocks),
-                    Slot::Data(loc) => {
-                        if let Vacant(slot) = headers.entry(loc.record_key()) {
-                            // A record partly on the medium is left to
-                            // `read_headers`, outside the lock, unless its
-                            // header is in RAM.
-                            if let Ok(Some(buffered)) = state.read_buffered(loc) {
-                                match buffered.in_ram() {
-                                    Some(bytes) => {
-                                        slot.insert(RecordHeader::decode(bytes).ok());
-                                    }
-                                    None => partial.push(buffered),
+        let mut visit = |lba: Lba, blocks: u64, entry: Entry| {
+            // A shared block is stored where its content's cell says.
+            let (slot, shared) = match entry.slot() {
+                Slot::Shared { content } => match state.map().get(table_key(content)).slot() {
+                    Slot::Data(loc) => (Slot::Data(loc), true),
+                    _ => (Slot::Damaged, true),
+                },
+                slot => (slot, false),
+            };
+            let piece = match slot {
+                Slot::Hole => Found::Known(Stored::Hole, blocks),
+                Slot::Shared { .. } => Found::Known(Stored::Damaged, blocks),
+                Slot::Zero => Found::Known(Stored::Zero, blocks),
+                Slot::Damaged => Found::Known(Stored::Damaged, blocks),
+                Slot::Data(loc) => {
+                    if let Vacant(slot) = headers.entry(loc.record_key()) {
+                        // A record partly on the medium is left to
+                        // `read_headers`, outside the lock, unless its
+                        // header is in RAM.
+                        if let Ok(Some(buffered)) = state.read_buffered(loc) {
+                            match buffered.in_ram() {
+                                Some(bytes) => {
+                                    slot.insert(RecordHeader::decode(bytes).ok());
                                 }
+                                None => partial.push(buffered),
                             }
                         }
-                        window_data += blocks;
-                        Found::Data {
-                            lba,
-                            blocks,
-                            loc,
-                            shared,
-                        }
                     }
-                };
-                found.push(piece);
-                next = lba.0 + blocks;
-                match window_data >= WINDOW_DATA_BLOCKS {
-                    true => ControlFlow::Break(()),
-                    false => ControlFlow::Continue(()),
+                    window_data += blocks;
+                    Found::Data {
+                        lba,
+                        blocks,
+                        loc,
+                        shared,
+                    }
                 }
-            });
+            };
+            found.push(piece);
+            next = lba.0 + blocks;
+            match window_data >= WINDOW_DATA_BLOCKS {
+                true => ControlFlow::Break(()),
+                false => ControlFlow::Continue(()),
+            }
+        };
+        match view {
+            View::Volume => state.map().for_each_run(from, end - from.0, visit),
+            View::Snapshot(space) => {
+                if state.snapshots().by_space(space).is_none() {
+                    return Err(Error::InvalidArgument(
+                        "the snapshot was deleted meanwhile".into(),
+                    ));
+                }
+                for block in from.0..end {
+                    let lba = Lba(block);
+                    if visit(lba, 1, state.snapshot_entry(space, lba)).is_break() {
+                        break;
+                    }
+                }
+            }
+        }
         drop(state);
         for buffered in partial {
             let key = buffered.loc().record_key();
@@ -216,7 +245,13 @@ impl Volume {
 /// How block `lba`, the member of the record at `loc` (written for
 /// another block if `shared`), is stored; the record's header names its
 /// codec if it is the record the map expects.
-fn classify(lba: Lba, loc: Location, shared: bool, header: Option<RecordHeader>) -> Stored {
+fn classify(
+    view: View,
+    lba: Lba,
+    loc: Location,
+    shared: bool,
+    header: Option<RecordHeader>,
+) -> Stored {
     let share = loc.share();
     let size_sixteenths = (share * 16).div_ceil(BLOCK_SIZE_U64).clamp(1, 16) as u8;
     let unit = loc.members > 1;
@@ -226,8 +261,13 @@ fn classify(lba: Lba, loc: Location, shared: bool, header: Option<RecordHeader>)
         } else {
             RecordKind::Data
         };
-        // A shared block's record names its owner or its content's cell.
-        header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(header.lba))
+        // A shared block's record names its owner or its content's cell;
+        // one a snapshot keeps may name the block in the snapshot's space.
+        let named = match view {
+            View::Volume => header.lba,
+            View::Snapshot(_) => key_block(header.lba),
+        };
+        header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(named))
     });
     let codec = header.and_then(|header| CodecId::from_u8(header.codec));
     let raw = match codec {

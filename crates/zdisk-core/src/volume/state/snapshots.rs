@@ -216,11 +216,31 @@ impl State {
     /// The entry the snapshot in `space` sees at volume block `lba`: the
     /// first one kept for it by this snapshot or a newer one, else the
     /// volume's, if older than the snapshot; a hole otherwise. The leaves
-    /// of [`State::snapshot_ranges`] must be in RAM.
+    /// of the block in the volume's and every snapshot's space must be in
+    /// RAM (as `make_resident` of the volume's block brings them).
     pub(crate) fn snapshot_entry(&self, space: u16, lba: Lba) -> Entry {
         let Some(snapshot) = self.snapshots.by_space(space) else {
             return Entry::default();
         };
+        // A volume entry older than the snapshot has not been replaced
+        // since it was taken, so neither this snapshot nor a newer one
+        // keeps anything at the block (an entry is kept only when a newer
+        // one replaces it): one lookup for every block unchanged since.
+        let current = self.map.get(lba);
+        if !current.is_hole() && current.version() < snapshot.version {
+            debug_assert_eq!(
+                self.kept_view(snapshot, space, lba),
+                current,
+                "block {lba}: snapshot {space} keeps an entry the volume never replaced"
+            );
+            return current;
+        }
+        self.kept_view(snapshot, space, lba)
+    }
+
+    /// [`State::snapshot_entry`] by the chain: the snapshot's own space,
+    /// the newer snapshots' spaces, then the volume.
+    fn kept_view(&self, snapshot: &Snapshot, space: u16, lba: Lba) -> Entry {
         let seen = |entry: Entry| {
             if entry.version() < snapshot.version {
                 entry
@@ -240,20 +260,6 @@ impl State {
         } else {
             seen(entry)
         }
-    }
-
-    /// The map ranges a lookup of blocks `first..first+count` in the
-    /// snapshot in `space` reads: the volume's and those of the snapshot
-    /// and every newer one.
-    pub(crate) fn snapshot_ranges(&self, space: u16, first: Lba, count: u64) -> Vec<(Lba, u64)> {
-        let mut ranges = vec![(first, count)];
-        ranges.extend(
-            self.snapshots
-                .chain_from(space)
-                .iter()
-                .map(|s| (space_key(s.space, first.0), count)),
-        );
-        ranges
     }
 
     /// For map ranges of blocks (in any key space), the same blocks in the
