@@ -87,36 +87,10 @@ BTRFS = "btrfs compress-force=zstd:1"
 DUPEREMOVE = "btrfs + duperemove -dr -b 4096"
 
 
-def make_tree(work, name, sources):
-    tree = os.path.join(work, name)
-    os.makedirs(tree)
-    for source in sources:
-        if not os.path.isdir(source):
-            raise harness.Missing(f"{source} is not here to copy into tree {name}")
-        harness.run(["cp", "-a", source, os.path.join(tree, os.path.basename(source))])
-    return tree
-
-
 def make_image(tree, image):
     harness.run(["mkfs.ext4", "-q", "-d", tree, image, "512M"])
     if os.path.getsize(image) != IMAGE_BYTES:
         raise harness.Failure(f"{image} is {os.path.getsize(image)} bytes, not 512 MiB")
-
-
-def nonzero_blocks(image):
-    """Indexes of the non-zero 4 KiB blocks of `image`."""
-    zero = bytes(harness.BLOCK)
-    found = []
-    with open(image, "rb") as f:
-        index = 0
-        while True:
-            block = f.read(harness.BLOCK)
-            if not block:
-                break
-            if block != zero:
-                found.append(index)
-            index += 1
-    return found
 
 
 def modified_copy(image, copy, blocks, seed):
@@ -186,13 +160,6 @@ def duplicate_blocks(images):
     return duplicates, len(seen)
 
 
-def compsize_bytes(paths):
-    for line in harness.run(["compsize", "-b", *paths]).stdout.splitlines():
-        if line.startswith("TOTAL"):
-            return int(line.split()[2])
-    raise harness.Failure("compsize printed no TOTAL line")
-
-
 def btrfs_rows(ctx, images):
     layout_bytes = len(images) * IMAGE_BYTES
     with harness.Teardown() as teardown:
@@ -203,12 +170,12 @@ def btrfs_rows(ctx, images):
             harness.run(["cp", source, target])
         harness.run(["sync", "-f", targets[0]])
         written = time.monotonic() - t0
-        before = compsize_bytes(targets)
+        before = harness.compsize_bytes(targets)
         t1 = time.monotonic()
         harness.run(["duperemove", "-dr", "-b", "4096", mount])
         dedup_seconds = time.monotonic() - t1
         harness.run(["sync", "-f", targets[0]])
-        after = compsize_bytes(targets)
+        after = harness.compsize_bytes(targets)
         du = harness.run(["btrfs", "filesystem", "du", "-s", "--raw", mount]).stdout.split("\n")
     return ({"write_mb_s": layout_bytes / written / 1e6, "stored_bytes": before},
             {"write_mb_s": None, "stored_bytes": after, "duperemove_seconds": dedup_seconds,
@@ -400,11 +367,11 @@ def body():
         harness.progress("dedup.py", "copying trees and making ext4 images")
         sources_a = TREE_A_QUICK if args.quick else TREE_A
         copies_count = args.copies or (2 if args.quick else 10)
-        tree_a = make_tree(ctx.work, "tree-a", sources_a)
+        tree_a = harness.make_tree(ctx.work, "tree-a", sources_a)
         image_a = os.path.join(ctx.work, "a.img")
         make_image(tree_a, image_a)
         if "two-image" in workloads:
-            tree_b = make_tree(ctx.work, "tree-b", sources_a + TREE_B_EXTRA)
+            tree_b = harness.make_tree(ctx.work, "tree-b", sources_a + TREE_B_EXTRA)
             image_b = os.path.join(ctx.work, "b.img")
             make_image(tree_b, image_b)
             harness.run(["rm", "-rf", "--one-file-system", tree_b])
@@ -413,7 +380,7 @@ def body():
             run_workload(ctx, zdisk, "two-image", [image_a, image_b])
             os.remove(image_b)
         if "copies" in workloads:
-            blocks = nonzero_blocks(image_a)
+            blocks = harness.nonzero_blocks(image_a)
             copies = []
             for index in range(copies_count):
                 copy = os.path.join(ctx.work, f"a-{index}.img")

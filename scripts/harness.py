@@ -18,6 +18,8 @@ reads as its measurement and nothing else:
   (the README's kernel-filesystem route);
 - `Ceph`: the one-node test cluster of crates/zdisk/tests/support/ceph.sh;
 - `corpus`: the /usr tar most scripts write and read back;
+- `make_tree`, `nonzero_blocks`, `compsize_bytes`: the ext4 images of
+  /usr trees that dedup.py and snapshots.py write, and btrfs's usage;
 - `print_table`: a table of figures, as the scripts print them.
 
 Scripts run under /usr/bin/python3, whose libnbd bindings (`import nbd`)
@@ -498,6 +500,41 @@ def btrfs_mount(teardown, work, size_bytes):
     run(["mount", "-o", "compress-force=zstd:1", device, mount])
     teardown.push("mount", lambda: run(["umount", mount]))
     return mount
+
+
+def compsize_bytes(paths):
+    """compsize's disk usage of `paths` (a btrfs's shared extents once)."""
+    for line in run(["compsize", "-b", *paths]).stdout.splitlines():
+        if line.startswith("TOTAL"):
+            return int(line.split()[2])
+    raise Failure("compsize printed no TOTAL line")
+
+
+def make_tree(work, name, sources):
+    """work/name holding a copy of each directory in `sources`."""
+    tree = os.path.join(work, name)
+    os.makedirs(tree)
+    for source in sources:
+        if not os.path.isdir(source):
+            raise Missing(f"{source} is not here to copy into tree {name}")
+        run(["cp", "-a", source, os.path.join(tree, os.path.basename(source))])
+    return tree
+
+
+def nonzero_blocks(image):
+    """Indexes of the non-zero 4 KiB blocks of `image`."""
+    zero = bytes(BLOCK)
+    found = []
+    with open(image, "rb") as f:
+        index = 0
+        while True:
+            block = f.read(BLOCK)
+            if not block:
+                break
+            if block != zero:
+                found.append(index)
+            index += 1
+    return found
 
 
 def mounted(path):

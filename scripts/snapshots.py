@@ -171,22 +171,12 @@ def run_cost(ctx, zdisk):
 # ---- series -------------------------------------------------------------
 
 
-def make_tree(work, name, sources):
-    tree = os.path.join(work, name)
-    os.makedirs(tree)
-    for source in sources:
-        if not os.path.isdir(source):
-            raise harness.Missing(f"{source} is not here to copy into tree {name}")
-        harness.run(["cp", "-a", source, os.path.join(tree, os.path.basename(source))])
-    return tree
-
-
 def make_layout(ctx, quick):
     """The two-image layout as one sparse file; returns its path."""
     sources = TREE_A_QUICK if quick else TREE_A
     images = []
     for name, extra in (("a", []), ("b", TREE_B_EXTRA)):
-        tree = make_tree(ctx.work, f"tree-{name}", sources + extra)
+        tree = harness.make_tree(ctx.work, f"tree-{name}", sources + extra)
         image = os.path.join(ctx.work, f"{name}.img")
         harness.run(["mkfs.ext4", "-q", "-d", tree, image, "512M"])
         harness.run(["rm", "-rf", "--one-file-system", tree])
@@ -199,18 +189,6 @@ def make_layout(ctx, quick):
                      "conv=notrunc,sparse", "status=none"])
         os.remove(image)
     return layout
-
-
-def nonzero_blocks(path):
-    zero = bytes(harness.BLOCK)
-    found = []
-    with open(path, "rb") as f:
-        index = 0
-        while block := f.read(harness.BLOCK):
-            if block != zero:
-                found.append(index)
-            index += 1
-    return found
 
 
 def plan_rounds(blocks, rounds):
@@ -293,7 +271,7 @@ def btrfs_series(ctx, layout, plan):
         target = os.path.join(volume, "layout.img")
         harness.run(["cp", "--sparse=always", layout, target])
         harness.run(["sync", "-f", target])
-        first = compsize_bytes([volume])
+        first = harness.compsize_bytes([volume])
         takes = []
         snapshots = []
         for index, (blocks, seed) in enumerate(plan):
@@ -311,15 +289,8 @@ def btrfs_series(ctx, layout, plan):
             finally:
                 os.close(fd)
         harness.run(["sync", "-f", target])
-        after = compsize_bytes([volume, *snapshots])
+        after = harness.compsize_bytes([volume, *snapshots])
     return {"first_stored_bytes": first, "stored_bytes": after, "snapshot_seconds": takes}
-
-
-def compsize_bytes(paths):
-    for line in harness.run(["compsize", "-b", *paths]).stdout.splitlines():
-        if line.startswith("TOTAL"):
-            return int(line.split()[2])
-    raise harness.Failure("compsize printed no TOTAL line")
 
 
 def allocated_bytes(path):
@@ -349,7 +320,7 @@ def qcow2_series(ctx, layout, plan):
 def run_series(ctx, zdisk):
     harness.progress("snapshots.py", "series: copying trees and making ext4 images")
     layout = make_layout(ctx, ctx.quick)
-    blocks = nonzero_blocks(layout)
+    blocks = harness.nonzero_blocks(layout)
     plan = plan_rounds(blocks, ctx.rounds)
     rewritten = sum(len(round_blocks) for round_blocks, _ in plan)
     rows = {}
