@@ -64,10 +64,9 @@ import time
 
 import harness
 
-IMAGE_BYTES = 512 * harness.MIB
-TREE_A = ["/usr/share/doc", "/usr/lib/python3", "/usr/share/perl"]
-TREE_A_QUICK = ["/usr/share/perl"]
-TREE_B_EXTRA = ["/usr/share/i18n"]
+IMAGE_BYTES = harness.OS_IMAGE_BYTES
+TREE_A, TREE_A_QUICK = harness.OS_TREE_A, harness.OS_TREE_A_QUICK
+TREE_B_EXTRA = harness.OS_TREE_B_EXTRA
 SEED = 25
 MODIFIED_SHARE = 0.01
 

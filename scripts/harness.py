@@ -502,6 +502,15 @@ def btrfs_mount(teardown, work, size_bytes):
     return mount
 
 
+# The OS images of dedup.py and snapshots.py: ext4 images of this size
+# made with `mkfs.ext4 -d` of tree A (copies of these directories; the
+# quick tree with --quick), and of tree A plus B's extra.
+OS_IMAGE_BYTES = 512 * MIB
+OS_TREE_A = ["/usr/share/doc", "/usr/lib/python3", "/usr/share/perl"]
+OS_TREE_A_QUICK = ["/usr/share/perl"]
+OS_TREE_B_EXTRA = ["/usr/share/i18n"]
+
+
 def compsize_bytes(paths):
     """compsize's disk usage of `paths` (a btrfs's shared extents once)."""
     for line in run(["compsize", "-b", *paths]).stdout.splitlines():

@@ -229,12 +229,36 @@ pub fn entropy_bits_per_byte(data: &[u8]) -> f64 {
     (n.log2() - sum / n).max(0.0)
 }
 
+/// LZ4's own effort (liblz4's acceleration 1).
+const LZ4_ACCELERATION: i32 = 1;
+
+/// LZ4-compresses `input` into `output` with liblz4, the library that
+/// decodes it too; None if the result would not fit in `limit` bytes.
+/// liblz4 gives up as soon as it would pass the limit, so a block that is
+/// stored raw anyway costs less than a whole compression, and the output
+/// is written into reserved capacity, never zeroed first.
 fn lz4_into(input: &[u8], output: &mut Vec<u8>, limit: usize) -> Option<usize> {
-    output.resize(lz4_flex::block::get_maximum_output_size(input.len()), 0);
-    match lz4_flex::block::compress_into(input, output) {
-        Ok(len) if len <= limit => Some(len),
-        _ => None,
-    }
+    let source_len = i32::try_from(input.len()).ok()?;
+    let capacity = i32::try_from(limit).ok()?;
+    output.clear();
+    output.reserve(limit);
+    // SAFETY: liblz4 reads `source_len` bytes from `input` and writes at
+    // most `capacity` bytes at `output`'s start, whose capacity is at least
+    // `limit`; it returns how many it wrote, or 0 if they would not fit.
+    let written = unsafe {
+        lz4::liblz4::LZ4_compress_fast(
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            source_len,
+            capacity,
+            LZ4_ACCELERATION,
+        )
+    };
+    let written = usize::try_from(written).ok().filter(|&n| n > 0)?;
+    debug_assert!(written <= limit);
+    // SAFETY: liblz4 initialised these `written` bytes.
+    unsafe { output.set_len(written) };
+    Some(written)
 }
 
 /// Compresses one block with `codec`, writing the payload to `output`.
@@ -428,10 +452,8 @@ pub fn decompress_exact(id: CodecId, payload: &[u8], output: &mut [u8]) -> Resul
             output.copy_from_slice(payload);
             size
         }
-        // liblz4's bounds-checked decoder: 1.45x lz4_flex's on 8 KiB units
-        // of the /usr tar, and decompression is most of a sequential
-        // read's time. lz4_flex still compresses (faster than liblz4's
-        // default here); both speak the same block format.
+        // liblz4's bounds-checked decoder (1.45x lz4_flex's on 8 KiB units
+        // of the /usr tar when both were used), which also compresses.
         CodecId::Lz4 => {
             let expected = i32::try_from(size).map_err(|_| format!("lz4: {size} bytes"))?;
             lz4::block::decompress_to_buffer(payload, Some(expected), output)
@@ -481,7 +503,7 @@ pub fn decompress_prefix(
         return decompress_exact(id, payload, output);
     }
     match id {
-        // LZ4 decodes a 32 KiB unit faster whole (lz4_flex copies in wide
+        // LZ4 decodes a 32 KiB unit faster whole (liblz4 copies in wide
         // strides) than a decoder that stops early could decode its half.
         CodecId::Lz4 => decompress_exact(id, payload, output),
         CodecId::Zstd => CONTEXTS.with(|contexts| {
@@ -515,14 +537,20 @@ pub fn decompress_prefix(
 
 /// Compresses an arbitrary buffer with LZ4 (used for checkpoint chunks).
 pub fn lz4_compress(input: &[u8]) -> Vec<u8> {
-    lz4_flex::block::compress(input)
+    let len = i32::try_from(input.len()).expect("an LZ4 input under 2 GiB");
+    // SAFETY: a pure function of a length.
+    let bound = unsafe { lz4::liblz4::LZ4_compressBound(len) };
+    let mut output = Vec::new();
+    lz4_into(input, &mut output, bound as usize).expect("LZ4's bound holds any input");
+    output
 }
 
 /// Decompresses an LZ4 buffer whose decompressed size is known.
 pub fn lz4_decompress(input: &[u8], size: usize) -> Result<Vec<u8>, String> {
     let mut output = vec![0u8; size];
-    let produced =
-        lz4_flex::block::decompress_into(input, &mut output).map_err(|e| format!("lz4: {e}"))?;
+    let expected = i32::try_from(size).map_err(|_| format!("lz4: {size} bytes"))?;
+    let produced = lz4::block::decompress_to_buffer(input, Some(expected), &mut output)
+        .map_err(|e| format!("lz4: {e}"))?;
     if produced != size {
         return Err(format!("lz4 produced {produced} bytes, expected {size}"));
     }

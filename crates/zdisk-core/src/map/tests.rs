@@ -1196,13 +1196,13 @@ fn random_pages_decode_or_fail_cleanly() {
     for round in 0..20_000 {
         let mut payload = valid[round % valid.len()].clone();
         let raw_len = u32::from_le_bytes(payload[..4].try_into().unwrap()) as usize;
-        let mut raw = lz4_flex::block::decompress(&payload[4..], raw_len).unwrap();
+        let mut raw = crate::codec::lz4_decompress(&payload[4..], raw_len).unwrap();
         for _ in 0..rng.gen_range(1..4) {
             let at = rng.gen_range(0..raw.len());
             raw[at] = rng.gen();
         }
         payload.truncate(4);
-        payload.extend(lz4_flex::block::compress(&raw));
+        payload.extend(crate::codec::lz4_compress(&raw));
         let decoded_leaf = page::decode_page(&payload, 1 << 20);
         match &decoded_leaf {
             Ok(leaf) => {
