@@ -33,6 +33,12 @@ struct Listed {
     created_unix_secs: u64,
     kept_blocks: u64,
     kept_stored_bytes: u64,
+    /// What deleting it now would free (absent from an older server's
+    /// answer).
+    #[serde(default)]
+    frees_blocks: u64,
+    #[serde(default)]
+    frees_stored_bytes: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -142,6 +148,8 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
                             created_unix_secs: s.created_unix_secs,
                             kept_blocks: s.kept_blocks,
                             kept_stored_bytes: s.kept_stored_bytes,
+                            frees_blocks: s.frees_blocks,
+                            frees_stored_bytes: s.frees_stored_bytes,
                         })
                         .collect()
                 })
@@ -158,31 +166,36 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
         Source::Image => "not being served; from the image",
     };
     let mut out = format!(
-        "{}: {from}\n{:<24} {:<10} {:<20} {:>14} {:>12}\n",
+        "{}: {from}\n{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
         args.image.display(),
         "NAME",
         "KIND",
         "TAKEN (UTC)",
         "KEEPS BLOCKS",
-        "KEEPS BYTES"
+        "KEEPS BYTES",
+        "FREES BLOCKS",
+        "FREES BYTES"
     );
     out.push_str(&format!(
-        "{:<24} {:<10} {:<20} {:>14} {:>12}\n",
-        "(the volume)", "volume", "-", "-", "-"
+        "{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
+        "(the volume)", "volume", "-", "-", "-", "-", "-"
     ));
     for snapshot in &listed {
         out.push_str(&format!(
-            "{:<24} {:<10} {:<20} {:>14} {:>12}\n",
+            "{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
             snapshot.name,
             "snapshot",
             utc(snapshot.created_unix_secs),
             snapshot.kept_blocks,
-            format_size(snapshot.kept_stored_bytes)
+            format_size(snapshot.kept_stored_bytes),
+            snapshot.frees_blocks,
+            format_size(snapshot.frees_stored_bytes)
         ));
     }
     out.push_str(
         "A snapshot keeps the blocks the volume changed since it was taken; deleting it \
-         frees those no older snapshot sees.\n",
+         frees those no older snapshot sees (FREES: counted by walking its and the older \
+         snapshot's kept entries, not the volume).\n",
     );
     crate::output::write(format_args!("{out}"))
 }

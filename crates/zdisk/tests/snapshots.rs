@@ -159,12 +159,17 @@ fn served_snapshots() -> TestResult {
     let listed = json(&["volumes", image_arg, "--json"])?;
     println!("{listed}");
     let kept = |i: usize| listed[i]["kept_blocks"].as_u64().unwrap_or(0);
+    let frees = |i: usize| listed[i]["frees_blocks"].as_u64().unwrap_or(u64::MAX);
+    // Deleting monday would free all it keeps; tuesday's trimmed blocks
+    // are monday's view too, so deleting tuesday would hand them down.
     ensure!(
         listed.as_array().map(Vec::len) == Some(2)
             && listed[0]["name"] == "monday"
             && kept(0) == 2048
+            && frees(0) == 2048
             && listed[1]["name"] == "tuesday"
-            && kept(1) == 1024,
+            && kept(1) == 1024
+            && frees(1) == 0,
         "zdisk volumes --json: {listed}"
     );
     let stats = json(&["stats", image_arg, "--json"])?;

@@ -1256,15 +1256,15 @@ impl Map {
         self.for_each_leaf_from(media, 0, f)
     }
 
-    /// Calls `f` with every entry that is not a hole among keys
-    /// `first..first+count`, reading evicted leaves' pages as it goes
+    /// Calls `f` with every key among `first..first+count` whose entry is
+    /// not a hole, and the entry, reading evicted leaves' pages as it goes
     /// (without keeping them).
     pub(crate) fn for_each_kept(
         &self,
         media: &dyn Media,
         first: Lba,
         count: u64,
-        mut f: impl FnMut(Entry),
+        mut f: impl FnMut(Lba, Entry),
     ) -> Result<()> {
         let end = first.0.saturating_add(count);
         let from = self
@@ -1286,9 +1286,9 @@ impl Map {
             };
             let _ = leaf.visit(start, lo, hi, &mut |piece| {
                 match piece {
-                    Piece::One(_, entry) if !entry.is_hole() => f(entry),
+                    Piece::One(at, entry) if !entry.is_hole() => f(Lba(at), entry),
                     Piece::Same(from, to, entry) if !entry.is_hole() => {
-                        (from..to).for_each(|_| f(entry))
+                        (from..to).for_each(|at| f(Lba(at), entry))
                     }
                     _ => {}
                 }

@@ -2,13 +2,14 @@
 //! deleting them, and a read-only [`SnapshotDevice`] per snapshot. The
 //! model is in `snapshots.rs`; the map changes in `state/snapshots.rs`.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::device::{BlockDevice, Extent, ExtentState, StoredExtent};
 use crate::error::{Error, Result};
-use crate::map::{Slot, SPACE_BLOCKS};
+use crate::map::{key_block, Slot, SPACE_BLOCKS};
 use crate::snapshots::Snapshot;
 use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -29,11 +30,18 @@ pub struct SnapshotInfo {
     /// The version it was taken at (it holds every write before it).
     pub version: u64,
     pub created_unix_secs: u64,
-    /// Blocks whose entries it alone keeps now (the volume changed them
-    /// since), and their stored bytes: what deleting it would give back,
-    /// at most (an older snapshot that sees some of them keeps those).
+    /// Blocks whose entries it keeps (the volume changed them since it
+    /// was taken, and no newer snapshot keeps them), and their stored
+    /// bytes.
     pub kept_blocks: u64,
     pub kept_stored_bytes: u64,
+    /// Of those, the entries deleting it now would free (the rest go to
+    /// the next older snapshot, which sees them), and their stored bytes
+    /// (of a shared content, none: its record stays while others name it).
+    /// Found by walking this snapshot's and the older one's kept entries:
+    /// O(entries kept), never the volume's map.
+    pub frees_blocks: u64,
+    pub frees_stored_bytes: u64,
 }
 
 /// What deleting a snapshot did.
@@ -129,17 +137,32 @@ impl Volume {
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let state = self.lock_frozen();
         let mut infos = Vec::new();
+        // The blocks the next older snapshot keeps entries for: deleting
+        // a snapshot hands it an entry it sees only where it keeps none.
+        let mut older: Option<(u64, HashSet<u64>)> = None;
         for snapshot in state.snapshots().list() {
-            let (mut blocks, mut bytes) = (0, 0);
+            let (mut blocks, mut bytes, mut frees, mut frees_bytes) = (0, 0, 0, 0);
+            let mut own = HashSet::new();
             state.map().for_each_kept(
                 &*self.media,
                 crate::map::space_key(snapshot.space, 0),
                 SPACE_BLOCKS,
-                |entry| {
+                |key, entry| {
+                    let block = key_block(key.0);
+                    let stored = match entry.slot() {
+                        Slot::Data(loc) => loc.share(),
+                        _ => 0,
+                    };
                     blocks += 1;
-                    if let Slot::Data(loc) = entry.slot() {
-                        bytes += loc.share();
+                    bytes += stored;
+                    let handed_down = older.as_ref().is_some_and(|(version, kept)| {
+                        entry.version() < *version && !kept.contains(&block)
+                    });
+                    if !handed_down {
+                        frees += 1;
+                        frees_bytes += stored;
                     }
+                    own.insert(block);
                 },
             )?;
             infos.push(SnapshotInfo {
@@ -148,7 +171,10 @@ impl Volume {
                 created_unix_secs: snapshot.created_unix_secs,
                 kept_blocks: blocks,
                 kept_stored_bytes: bytes,
+                frees_blocks: frees,
+                frees_stored_bytes: frees_bytes,
             });
+            older = Some((snapshot.version, own));
         }
         Ok(infos)
     }

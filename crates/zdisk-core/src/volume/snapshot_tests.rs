@@ -148,7 +148,12 @@ fn snapshots_see_what_was_there_through_cleaning_checkpoints_and_crashes() {
             } else if roll < 78 && !model.snapshots.is_empty() {
                 let at = rng.gen_range(0..model.snapshots.len());
                 let (name, _) = model.snapshots.remove(at);
-                volume.delete_snapshot(&name).unwrap();
+                let listed = volume.snapshots().unwrap();
+                let info = listed.iter().find(|s| s.name == name).unwrap();
+                let deleted = volume.delete_snapshot(&name).unwrap();
+                // `zdisk volumes` said what deleting it would free.
+                assert_eq!(deleted.freed, info.frees_blocks, "seed {seed}: {info:?}");
+                assert_eq!(deleted.freed + deleted.handed_down, info.kept_blocks);
             } else if roll < 90 {
                 // A few victims with a quarter of a segment of garbage.
                 for _ in 0..4 {
