@@ -3,6 +3,7 @@
 //! model is in `snapshots.rs`; the map changes in `state/snapshots.rs`.
 
 use std::collections::HashSet;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -283,23 +284,21 @@ impl Volume {
         let count = count.min(STATUS_BLOCKS_MAX);
         let state = self.make_resident(self.lock(), &[(first, count)])?;
         let mut runs: Vec<(ExtentState, u64)> = Vec::new();
-        for i in 0..count {
-            let extent = match state.snapshot_entry(space, Lba(first.0 + i)).slot() {
+        let max = max.max(1);
+        state.for_each_snapshot_run(space, first, count, |_, blocks, entry| {
+            let extent = match entry.slot() {
                 Slot::Hole => ExtentState::Hole,
                 Slot::Zero => ExtentState::Zero,
                 _ => ExtentState::Data,
             };
-            if let Some((last, blocks)) = runs.last_mut() {
-                if *last == extent {
-                    *blocks += 1;
-                    continue;
-                }
+            let full = runs.len() == max;
+            match runs.last_mut() {
+                Some((last, n)) if *last == extent => *n += blocks,
+                _ if full => return ControlFlow::Break(()),
+                _ => runs.push((extent, blocks)),
             }
-            if runs.len() == max.max(1) {
-                break;
-            }
-            runs.push((extent, 1));
-        }
+            ControlFlow::Continue(())
+        });
         Ok(runs)
     }
 }

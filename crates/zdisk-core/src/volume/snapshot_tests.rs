@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::device::BlockDevice;
+use crate::device::{BlockDevice, ExtentState, Stored};
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
 use crate::{CreateOptions, OpenOptions, Volume};
@@ -71,6 +71,7 @@ impl Model {
             let device = volume.snapshot_device(name).unwrap();
             device.read(0, &mut buf).unwrap();
             compare(&buf, seeds, &format!("{context}: snapshot {name}"));
+            compare_status(&device, seeds, &format!("{context}: snapshot {name}"));
         }
         let names: Vec<String> = volume
             .snapshots()
@@ -82,6 +83,41 @@ impl Model {
         assert_eq!(names, want, "{context}: the snapshots listed");
         let report = volume.check(true).unwrap();
         assert!(report.is_clean(), "{context}: {report:?}");
+    }
+}
+
+/// A device's block status and stored status against the model: data
+/// where a block holds a non-zero seed, a hole or zeros elsewhere.
+fn compare_status(device: &dyn BlockDevice, seeds: &[u64], what: &str) {
+    let end = seeds.len() as u64 * BLOCK_SIZE_U64;
+    let (mut allocation, mut stored) = (Vec::new(), Vec::new());
+    let mut offset = 0;
+    while offset < end {
+        let extents = device.block_status(offset, end - offset, 7).unwrap();
+        assert!(!extents.is_empty(), "{what}: no extent at {offset}");
+        for extent in extents {
+            let data = extent.state == ExtentState::Data;
+            allocation.extend((0..extent.length_bytes / BLOCK_SIZE_U64).map(|_| data));
+            offset += extent.length_bytes;
+        }
+    }
+    offset = 0;
+    while offset < end {
+        let extents = device.stored_status(offset, end - offset, 5).unwrap();
+        assert!(!extents.is_empty(), "{what}: no stored extent at {offset}");
+        for extent in extents {
+            let data = !matches!(extent.stored, Stored::Hole | Stored::Zero);
+            stored.extend((0..extent.length_bytes / BLOCK_SIZE_U64).map(|_| data));
+            offset += extent.length_bytes;
+        }
+    }
+    for (lba, &seed) in seeds.iter().enumerate() {
+        assert_eq!(allocation[lba], seed != 0, "{what}: block {lba}'s status");
+        assert_eq!(
+            stored[lba],
+            seed != 0,
+            "{what}: block {lba}'s stored status"
+        );
     }
 }
 

@@ -40,6 +40,10 @@ const DATA_BLOCKS_PER_CALL: u64 = 1 << 18;
 /// are read back first when they are paged out, so this bounds what one
 /// window brings into the map cache.
 const WINDOW_SPAN_BLOCKS: u64 = 1 << 20;
+/// The same for a snapshot, whose runs are cut from the maps of up to one
+/// space per newer snapshot besides the volume's, all walked before the
+/// window's first run is classified: what one hold of the lock costs.
+const SNAPSHOT_WINDOW_SPAN_BLOCKS: u64 = 1 << 16;
 
 type Headers = HashMap<(SegmentId, u32), Option<RecordHeader>>;
 
@@ -139,7 +143,11 @@ impl Volume {
     /// Under the state lock: the runs from `from` up to about
     /// `WINDOW_DATA_BLOCKS` data blocks, within `WINDOW_SPAN_BLOCKS`.
     fn look_up_window(&self, view: View, from: Lba, end: u64) -> Result<Window> {
-        let end = end.min(from.0 + WINDOW_SPAN_BLOCKS);
+        let span = match view {
+            View::Volume => WINDOW_SPAN_BLOCKS,
+            View::Snapshot(_) => SNAPSHOT_WINDOW_SPAN_BLOCKS,
+        };
+        let end = end.min(from.0 + span);
         let mut found = Vec::new();
         let mut headers = HashMap::new();
         let mut next = from.0;
@@ -147,7 +155,7 @@ impl Volume {
         let mut partial = Vec::new();
         // Every snapshot's space comes with the volume's blocks.
         let state = self.lock_resident(from, end - from.0)?;
-        let mut visit = |lba: Lba, blocks: u64, entry: Entry| {
+        let visit = |lba: Lba, blocks: u64, entry: Entry| {
             // A shared block is stored where its content's cell says.
             let (slot, shared) = match entry.slot() {
                 Slot::Shared { content } => match state.map().get(table_key(content)).slot() {
@@ -199,12 +207,7 @@ impl Volume {
                         "the snapshot was deleted meanwhile".into(),
                     ));
                 }
-                for block in from.0..end {
-                    let lba = Lba(block);
-                    if visit(lba, 1, state.snapshot_entry(space, lba)).is_break() {
-                        break;
-                    }
-                }
+                state.for_each_snapshot_run(space, from, end - from.0, visit);
             }
         }
         drop(state);

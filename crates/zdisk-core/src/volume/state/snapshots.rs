@@ -14,6 +14,9 @@
 //! snapshot owns do not exist; a kept entry counts in live bytes and in
 //! shared counts exactly as a volume block's does.
 
+use std::collections::BTreeSet;
+use std::ops::ControlFlow;
+
 use crate::error::{Error, Result};
 use crate::map::{key_block, space_key, Entry, Slot, SPACE_BLOCKS, TABLE_BASE};
 use crate::record::RecordKind;
@@ -236,6 +239,40 @@ impl State {
             return current;
         }
         self.kept_view(snapshot, space, lba)
+    }
+
+    /// Visits the snapshot in `space`'s view of blocks `first..first+count`
+    /// as runs of one entry: `f(first block, blocks, entry)`, until it
+    /// breaks. The runs are cut wherever the volume's or a chain space's
+    /// map changes, so a sparse range costs its entries, not its blocks.
+    /// The leaves of those ranges must be in RAM.
+    pub(crate) fn for_each_snapshot_run(
+        &self,
+        space: u16,
+        first: Lba,
+        count: u64,
+        mut f: impl FnMut(Lba, u64, Entry) -> ControlFlow<()>,
+    ) {
+        let end = first.0 + count;
+        let mut cuts = BTreeSet::from([first.0, end]);
+        let spaces =
+            std::iter::once(0).chain(self.snapshots.chain_from(space).iter().map(|s| s.space));
+        for in_space in spaces {
+            self.map
+                .for_each_run(space_key(in_space, first.0), count, |at, blocks, _| {
+                    let block = key_block(at.0);
+                    cuts.insert(block);
+                    cuts.insert(block + blocks);
+                    ControlFlow::Continue(())
+                });
+        }
+        let cuts: Vec<u64> = cuts.into_iter().filter(|&cut| cut <= end).collect();
+        for pair in cuts.windows(2) {
+            let (from, to) = (pair[0], pair[1]);
+            if f(Lba(from), to - from, self.snapshot_entry(space, Lba(from))).is_break() {
+                return;
+            }
+        }
     }
 
     /// [`State::snapshot_entry`] by the chain: the snapshot's own space,
