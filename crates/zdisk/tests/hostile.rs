@@ -255,10 +255,14 @@ fn siege(attack: Attack, tries: usize, spread: Duration) -> TestResult {
             // Behind the flooding address itself, an honest TLS client
             // cannot be told from the flood until its handshake completes:
             // starved of CPU past the slot's grace, it loses its slot like
-            // the flood's, and must get in when it tries again (as a client
-            // reconnects). Everyone else must get in the first time.
+            // the flood's, and before its first message is read it is the
+            // address's oldest silent connection, which the address's cap
+            // drops first when the flood's queue reaches it (two attempts
+            // in a row were, once, on a loaded machine). It must get in
+            // when it tries again, as a client reconnects. Everyone else
+            // must get in the first time.
             let attempts = if attack == Attack::ClientHello && source == ATTACKER {
-                2
+                3
             } else {
                 1
             };
