@@ -849,22 +849,34 @@ pub(super) fn extents_of(
     len: u64,
     runs: impl IntoIterator<Item = (ExtentState, u64)>,
 ) -> Vec<Extent> {
+    clip_runs(offset, len, runs)
+        .map(|(length_bytes, state)| Extent {
+            length_bytes,
+            state,
+        })
+        .collect()
+}
+
+/// Runs of blocks (what, count) starting at the block holding `offset`,
+/// as byte lengths clipped to `offset..offset+len`: the one rule both
+/// block status and stored status reply by.
+pub(super) fn clip_runs<T>(
+    offset: u64,
+    len: u64,
+    runs: impl IntoIterator<Item = (T, u64)>,
+) -> impl Iterator<Item = (u64, T)> {
     let limit = offset + len;
     let mut position = offset;
     let mut run_start = offset / BLOCK_SIZE_U64 * BLOCK_SIZE_U64;
-    let mut extents = Vec::new();
-    for (state, blocks) in runs {
+    runs.into_iter().filter_map(move |(what, blocks)| {
         let run_end = (run_start + blocks * BLOCK_SIZE_U64).min(limit);
-        if run_end > position {
-            extents.push(Extent {
-                length_bytes: run_end - position,
-                state,
-            });
-            position = run_end;
-        }
         run_start += blocks * BLOCK_SIZE_U64;
-    }
-    extents
+        (run_end > position).then(|| {
+            let length = run_end - position;
+            position = run_end;
+            (length, what)
+        })
+    })
 }
 
 impl BlockDevice for Volume {

@@ -122,22 +122,12 @@ impl Volume {
             data_blocks += window.data_blocks;
         }
         runs.truncate(max_extents);
-        let mut extents = Vec::with_capacity(runs.len());
-        let limit = offset + len;
-        let mut position = offset;
-        let mut run_start = first * BLOCK_SIZE_U64;
-        for (stored, blocks) in runs {
-            let run_end = (run_start + blocks * BLOCK_SIZE_U64).min(limit);
-            if run_end > position {
-                extents.push(StoredExtent {
-                    length_bytes: run_end - position,
-                    stored,
-                });
-                position = run_end;
-            }
-            run_start += blocks * BLOCK_SIZE_U64;
-        }
-        Ok(extents)
+        Ok(super::clip_runs(offset, len, runs)
+            .map(|(length_bytes, stored)| StoredExtent {
+                length_bytes,
+                stored,
+            })
+            .collect())
     }
 
     /// Under the state lock: the runs from `from` up to about
