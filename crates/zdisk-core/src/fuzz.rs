@@ -252,6 +252,7 @@ mod tests {
                 crate::snapshots::encode_change(&crate::snapshots::SnapshotChange::Take(
                     crate::snapshots::Snapshot {
                         space: 1,
+                        volume: 0,
                         version: 11,
                         name: "nightly".into(),
                         created_unix_secs: 1_700_000_000,

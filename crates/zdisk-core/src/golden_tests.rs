@@ -31,15 +31,16 @@ const UUID: [u8; 16] = [
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
 ];
 
-/// A version 7 root of a 64 MiB file volume with one snapshot, written
-/// cleanly. (Version 6 roots have the same layout without the snapshot
-/// list, versions 3 to 5 without the `dedup` byte either: `meta.rs` tests
-/// that they still decode.)
+/// A version 8 root of a 64 MiB file volume with one snapshot and one
+/// clone of it, written cleanly. (Version 7 roots have the same layout
+/// without the snapshot's `volume` and the clone list, version 6 without
+/// the snapshot list, versions 3 to 5 without the `dedup` byte either:
+/// `meta.rs` tests that they still decode.)
 #[rustfmt::skip]
-const ROOT_V7: &[u8] = &[
+const ROOT_V8: &[u8] = &[
     b'Z', b'D', b'I', b'S', b'K', b'M', b'T', b'1', // magic
-    0x07, 0x00, 0x00, 0x00,                         // format_version 7
-    0xe3, 0x01, 0x00, 0x00,                         // total_length 483
+    0x08, 0x00, 0x00, 0x00,                         // format_version 8
+    0xfe, 0x01, 0x00, 0x00,                         // total_length 510
     0x07, 0, 0, 0, 0, 0, 0, 0,                      // generation 7
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, // uuid
     0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
@@ -105,13 +106,21 @@ const ROOT_V7: &[u8] = &[
     0x19, 0x00, 0x19, 0, 0, 0, 0, 0, 0, 0,          //   25 dedup_index_write_bytes = 25
     0x01, 0x00,                                     // snapshot_count 1
     0x02, 0x00,                                     //   space 2
+    0x00, 0x00,                                     //   volume 0 (the image's)
     0x84, 0x03, 0, 0, 0, 0, 0, 0,                   //   version 900
     0x64, 0xf1, 0x53, 0x65, 0, 0, 0, 0,             //   created_unix_secs 1_700_000_100
     0x07,                                           //   name_length 7
     b'n', b'i', b'g', b'h', b't', b'l', b'y',       //   name "nightly"
+    0x01, 0x00,                                     // clone_count 1
+    0x03, 0x00,                                     //   space 3
+    0x02, 0x00,                                     //   base 2 (snapshot "nightly")
+    0x85, 0x03, 0, 0, 0, 0, 0, 0,                   //   version 901
+    0xc8, 0xf1, 0x53, 0x65, 0, 0, 0, 0,             //   created_unix_secs 1_700_000_200
+    0x02,                                           //   name_length 2
+    b'v', b'm',                                     //   name "vm"
     CRC_ROOT[0], CRC_ROOT[1], CRC_ROOT[2], CRC_ROOT[3], // crc: CRC32C of every byte above
 ];
-const CRC_ROOT: [u8; 4] = 0x87ac_a4cbu32.to_le_bytes();
+const CRC_ROOT: [u8; 4] = 0xb176_2d1au32.to_le_bytes();
 
 fn root_fields() -> Root {
     let mut counters = Counters::default();
@@ -165,9 +174,19 @@ fn root_fields() -> Root {
                 snapshots.apply(&crate::snapshots::SnapshotChange::Take(
                     crate::snapshots::Snapshot {
                         space: 2,
+                        volume: 0,
                         version: 900,
                         name: "nightly".into(),
                         created_unix_secs: 1_700_000_100,
+                    },
+                ));
+                snapshots.apply(&crate::snapshots::SnapshotChange::Clone(
+                    crate::snapshots::CloneVolume {
+                        space: 3,
+                        base: 2,
+                        version: 901,
+                        name: "vm".into(),
+                        created_unix_secs: 1_700_000_200,
                     },
                 ));
                 snapshots
@@ -238,8 +257,8 @@ fn counter_mut<'a>(counters: &'a mut Counters, name: &str) -> &'a mut u64 {
 }
 
 #[test]
-fn root_v7_decodes_to_its_fields() {
-    let root = Root::decode(ROOT_V7).expect("the golden root decodes");
+fn root_v8_decodes_to_its_fields() {
+    let root = Root::decode(ROOT_V8).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
         assert_eq!(
@@ -251,14 +270,14 @@ fn root_v7_decodes_to_its_fields() {
 }
 
 #[test]
-fn root_v7_fields_encode_to_the_golden_bytes() {
-    assert_eq!(root_fields().encode(), ROOT_V7);
+fn root_v8_fields_encode_to_the_golden_bytes() {
+    assert_eq!(root_fields().encode(), ROOT_V8);
 }
 
 #[test]
 fn a_root_with_any_byte_changed_is_refused() {
-    for at in [0, 8, 12, 16, 100, ROOT_V7.len() - 1] {
-        let mut bytes = ROOT_V7.to_vec();
+    for at in [0, 8, 12, 16, 100, ROOT_V8.len() - 1] {
+        let mut bytes = ROOT_V8.to_vec();
         bytes[at] ^= 0x01;
         assert!(Root::decode(&bytes).is_err(), "byte {at} flipped");
     }

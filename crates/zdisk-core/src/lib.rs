@@ -47,8 +47,9 @@ pub use gc::GcPolicy;
 pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
-    default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, Compacted,
-    CreateOptions, DedupIndex, DedupRunStats, DedupSummary, DeletedSnapshot, IdleBudget,
-    LockProfile, OpenOptions, OpenReport, Random, Recompress, Snapshot, SnapshotDevice,
-    SnapshotInfo, Volume, WriteEstimate, WriteEstimator, DEFAULT_DEDUP,
+    default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CloneDevice,
+    CloneInfo, CloneVolume, Compacted, CreateOptions, DedupIndex, DedupRunStats, DedupSummary,
+    DeletedClone, DeletedSnapshot, IdleBudget, LockProfile, OpenOptions, OpenReport, Random,
+    Recompress, Snapshot, SnapshotDevice, SnapshotInfo, Volume, WriteEstimate, WriteEstimator,
+    DEFAULT_DEDUP,
 };

@@ -31,8 +31,11 @@ pub use crate::media::META_MAGIC;
 /// and reference records (kind 7), none of which version 4 knows.
 /// Version 6 adds the `dedup` setting to the root and writes chapters of
 /// the deduplication index (record kind 8), which version 5 would refuse
-/// to scan.
-pub const FORMAT_VERSION: u32 = 7;
+/// to scan. Version 7 adds snapshots (the root's registry, record kind 9).
+/// Version 8 adds clones: each snapshot in the registry names its volume,
+/// clones follow the snapshots, and kind 9 records carry the changes 3 to
+/// 5, which version 7 would refuse.
+pub const FORMAT_VERSION: u32 = 8;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -417,7 +420,7 @@ impl Root {
         };
         let counters = Counters::decode(&mut input)?;
         let snapshots = if version >= 7 {
-            Snapshots::decode(&mut input)?
+            Snapshots::decode(&mut input, version)?
         } else {
             Snapshots::default()
         };
@@ -562,9 +565,19 @@ pub(crate) mod tests_support {
                     snapshots.apply(&crate::snapshots::SnapshotChange::Take(
                         crate::snapshots::Snapshot {
                             space: 3,
+                            volume: 0,
                             version: 1_000,
                             name: "before-upgrade".into(),
                             created_unix_secs: 1_790_000_000,
+                        },
+                    ));
+                    snapshots.apply(&crate::snapshots::SnapshotChange::Clone(
+                        crate::snapshots::CloneVolume {
+                            space: 4,
+                            base: 3,
+                            version: 1_001,
+                            name: "test-vm".into(),
+                            created_unix_secs: 1_790_000_001,
                         },
                     ));
                     snapshots
@@ -592,9 +605,9 @@ mod tests {
     /// Version 1 roots (no staging) still open; a version this zdisk does
     /// not know, such as the next one, does not. Roots before version 6
     /// have no `dedup` byte and read as dedup off; before version 7, no
-    /// snapshot list (no snapshots).
+    /// snapshot list (no snapshots); before version 8, no clone list.
     #[test]
-    fn roots_of_versions_2_to_6_decode_and_unknown_versions_do_not() {
+    fn roots_of_versions_2_to_7_decode_and_unknown_versions_do_not() {
         // Version 1 roots lack fields version 2 added (`unit_blocks`):
         // tests/format_v1.rs opens real version 1 images.
         let sample = sample_root();
@@ -623,6 +636,13 @@ mod tests {
             .expect("the setting is encoded");
         let with_version = |version: u32| {
             let mut bytes = root.encode();
+            if version < 8 {
+                // The empty clone list: two bytes before the CRC.
+                let end = bytes.len() - 4;
+                bytes.drain(end - 2..end);
+                let total = bytes.len() as u32;
+                bytes[12..16].copy_from_slice(&total.to_le_bytes());
+            }
             if version < 7 {
                 // The empty snapshot list: two bytes before the CRC.
                 let end = bytes.len() - 4;
@@ -641,12 +661,12 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 7);
-        assert_eq!(with_version(7).unwrap(), root);
-        for version in [2, 3, 4, 5, 6] {
+        assert_eq!(FORMAT_VERSION, 8);
+        assert_eq!(with_version(8).unwrap(), root);
+        for version in [2, 3, 4, 5, 6, 7] {
             assert_eq!(with_version(version).unwrap(), root, "version {version}");
         }
-        for version in [0, 8] {
+        for version in [0, 9] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

@@ -89,15 +89,16 @@ pub enum RecordKind {
     /// never live, never replayed, never relocated; header `lba` is the
     /// chapter's number and `version` is 0.
     Chapter = 8,
-    /// A snapshot taken or deleted (format 7): `snapshots::encode_change`.
+    /// A snapshot taken or deleted (format 7), a clone made or deleted
+    /// (format 8): `snapshots::encode_change`.
     /// Header `lba` is 0 and `version` the change's own (a snapshot sees
     /// entries older than it).
     Snapshot = 9,
 }
 
-/// The largest snapshot record payload: a snapshot taken with the longest
-/// name (`snapshots::encode_change`; its tests hold the two together).
-pub const SNAPSHOT_PAYLOAD_MAX: u32 = 1 + 2 + 8 + 8 + 1 + 64;
+/// The largest snapshot record payload: a snapshot taken, or a clone
+/// made, with the longest name (`snapshots::encode_change`; its tests hold the two together).
+pub const SNAPSHOT_PAYLOAD_MAX: u32 = 1 + 2 + 2 + 8 + 8 + 1 + 64;
 
 impl RecordKind {
     pub fn from_u8(value: u8) -> Option<RecordKind> {

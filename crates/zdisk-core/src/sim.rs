@@ -23,7 +23,7 @@
 //! keeps the sequences that reach new engine code. Block contents come
 //! from a generator seeded by the input, not from the input.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
@@ -350,6 +350,12 @@ pub struct SimStats {
     pub snapshots_taken: u64,
     pub snapshots_deleted: u64,
     pub snapshot_reads: u64,
+    /// Clones of snapshots made and deleted, snapshots taken of clones,
+    /// and writes (trims, zeroes) to clones.
+    pub volume_clones_made: u64,
+    pub volume_clones_deleted: u64,
+    pub snapshots_of_clones: u64,
+    pub clone_writes: u64,
 }
 
 impl SimStats {
@@ -371,6 +377,10 @@ impl SimStats {
         self.snapshots_taken += other.snapshots_taken;
         self.snapshots_deleted += other.snapshots_deleted;
         self.snapshot_reads += other.snapshot_reads;
+        self.volume_clones_made += other.volume_clones_made;
+        self.volume_clones_deleted += other.volume_clones_deleted;
+        self.snapshots_of_clones += other.snapshots_of_clones;
+        self.clone_writes += other.clone_writes;
     }
 }
 
@@ -482,8 +492,26 @@ struct Run<C: Choices> {
     attempt: Vec<(u64, Option<Arc<Vec<u8>>>)>,
     /// The snapshots taken and not deleted, and what each may hold.
     snapshots: Vec<SimSnapshot>,
-    /// Snapshots taken so far (names them).
+    /// Snapshots and clones made so far (names them).
     snapshot_names: u64,
+    /// The clones made and not deleted.
+    volume_clones: Vec<SimClone>,
+    /// The medium is failing (a power cut during an operation): what the
+    /// volume reads is not checked until it recovers.
+    failing: bool,
+}
+
+/// A clone the run made: what its blocks hold (a model of its own, as the
+/// volume's), the snapshot it was made from, and whether it may exist at
+/// all (a make or a delete cut short leaves either).
+struct SimClone {
+    name: String,
+    base: String,
+    model: Model,
+    /// Blocks a failed write may or may not have changed: the next read
+    /// pins them.
+    unsure: BTreeSet<u64>,
+    certain: bool,
 }
 
 /// A snapshot the run took: the values each block may read as (one, once
@@ -491,8 +519,40 @@ struct Run<C: Choices> {
 /// take or a delete cut short by a power failure leaves either).
 struct SimSnapshot {
     name: String,
+    /// The clone it was taken of (`None`: the image's volume).
+    of: Option<String>,
     blocks: Vec<Vec<Option<Arc<Vec<u8>>>>>,
     certain: bool,
+}
+
+impl SimClone {
+    /// Checks that block `lba` reads as `actual`: its latest value, or if a
+    /// failed request left it unsure, any value it may hold (which is then
+    /// the latest, and the values written after it never were).
+    fn check(&mut self, lba: u64, actual: &[u8]) -> Result<(), String> {
+        if !self.unsure.remove(&lba) {
+            return self.model.expect_latest(lba, actual);
+        }
+        let block = self.model.blocks.entry(lba).or_default();
+        let matches = |value: &Option<Arc<Vec<u8>>>| match value {
+            None => is_zero(actual),
+            Some(bytes) => bytes.as_slice() == actual,
+        };
+        match block.since.iter().rposition(matches) {
+            Some(at) => {
+                block.since.truncate(at + 1);
+                Ok(())
+            }
+            None if matches(&block.durable) => {
+                block.since.clear();
+                Ok(())
+            }
+            None => Err(format!(
+                "block {lba} reads {}, none of the values a failed request may leave",
+                describe(actual)
+            )),
+        }
+    }
 }
 
 impl SimSnapshot {
@@ -646,8 +706,10 @@ impl<C: Choices> Run<C> {
         ));
         self.media.set_fail_after(allowed);
         self.attempt.clear();
-        let result = self.operation(step, choice)?;
-        if let Err(error) = result {
+        self.failing = true;
+        let result = self.operation(step, choice);
+        self.failing = false;
+        if let Err(error) = result? {
             self.trace.push(format!("  -> {error}"));
             // Whatever it did may or may not have reached the medium.
             for (lba, new) in std::mem::take(&mut self.attempt) {
@@ -662,6 +724,11 @@ impl<C: Choices> Run<C> {
     fn operation(&mut self, step: usize, choice: u32) -> Result<crate::Result<()>, SimFailure> {
         Ok(match choice {
             0..=44 if self.rng.gen_bool(0.15) => self.clone_blocks(),
+            0..=44 if !self.certain_clones().is_empty() && self.rng.gen_bool(0.25) => {
+                let clones = self.certain_clones();
+                let at = clones[self.rng.gen_range(0..clones.len())];
+                self.write_clone(step, at)?
+            }
             0..=44 => {
                 let (lba, count) = self.block_range();
                 let fua = self.rng.gen_bool(0.1);
@@ -748,7 +815,7 @@ impl<C: Choices> Run<C> {
                 self.trace.push("flush".into());
                 let result = self.volume.flush();
                 if result.is_ok() {
-                    self.model.flush();
+                    self.flush_models();
                 }
                 result
             }
@@ -782,7 +849,7 @@ impl<C: Choices> Run<C> {
                 }
                 cleaned.map(|_| ())
             }
-            91..=93 if self.rng.gen_bool(0.4) => self.snapshot_operation(step)?,
+            91..=93 if self.rng.gen_bool(0.6) => self.snapshot_operation(step)?,
             91..=93 => {
                 self.trace.push("checkpoint".into());
                 self.stats.checkpoints += 1;
@@ -796,27 +863,71 @@ impl<C: Choices> Run<C> {
         })
     }
 
-    /// Takes a snapshot, deletes one, or reads one back and compares it
-    /// with what it was taken from.
+    /// Takes a snapshot (of the volume or of a clone), deletes one, reads
+    /// one back and compares it with what it was taken from; or makes a
+    /// clone, deletes one, or writes to one and reads it back.
     fn snapshot_operation(&mut self, step: usize) -> Result<crate::Result<()>, SimFailure> {
-        let roll = self.rng.gen_range(0..10);
+        let roll = self.rng.gen_range(0..16);
+        if roll >= 10 {
+            return self.clone_operation(step, roll);
+        }
         if roll < 4 && self.snapshots.len() < 4 {
             self.snapshot_names += 1;
             let name = format!("s{}", self.snapshot_names);
-            self.trace.push(format!("snapshot {name}"));
+            let of = match self.certain_clones().as_slice() {
+                [] => None,
+                clones if self.rng.gen_bool(0.5) => {
+                    let at = clones[self.rng.gen_range(0..clones.len())];
+                    Some(at)
+                }
+                _ => None,
+            };
+            let model = match of {
+                Some(at) => &self.volume_clones[at].model,
+                None => &self.model,
+            };
             let blocks = (0..self.config.logical_blocks)
-                .map(|lba| SimSnapshot::allowed(&self.model, lba))
+                .map(|lba| SimSnapshot::allowed(model, lba))
                 .collect();
-            let result = self.volume.take_snapshot(&name);
+            let of = of.map(|at| self.volume_clones[at].name.clone());
+            let result = match &of {
+                Some(clone) => {
+                    self.trace.push(format!("snapshot {name} of clone {clone}"));
+                    self.volume.take_snapshot_of(clone, &name)
+                }
+                None => {
+                    self.trace.push(format!("snapshot {name}"));
+                    self.volume.take_snapshot(&name)
+                }
+            };
             let certain = result.is_ok();
             if certain {
                 // Taking one flushes.
-                self.model.flush();
+                self.flush_models();
                 self.stats.snapshots_taken += 1;
+                if of.is_some() {
+                    self.stats.snapshots_of_clones += 1;
+                }
             }
             let blocks: Vec<Vec<Option<Arc<Vec<u8>>>>> = if certain {
+                let (model, unsure) = match &of {
+                    Some(clone) => {
+                        let clone = self
+                            .volume_clones
+                            .iter()
+                            .find(|c| &c.name == clone)
+                            .expect("the clone snapshotted");
+                        (&clone.model, Some(&clone.unsure))
+                    }
+                    None => (&self.model, None),
+                };
+                // A block a failed write left unsure may hold any value
+                // it allowed.
                 (0..self.config.logical_blocks)
-                    .map(|lba| vec![self.model.latest(lba).cloned()])
+                    .map(|lba| match unsure {
+                        Some(unsure) if unsure.contains(&lba) => SimSnapshot::allowed(model, lba),
+                        _ => vec![model.latest(lba).cloned()],
+                    })
                     .collect()
             } else {
                 blocks
@@ -824,6 +935,7 @@ impl<C: Choices> Run<C> {
             // A failed take may still have logged it: known after a crash.
             self.snapshots.push(SimSnapshot {
                 name,
+                of,
                 blocks,
                 certain,
             });
@@ -838,6 +950,17 @@ impl<C: Choices> Run<C> {
         let at = known[self.rng.gen_range(0..known.len())];
         if roll < 7 {
             let name = self.snapshots[at].name.clone();
+            if self.volume_clones.iter().any(|c| c.base == name) {
+                // Refused while it has clones: the volume says so.
+                self.trace
+                    .push(format!("delete snapshot {name} (has clones)"));
+                if self.volume.delete_snapshot(&name).is_ok() {
+                    return Err(
+                        self.fail(step, format!("snapshot {name} deleted under its clones"))
+                    );
+                }
+                return Ok(Ok(()));
+            }
             self.trace.push(format!("delete snapshot {name}"));
             let result = self.volume.delete_snapshot(&name).map(|_| ());
             match &result {
@@ -854,6 +977,248 @@ impl<C: Choices> Run<C> {
             .push(format!("read snapshot {}", self.snapshots[at].name));
         self.verify_snapshot(step, at)?;
         Ok(Ok(()))
+    }
+
+    /// Every model flushed: a flush of the image covers every volume.
+    /// A block a failed write left unsure keeps every value it allows.
+    fn flush_models(&mut self) {
+        self.model.flush();
+        for clone in &mut self.volume_clones {
+            for (lba, block) in clone.model.blocks.iter_mut() {
+                if clone.unsure.contains(lba) {
+                    continue;
+                }
+                if let Some(latest) = block.since.pop() {
+                    block.durable = latest;
+                    block.since.clear();
+                }
+            }
+        }
+    }
+
+    /// The clones known to exist.
+    fn certain_clones(&self) -> Vec<usize> {
+        (0..self.volume_clones.len())
+            .filter(|&i| self.volume_clones[i].certain)
+            .collect()
+    }
+
+    /// Makes a clone of a snapshot, deletes one, or writes (trims, zeroes)
+    /// a clone's blocks and reads them back.
+    fn clone_operation(&mut self, step: usize, roll: u32) -> Result<crate::Result<()>, SimFailure> {
+        let clones = self.certain_clones();
+        if roll < 12 || clones.is_empty() {
+            let known: Vec<usize> = (0..self.snapshots.len())
+                .filter(|&i| self.snapshots[i].certain)
+                .collect();
+            if known.is_empty() || self.volume_clones.len() >= 3 {
+                return Ok(Ok(()));
+            }
+            let at = known[self.rng.gen_range(0..known.len())];
+            // Its values pinned, so the clone starts from one per block.
+            self.verify_snapshot(step, at)?;
+            self.snapshot_names += 1;
+            let name = format!("c{}", self.snapshot_names);
+            let base = self.snapshots[at].name.clone();
+            self.trace.push(format!("clone {name} of snapshot {base}"));
+            let mut model = Model::default();
+            for (lba, values) in self.snapshots[at].blocks.iter().enumerate() {
+                model.write(lba as u64, values[0].clone(), true);
+            }
+            let result = self.volume.make_clone(&base, &name);
+            let certain = result.is_ok();
+            if certain {
+                self.flush_models();
+                self.stats.volume_clones_made += 1;
+            }
+            self.volume_clones.push(SimClone {
+                name,
+                base,
+                model,
+                unsure: BTreeSet::new(),
+                certain,
+            });
+            return Ok(result.map(|_| ()));
+        }
+        let at = clones[self.rng.gen_range(0..clones.len())];
+        let name = self.volume_clones[at].name.clone();
+        if roll == 12 {
+            if self.snapshots.iter().any(|s| s.of.as_ref() == Some(&name)) {
+                self.trace
+                    .push(format!("delete clone {name} (has snapshots)"));
+                if self.volume.delete_clone(&name).is_ok() {
+                    return Err(
+                        self.fail(step, format!("clone {name} deleted under its snapshots"))
+                    );
+                }
+                return Ok(Ok(()));
+            }
+            self.trace.push(format!("delete clone {name}"));
+            let result = self.volume.delete_clone(&name).map(|_| ());
+            match &result {
+                Ok(()) => {
+                    self.volume_clones.remove(at);
+                    self.stats.volume_clones_deleted += 1;
+                }
+                Err(_) => self.volume_clones[at].certain = false,
+            }
+            return Ok(result);
+        }
+        self.write_clone(step, at)
+    }
+
+    /// Writes, trims or zeroes a range of clone `at`, then reads the range
+    /// back (every block the latest value, or one a failed request may have
+    /// left).
+    fn write_clone(&mut self, step: usize, at: usize) -> Result<crate::Result<()>, SimFailure> {
+        let name = self.volume_clones[at].name.clone();
+        let device = self
+            .volume
+            .clone_device(&name)
+            .map_err(|e| self.fail(step, format!("clone {name}: {e}")))?;
+        let (lba, count) = self.block_range();
+        let kind = self.rng.gen_range(0..5);
+        let fua = self.rng.gen_bool(0.1);
+        if kind == 4 {
+            // Part of one block: read-modify-write of the clone's view. A
+            // block a failed write left unsure is read (pinned) first.
+            if self.volume_clones[at].unsure.contains(&lba) {
+                if self.failing {
+                    return Ok(Ok(()));
+                }
+                let mut buf = vec![0u8; BLOCK_SIZE];
+                device.read(lba * BLOCK_SIZE_U64, &mut buf).map_err(|e| {
+                    self.fail(step, format!("clone {name}: read of block {lba}: {e}"))
+                })?;
+                self.volume_clones[at]
+                    .check(lba, &buf)
+                    .map_err(|e| self.fail(step, format!("clone {name}: {e}")))?;
+            }
+            let sector = self.rng.gen_range(0..8u64);
+            let sectors = self.rng.gen_range(1..=(8 - sector));
+            let mut bytes = vec![0u8; (sectors * 512) as usize];
+            self.rng.data_bytes(&mut bytes);
+            self.trace.push(format!(
+                "write clone {name} {lba} sectors {sector}+{sectors}"
+            ));
+            let model = &self.volume_clones[at].model;
+            let mut block = model
+                .latest(lba)
+                .map_or(vec![0u8; BLOCK_SIZE], |v| v.to_vec());
+            block[(sector * 512) as usize..((sector + sectors) * 512) as usize]
+                .copy_from_slice(&bytes);
+            let result = device.write(lba * BLOCK_SIZE_U64 + sector * 512, &bytes, fua);
+            let clone = &mut self.volume_clones[at];
+            clone
+                .model
+                .write(lba, Some(Arc::new(block)), result.is_ok() && fua);
+            if result.is_err() {
+                clone.unsure.insert(lba);
+            }
+            return Ok(result);
+        }
+        let values: Vec<Option<Arc<Vec<u8>>>> = (0..count)
+            .map(|_| match kind {
+                0 | 1 if !self.rng.gen_bool(0.1) => Some(Arc::new(content(&mut self.rng))),
+                _ => None,
+            })
+            .collect();
+        let (offset, len) = (lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64);
+        let result = match kind {
+            0 | 1 => {
+                self.trace
+                    .push(format!("write clone {name} {lba}+{count} fua={fua}"));
+                let mut data = Vec::with_capacity(len as usize);
+                for value in &values {
+                    match value {
+                        Some(bytes) => data.extend_from_slice(bytes),
+                        None => data.resize(data.len() + BLOCK_SIZE, 0),
+                    }
+                }
+                device.write(offset, &data, fua)
+            }
+            2 => {
+                self.trace
+                    .push(format!("trim clone {name} {lba}+{count} fua={fua}"));
+                device.trim(offset, len, fua)
+            }
+            _ => {
+                self.trace
+                    .push(format!("write_zeroes clone {name} {lba}+{count}"));
+                device.write_zeroes(offset, len, self.rng.gen_bool(0.5), fua)
+            }
+        };
+        let clone = &mut self.volume_clones[at];
+        for (i, value) in values.into_iter().enumerate() {
+            let block = lba + i as u64;
+            clone.model.write(block, value, result.is_ok() && fua);
+            if result.is_err() {
+                clone.unsure.insert(block);
+            }
+        }
+        if let Err(error) = result {
+            return Ok(Err(error));
+        }
+        self.stats.clone_writes += 1;
+        if self.failing {
+            return Ok(Ok(()));
+        }
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for block in lba..lba + count {
+            device.read(block * BLOCK_SIZE_U64, &mut buf).map_err(|e| {
+                self.fail(step, format!("clone {name}: read of block {block}: {e}"))
+            })?;
+            self.volume_clones[at]
+                .check(block, &buf)
+                .map_err(|e| self.fail(step, format!("clone {name}: {e}")))?;
+        }
+        Ok(Ok(()))
+    }
+
+    /// After a recovery: the clones are those the run knows, and those
+    /// whose make or delete a crash cut short, if it left them; each reads
+    /// as a legitimate value, which becomes durable.
+    fn verify_clones(&mut self, step: usize) -> Result<(), SimFailure> {
+        let listed: Vec<String> = self
+            .volume
+            .clone_list()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        for name in &listed {
+            if !self.volume_clones.iter().any(|c| &c.name == name) {
+                return Err(self.fail(step, format!("clone {name} exists, never made")));
+            }
+        }
+        let mut at = 0;
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        while at < self.volume_clones.len() {
+            let name = self.volume_clones[at].name.clone();
+            if !listed.contains(&name) {
+                if self.volume_clones[at].certain {
+                    return Err(self.fail(step, format!("clone {name} was lost")));
+                }
+                self.volume_clones.remove(at);
+                continue;
+            }
+            self.volume_clones[at].certain = true;
+            self.volume_clones[at].unsure.clear();
+            let device = self
+                .volume
+                .clone_device(&name)
+                .map_err(|e| self.fail(step, format!("clone {name}: {e}")))?;
+            for lba in 0..self.config.logical_blocks {
+                device.read(lba * BLOCK_SIZE_U64, &mut buf).map_err(|e| {
+                    self.fail(step, format!("clone {name}: read of block {lba}: {e}"))
+                })?;
+                self.volume_clones[at]
+                    .model
+                    .settle(lba, &buf)
+                    .map_err(|e| self.fail(step, format!("clone {name}: {e}")))?;
+            }
+            at += 1;
+        }
+        Ok(())
     }
 
     /// Reads snapshot `at` whole: every block holds one of its allowed
@@ -1038,7 +1403,8 @@ impl<C: Choices> Run<C> {
                 .settle(lba, &buf)
                 .map_err(|e| self.fail(step, e))?;
         }
-        self.verify_snapshots(step)
+        self.verify_snapshots(step)?;
+        self.verify_clones(step)
     }
 }
 
@@ -1121,6 +1487,8 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
         attempt: Vec::new(),
         snapshots: Vec::new(),
         snapshot_names: 0,
+        volume_clones: Vec::new(),
+        failing: false,
     };
     let mut steps = 0;
     while steps < config.operations && !run.rng.exhausted() {
@@ -1147,7 +1515,7 @@ fn run<C: Choices>(config: SimConfig, mut rng: C, origin: Origin) -> Result<SimS
     if run.volume.open_report().replayed_records != 0 {
         return Err(run.fail(steps + 2, "a clean shutdown left log to replay"));
     }
-    run.model.flush();
+    run.flush_models();
     run.verify_after_recovery(steps + 2)?;
     Ok(run.stats)
 }
@@ -1277,6 +1645,13 @@ mod tests {
                     && totals.snapshots_deleted > 0
                     && totals.snapshot_reads > 0,
                 "snapshots must be taken, read back and deleted in the simulation"
+            );
+            assert!(
+                totals.volume_clones_made > 0
+                    && totals.volume_clones_deleted > 0
+                    && totals.snapshots_of_clones > 0
+                    && totals.clone_writes > 0,
+                "clones must be made, written, snapshotted and deleted in the simulation"
             );
             assert!(
                 totals.dedup_found > 0,

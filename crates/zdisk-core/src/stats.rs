@@ -203,6 +203,14 @@ pub struct Stats {
     pub snapshots: u64,
     pub snapshot_kept_blocks: u64,
     pub snapshot_kept_bytes: u64,
+    /// Clones (writable volumes made from snapshots), and the blocks they
+    /// wrote since (data, damage and zeros: their own entries) with the
+    /// stored bytes of those not shared: what the clones cost beyond the
+    /// snapshots they share the rest with. Counted as the map changes, so
+    /// reading them costs nothing.
+    pub clones: u64,
+    pub clone_blocks: u64,
+    pub clone_bytes: u64,
     /// Deduplication of new writes: on or off; the index's RAM and its
     /// bound (`--dedup-cache`); since the volume opened, the non-zero
     /// blocks written that were looked up, those found stored already
@@ -376,6 +384,12 @@ pub const FIELDS: &[Field] = &[
         Gauge("Blocks snapshots keep that the volume changed since."), |s| s.snapshot_kept_blocks as f64),
     field("snapshot_kept_bytes", "bytes", "stored bytes only snapshots hold (their kept blocks that share nothing)",
         Gauge("Stored bytes only snapshots hold."), |s| s.snapshot_kept_bytes as f64),
+    field("clones", "clones", "clones of snapshots: writable volumes in the image (zdisk clone)",
+        Gauge("Clones of snapshots."), |s| s.clones as f64),
+    field("clone_blocks", "blocks", "blocks clones wrote since they were made (data and zeros), shared with nothing",
+        Gauge("Blocks clones wrote since they were made."), |s| s.clone_blocks as f64),
+    field("clone_bytes", "bytes", "stored bytes only clones hold (the blocks they wrote)",
+        Gauge("Stored bytes only clones hold."), |s| s.clone_bytes as f64),
     shown("dedup", "name", "whether new writes are deduplicated: on or off (create --dedup, serve --dedup)"),
     field("dedup_index_bytes", "bytes", "RAM the dedup index takes: sampled hooks, cached chapters, the open chapter, where chapters were written",
         Gauge("RAM used by the dedup index."), |s| s.dedup_index_bytes as f64),

@@ -52,8 +52,8 @@ pub(crate) struct Export {
     pub read_only: bool,
 }
 
-/// Every export: the main one, and those beside it (snapshots), which
-/// may come and go while the server runs.
+/// Every export: the main one, and those beside it (snapshots and
+/// clones), which may come and go while the server runs.
 #[derive(Clone)]
 pub(crate) struct Exports {
     pub main: Export,
@@ -80,7 +80,7 @@ impl Exports {
                 name: extra.name,
                 description: extra.description,
                 size_bytes: extra.size_bytes,
-                read_only: true,
+                read_only: self.main.read_only || extra.read_only,
             },
             Some(extra.id),
         ))

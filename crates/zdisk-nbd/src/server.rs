@@ -444,8 +444,8 @@ impl BoundListener {
     }
 }
 
-/// An export served beside the main one (a snapshot), as the handshake
-/// describes it. Extra exports are read-only.
+/// An export served beside the main one (a snapshot, read-only, or a
+/// clone), as the handshake describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExtraExport {
     /// Names it to [`ExtraExports::open`] for as long as it exists.
@@ -453,6 +453,9 @@ pub struct ExtraExport {
     pub name: String,
     pub description: Option<String>,
     pub size_bytes: u64,
+    /// Served read-only (a server serving read-only serves every export
+    /// so).
+    pub read_only: bool,
 }
 
 /// Exports beside the main one, which may come and go while the server
@@ -462,13 +465,12 @@ pub trait ExtraExports: Send + Sync {
     fn list(&self) -> Vec<ExtraExport>;
     /// The extra export named `name`, if it exists now.
     fn find(&self, name: &str) -> Option<ExtraExport>;
-    /// The device behind extra export `id` (served read-only), if it
-    /// still exists.
+    /// The device behind extra export `id`, if it still exists.
     fn open(&self, id: u64) -> Option<Arc<dyn BlockDevice>>;
 }
 
 /// An NBD server for an export backed by a [`BlockDevice`], and any extra
-/// read-only exports ([`Server::set_extra_exports`]).
+/// exports ([`Server::set_extra_exports`]).
 pub struct Server {
     listener: Listener,
     device: Arc<dyn BlockDevice>,
@@ -746,8 +748,8 @@ fn transmit(
     negotiated: Negotiated,
     log: &ConnLog,
 ) -> (SessionEnd, (u64, u64)) {
-    // An extra export (a snapshot) deleted since the handshake chose it
-    // ends the session.
+    // An extra export (a snapshot or a clone) deleted since the handshake
+    // chose it ends the session.
     let device = match negotiated.export {
         None => Arc::clone(&context.device),
         Some(id) => match context.extra.as_ref().and_then(|extra| extra.open(id)) {

@@ -299,6 +299,24 @@ pub struct SnapshotArgs {
     /// The snapshot's name (1 to 64 letters, digits, '.', '_', '-'): its
     /// read-only NBD export's name too.
     pub name: String,
+    /// Snapshot this clone instead of the image's volume.
+    #[arg(long, value_name = "CLONE")]
+    pub of: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CloneArgs {
+    /// The image; while it is served, its server makes the clone and
+    /// exports it at once.
+    pub image: PathBuf,
+    /// The snapshot to clone.
+    pub snapshot: String,
+    /// The clone's name (1 to 64 letters, digits, '.', '_', '-'): its
+    /// writable NBD export's name too.
+    pub name: String,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -315,9 +333,10 @@ pub struct VolumesArgs {
 
 #[derive(Args, Debug)]
 pub struct DeleteArgs {
-    /// The image; while it is served, its server deletes the snapshot.
+    /// The image; while it is served, its server deletes the snapshot or
+    /// clone.
     pub image: PathBuf,
-    /// The snapshot to delete.
+    /// The snapshot or clone to delete.
     pub name: String,
     /// Print JSON.
     #[arg(long)]

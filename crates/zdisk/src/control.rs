@@ -11,11 +11,13 @@
 //! may read its statistics).
 //!
 //! The protocol is one line each way: the client sends `stats`,
-//! `snapshots`, `snapshot NAME`, `delete NAME` or `compact`; the server answers with
-//! one line of JSON (the statistics with the keys of `zdisk stats --json`;
-//! the snapshots as `zdisk volumes --json` lists them; the snapshot taken;
-//! what deleting freed; what compacting did), or a line starting `error:`.
-//! Taking and deleting snapshots and compacting change the image, so it takes write permission on the
+//! `snapshots`, `volumes`, `snapshot NAME [CLONE]`, `clone SNAPSHOT NAME`,
+//! `delete NAME` or `compact`; the server answers with one line of JSON
+//! (the statistics with the keys of `zdisk stats --json`; the snapshots;
+//! the snapshots and clones; the snapshot taken; the clone made; what
+//! deleting freed; what compacting did), or a line starting `error:`.
+//! Taking and deleting snapshots, making and deleting clones and
+//! compacting change the image, so they take write permission on the
 //! image: the server checks the asking process's credentials
 //! (`SO_PEERCRED`) against the image file's owner and mode.
 //!
@@ -158,6 +160,53 @@ mod erased {
     }
 }
 
+/// The snapshots and clones of a volume, as the `volumes` request
+/// answers them.
+#[derive(serde::Serialize)]
+pub struct Listing {
+    pub snapshots: Vec<zdisk_core::SnapshotInfo>,
+    pub clones: Vec<zdisk_core::CloneInfo>,
+}
+
+pub fn listing(volume: &Volume) -> Result<Listing, String> {
+    Ok(Listing {
+        snapshots: volume.snapshots().map_err(|e| e.to_string())?,
+        clones: volume.clones().map_err(|e| e.to_string())?,
+    })
+}
+
+/// What deleting a snapshot or a clone did, as the `delete` request
+/// answers it.
+#[derive(serde::Serialize)]
+pub struct DeletedAny {
+    /// `snapshot` or `clone`.
+    pub kind: &'static str,
+    /// A snapshot's entries that went to the next older snapshot.
+    pub handed_down: u64,
+    pub freed: u64,
+}
+
+/// Deletes the snapshot or the clone named `name`.
+pub fn delete_named(volume: &Volume, name: &str) -> Result<DeletedAny, String> {
+    if volume.clone_list().iter().any(|c| c.name == name) {
+        let deleted = volume.delete_clone(name).map_err(|e| e.to_string())?;
+        return Ok(DeletedAny {
+            kind: "clone",
+            handed_down: 0,
+            freed: deleted.freed,
+        });
+    }
+    if !volume.snapshot_list().iter().any(|s| s.name == name) {
+        return Err(format!("no snapshot or clone named {name:?}"));
+    }
+    let deleted = volume.delete_snapshot(name).map_err(|e| e.to_string())?;
+    Ok(DeletedAny {
+        kind: "snapshot",
+        handed_down: deleted.handed_down,
+        freed: deleted.freed,
+    })
+}
+
 /// Whether the process at the other end of `stream` may change `image`:
 /// root, or a user with write permission on the image file by its mode.
 fn may_change(stream: &UnixStream, image: &Path) -> Result<(), String> {
@@ -173,7 +222,7 @@ fn may_change(stream: &UnixStream, image: &Path) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "user {uid} may not write {}, so may not take or delete its snapshots",
+            "user {uid} may not write {}, so may not change its snapshots or clones",
             image.display()
         ))
     }
@@ -230,6 +279,7 @@ fn answer(stream: &UnixStream, volume: &Volume, image: &Path) {
                 .map_err(|e| e.to_string())
                 .and_then(|list| encode(&list)),
         ),
+        None if request == "volumes" => json(listing(volume).and_then(|listing| encode(&listing))),
         None if request == "compact" => match may_change(stream, image) {
             Err(why) => format!("error: {why}"),
             Ok(()) => json(
@@ -239,23 +289,32 @@ fn answer(stream: &UnixStream, volume: &Volume, image: &Path) {
                     .and_then(|done| encode(&done)),
             ),
         },
-        Some((verb @ ("snapshot" | "delete"), name)) => match may_change(stream, image) {
-            Err(why) => format!("error: {why}"),
-            Ok(()) if verb == "snapshot" => json(
-                volume
-                    .take_snapshot(name)
-                    .map_err(|e| e.to_string())
-                    .and_then(|taken| encode(&taken)),
-            ),
-            Ok(()) => json(
-                volume
-                    .delete_snapshot(name)
-                    .map_err(|e| e.to_string())
-                    .and_then(|deleted| encode(&deleted)),
-            ),
-        },
+        Some((verb @ ("snapshot" | "delete" | "clone"), words)) => {
+            match may_change(stream, image) {
+                Err(why) => format!("error: {why}"),
+                Ok(()) => json(match (verb, words.split_once(' ')) {
+                    ("snapshot", None) => volume
+                        .take_snapshot(words)
+                        .map_err(|e| e.to_string())
+                        .and_then(|taken| encode(&taken)),
+                    ("snapshot", Some((name, clone))) => volume
+                        .take_snapshot_of(clone, name)
+                        .map_err(|e| e.to_string())
+                        .and_then(|taken| encode(&taken)),
+                    ("clone", Some((snapshot, name))) => volume
+                        .make_clone(snapshot, name)
+                        .map_err(|e| e.to_string())
+                        .and_then(|made| encode(&made)),
+                    ("delete", None) => {
+                        delete_named(volume, words).and_then(|deleted| encode(&deleted))
+                    }
+                    _ => Err(format!("malformed request {request:?}")),
+                }),
+            }
+        }
         _ => format!(
-            "error: unknown request {request:?}; try stats, snapshots, snapshot NAME, delete NAME or compact"
+            "error: unknown request {request:?}; try stats, snapshots, volumes, snapshot NAME \
+             [CLONE], clone SNAPSHOT NAME, delete NAME or compact"
         ),
     };
     let mut stream = stream;
@@ -325,7 +384,7 @@ pub fn ask(image: &Path, request: &str, command: &str) -> Result<String, AskErro
     // Statistics come at once; a snapshot or a deletion flushes, and
     // compacting cleans the whole image: those wait as long as they take.
     let read_timeout = match request {
-        "stats" | "snapshots" => Some(TIMEOUT),
+        "stats" | "snapshots" | "volumes" => Some(TIMEOUT),
         _ => None,
     };
     stream.set_read_timeout(read_timeout).map_err(failed)?;

@@ -24,8 +24,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 use crate::args::{
-    BenchArgs, CheckArgs, CompactArgs, CreateArgs, DeleteArgs, EstimateArgs, MapArgs, ServeArgs,
-    SnapshotArgs, StatsArgs, VolumesArgs,
+    BenchArgs, CheckArgs, CloneArgs, CompactArgs, CreateArgs, DeleteArgs, EstimateArgs, MapArgs,
+    ServeArgs, SnapshotArgs, StatsArgs, VolumesArgs,
 };
 
 /// A software compressing drive, served over NBD.
@@ -44,11 +44,13 @@ enum Command {
     Serve(ServeArgs),
     /// Print an image's statistics (asking its server while it is served).
     Stats(StatsArgs),
-    /// Take a read-only, crash-consistent snapshot of an image's volume.
+    /// Take a read-only, crash-consistent snapshot of an image's volume (or of a clone).
     Snapshot(SnapshotArgs),
-    /// List an image's volume and its snapshots.
+    /// Make a writable clone of a snapshot, in the same image.
+    Clone(CloneArgs),
+    /// List an image's volume, its snapshots and its clones.
     Volumes(VolumesArgs),
-    /// Delete a snapshot; what it alone kept becomes free.
+    /// Delete a snapshot or a clone; what it alone held becomes free.
     Delete(DeleteArgs),
     /// Reclaim every free byte now: clean segments until none has garbage worth it.
     Compact(CompactArgs),
@@ -111,6 +113,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args).map(|_| ExitCode::SUCCESS),
         Command::Stats(args) => stats::run(&args).map(|_| ExitCode::SUCCESS),
         Command::Snapshot(args) => snapshot::snapshot(&args).map(|_| ExitCode::SUCCESS),
+        Command::Clone(args) => snapshot::clone(&args).map(|_| ExitCode::SUCCESS),
         Command::Volumes(args) => snapshot::volumes(&args).map(|_| ExitCode::SUCCESS),
         Command::Delete(args) => snapshot::delete(&args).map(|_| ExitCode::SUCCESS),
         Command::Compact(args) => snapshot::compact(&args).map(|_| ExitCode::SUCCESS),

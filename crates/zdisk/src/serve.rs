@@ -358,38 +358,69 @@ fn absolute(path: &Path) -> String {
         .to_string()
 }
 
-/// The volume's snapshots, each a read-only export under its name
-/// (`nbdinfo --list` shows them; one taken while the server runs is
-/// served at once, one deleted is gone for new connections).
+/// The volume's snapshots, each a read-only export under its name, and
+/// its clones, each a writable one (`nbdinfo --list` shows them; one made
+/// while the server runs is served at once, one deleted is gone for new
+/// connections).
 struct SnapshotExports {
     volume: Arc<Volume>,
 }
 
 impl SnapshotExports {
     fn describe(&self, snapshot: &zdisk_core::Snapshot) -> ExtraExport {
+        let of = match self.volume.snapshot_volume(&snapshot.name) {
+            Some(clone) => format!(" of clone {clone}"),
+            None => String::new(),
+        };
         ExtraExport {
             // Versions are never reused: an id names one snapshot for good.
             id: snapshot.version,
             name: snapshot.name.clone(),
             description: Some(format!(
-                "zdisk snapshot {} (read-only), taken at version {}",
+                "zdisk snapshot {}{of} (read-only), taken at version {}",
                 snapshot.name, snapshot.version
             )),
             size_bytes: self.volume.size_bytes(),
+            read_only: true,
+        }
+    }
+
+    fn describe_clone(&self, clone: &zdisk_core::CloneVolume) -> ExtraExport {
+        let base = self
+            .volume
+            .snapshot_list()
+            .into_iter()
+            .find(|s| s.space == clone.base)
+            .map_or_else(String::new, |s| s.name);
+        ExtraExport {
+            // A clone's version is its own: no snapshot has it.
+            id: clone.version,
+            name: clone.name.clone(),
+            description: Some(format!(
+                "zdisk clone {} of snapshot {base}, made at version {}",
+                clone.name, clone.version
+            )),
+            size_bytes: self.volume.size_bytes(),
+            read_only: false,
         }
     }
 }
 
 impl ExtraExports for SnapshotExports {
     fn list(&self) -> Vec<ExtraExport> {
-        self.volume
-            .snapshot_list()
+        let snapshots = self.volume.snapshot_list();
+        let clones = self.volume.clone_list();
+        snapshots
             .iter()
             .map(|s| self.describe(s))
+            .chain(clones.iter().map(|c| self.describe_clone(c)))
             .collect()
     }
 
     fn find(&self, name: &str) -> Option<ExtraExport> {
+        if let Some(clone) = self.volume.clone_list().iter().find(|c| c.name == name) {
+            return Some(self.describe_clone(clone));
+        }
         self.volume
             .snapshot_list()
             .iter()
@@ -398,6 +429,15 @@ impl ExtraExports for SnapshotExports {
     }
 
     fn open(&self, id: u64) -> Option<Arc<dyn BlockDevice>> {
+        if let Some(clone) = self
+            .volume
+            .clone_list()
+            .into_iter()
+            .find(|c| c.version == id)
+        {
+            let device = self.volume.clone_device(&clone.name).ok()?;
+            return Some(Arc::new(device));
+        }
         let snapshot = self
             .volume
             .snapshot_list()

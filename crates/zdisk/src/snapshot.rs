@@ -1,10 +1,11 @@
-//! `zdisk snapshot`, `zdisk volumes` and `zdisk delete`: snapshots of an
-//! image, through its server's control socket while it is served (the
-//! image is locked then), or by opening the image otherwise.
+//! `zdisk snapshot`, `zdisk clone`, `zdisk volumes` and `zdisk delete`:
+//! snapshots and clones of an image, through its server's control socket
+//! while it is served (the image is locked then), or by opening the image
+//! otherwise.
 //!
-//! A served image's snapshots are exported read-only under their names
-//! beside the volume's own export (`serve.rs`); `nbdinfo --list` shows
-//! them.
+//! A served image's snapshots are exported read-only, and its clones
+//! writable, under their names beside the volume's own export
+//! (`serve.rs`); `nbdinfo --list` shows them.
 
 use std::path::Path;
 use std::time::Instant;
@@ -13,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use zdisk_core::units::format_size;
 use zdisk_core::{OpenOptions, Volume};
 
-use crate::args::{CompactArgs, DeleteArgs, SnapshotArgs, VolumesArgs};
+use crate::args::{CloneArgs, CompactArgs, DeleteArgs, SnapshotArgs, VolumesArgs};
 use crate::control::{self, AskError};
 use crate::output::say;
 
@@ -29,6 +30,9 @@ struct Taken {
 #[derive(Debug, Serialize, Deserialize)]
 struct Listed {
     name: String,
+    /// The clone it was taken of (absent: the image's volume).
+    #[serde(default)]
+    of: Option<String>,
     version: u64,
     created_unix_secs: u64,
     kept_blocks: u64,
@@ -41,8 +45,36 @@ struct Listed {
     frees_stored_bytes: u64,
 }
 
+/// A clone as the commands print it (the engine's `CloneInfo`).
+#[derive(Debug, Serialize, Deserialize)]
+struct ListedClone {
+    name: String,
+    snapshot: String,
+    version: u64,
+    created_unix_secs: u64,
+    own_blocks: u64,
+    own_zero_blocks: u64,
+    own_stored_bytes: u64,
+    snapshots: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Listing {
+    snapshots: Vec<Listed>,
+    clones: Vec<ListedClone>,
+}
+
+/// A clone made.
+#[derive(Debug, Serialize, Deserialize)]
+struct Made {
+    name: String,
+    version: u64,
+    created_unix_secs: u64,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct Deleted {
+    kind: String,
     handed_down: u64,
     freed: u64,
 }
@@ -95,18 +127,26 @@ fn check_name(name: &str) -> Result<(), String> {
 
 pub fn snapshot(args: &SnapshotArgs) -> Result<(), String> {
     check_name(&args.name)?;
+    if let Some(clone) = &args.of {
+        check_name(clone)?;
+    }
     let started = Instant::now();
-    let request = format!("snapshot {}", args.name);
+    let request = match &args.of {
+        Some(clone) => format!("snapshot {} {clone}", args.name),
+        None => format!("snapshot {}", args.name),
+    };
     let (taken, source): (Taken, Source) =
         through_server_or_image(&args.image, &request, "zdisk snapshot", false, |volume| {
-            volume
-                .take_snapshot(&args.name)
-                .map(|s| Taken {
-                    name: s.name,
-                    version: s.version,
-                    created_unix_secs: s.created_unix_secs,
-                })
-                .map_err(|e| e.to_string())
+            match &args.of {
+                Some(clone) => volume.take_snapshot_of(clone, &args.name),
+                None => volume.take_snapshot(&args.name),
+            }
+            .map(|s| Taken {
+                name: s.name,
+                version: s.version,
+                created_unix_secs: s.created_unix_secs,
+            })
+            .map_err(|e| e.to_string())
         })?;
     let elapsed = started.elapsed();
     if args.json {
@@ -126,8 +166,12 @@ pub fn snapshot(args: &SnapshotArgs) -> Result<(), String> {
             taken.name
         ),
     };
+    let of = match &args.of {
+        Some(clone) => format!("clone {clone} of "),
+        None => String::new(),
+    };
     say!(
-        "took snapshot {} of {} (version {}) in {:.1} ms{served}",
+        "took snapshot {} of {of}{} (version {}) in {:.1} ms{served}",
         taken.name,
         args.image.display(),
         taken.version,
@@ -135,67 +179,125 @@ pub fn snapshot(args: &SnapshotArgs) -> Result<(), String> {
     )
 }
 
-pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
-    let (listed, source): (Vec<Listed>, Source) =
-        through_server_or_image(&args.image, "snapshots", "zdisk volumes", true, |volume| {
+pub fn clone(args: &CloneArgs) -> Result<(), String> {
+    check_name(&args.snapshot)?;
+    check_name(&args.name)?;
+    let started = Instant::now();
+    let request = format!("clone {} {}", args.snapshot, args.name);
+    let (made, source): (Made, Source) =
+        through_server_or_image(&args.image, &request, "zdisk clone", false, |volume| {
             volume
-                .snapshots()
-                .map(|list| {
-                    list.into_iter()
-                        .map(|s| Listed {
-                            name: s.name,
-                            version: s.version,
-                            created_unix_secs: s.created_unix_secs,
-                            kept_blocks: s.kept_blocks,
-                            kept_stored_bytes: s.kept_stored_bytes,
-                            frees_blocks: s.frees_blocks,
-                            frees_stored_bytes: s.frees_stored_bytes,
-                        })
-                        .collect()
+                .make_clone(&args.snapshot, &args.name)
+                .map(|c| Made {
+                    name: c.name,
+                    version: c.version,
+                    created_unix_secs: c.created_unix_secs,
                 })
                 .map_err(|e| e.to_string())
         })?;
+    let elapsed = started.elapsed();
     if args.json {
         return say!(
             "{}",
-            serde_json::to_string_pretty(&listed).map_err(|e| e.to_string())?
+            serde_json::to_string_pretty(&made).map_err(|e| e.to_string())?
+        );
+    }
+    let served = match source {
+        Source::Server => format!("; its server exports it writable as \"{}\" now", made.name),
+        Source::Image => format!(
+            "; `zdisk serve {}` will export it writable as \"{}\"",
+            args.image.display(),
+            made.name
+        ),
+    };
+    say!(
+        "made clone {} of snapshot {} in {} (version {}) in {:.1} ms{served}",
+        made.name,
+        args.snapshot,
+        args.image.display(),
+        made.version,
+        elapsed.as_secs_f64() * 1000.0
+    )
+}
+
+pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
+    let (listing, source): (Listing, Source) =
+        through_server_or_image(&args.image, "volumes", "zdisk volumes", true, |volume| {
+            let listing = control::listing(volume)?;
+            serde_json::to_value(&listing)
+                .and_then(serde_json::from_value)
+                .map_err(|e| e.to_string())
+        })?;
+    if args.json {
+        // One list: the snapshots, then the clones, each with its kind.
+        let mut all = Vec::new();
+        for snapshot in &listing.snapshots {
+            let mut value = serde_json::to_value(snapshot).map_err(|e| e.to_string())?;
+            value["kind"] = "snapshot".into();
+            all.push(value);
+        }
+        for clone in &listing.clones {
+            let mut value = serde_json::to_value(clone).map_err(|e| e.to_string())?;
+            value["kind"] = "clone".into();
+            all.push(value);
+        }
+        return say!(
+            "{}",
+            serde_json::to_string_pretty(&all).map_err(|e| e.to_string())?
         );
     }
     let from = match source {
         Source::Server => "being served; from its server",
         Source::Image => "not being served; from the image",
     };
-    let mut out = format!(
-        "{}: {from}\n{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
-        args.image.display(),
+    let row = |cells: [&str; 7]| {
+        format!(
+            "{:<24} {:<9} {:<24} {:<20} {:>12} {:>12} {:>12}\n",
+            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6]
+        )
+    };
+    let mut out = format!("{}: {from}\n", args.image.display());
+    out.push_str(&row([
         "NAME",
         "KIND",
-        "TAKEN (UTC)",
-        "KEEPS BLOCKS",
-        "KEEPS BYTES",
+        "OF",
+        "MADE (UTC)",
+        "HOLDS BLOCKS",
+        "HOLDS BYTES",
         "FREES BLOCKS",
-        "FREES BYTES"
-    );
-    out.push_str(&format!(
-        "{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
-        "(the volume)", "volume", "-", "-", "-", "-", "-"
-    ));
-    for snapshot in &listed {
-        out.push_str(&format!(
-            "{:<24} {:<10} {:<20} {:>14} {:>12} {:>14} {:>12}\n",
-            snapshot.name,
+    ]));
+    out.push_str(&row(["(the volume)", "volume", "-", "-", "-", "-", "-"]));
+    for snapshot in &listing.snapshots {
+        out.push_str(&row([
+            &snapshot.name,
             "snapshot",
-            utc(snapshot.created_unix_secs),
-            snapshot.kept_blocks,
-            format_size(snapshot.kept_stored_bytes),
-            snapshot.frees_blocks,
-            format_size(snapshot.frees_stored_bytes)
-        ));
+            snapshot.of.as_deref().unwrap_or("(the volume)"),
+            &utc(snapshot.created_unix_secs),
+            &snapshot.kept_blocks.to_string(),
+            &format_size(snapshot.kept_stored_bytes),
+            &snapshot.frees_blocks.to_string(),
+        ]));
+    }
+    for clone in &listing.clones {
+        out.push_str(&row([
+            &clone.name,
+            "clone",
+            &clone.snapshot,
+            &utc(clone.created_unix_secs),
+            &clone.own_blocks.to_string(),
+            &format_size(clone.own_stored_bytes),
+            // A clone with snapshots cannot be deleted.
+            &match clone.snapshots.is_empty() {
+                true => clone.own_blocks.to_string(),
+                false => "-".to_string(),
+            },
+        ]));
     }
     out.push_str(
-        "A snapshot keeps the blocks the volume changed since it was taken; deleting it \
-         frees those no older snapshot sees (FREES: counted by walking its and the older \
-         snapshot's kept entries, not the volume).\n",
+        "A snapshot holds the blocks its volume changed since it was taken; deleting it \
+         frees those no older snapshot of the same volume sees. A clone holds the blocks \
+         written to it; every other block is its snapshot's, shared. (Counted by walking \
+         their own entries, not the volume.)\n",
     );
     crate::output::write(format_args!("{out}"))
 }
@@ -205,18 +307,25 @@ pub fn delete(args: &DeleteArgs) -> Result<(), String> {
     let request = format!("delete {}", args.name);
     let (deleted, _source): (Deleted, Source) =
         through_server_or_image(&args.image, &request, "zdisk delete", false, |volume| {
-            volume
-                .delete_snapshot(&args.name)
-                .map(|d| Deleted {
-                    handed_down: d.handed_down,
-                    freed: d.freed,
-                })
-                .map_err(|e| e.to_string())
+            control::delete_named(volume, &args.name).map(|d| Deleted {
+                kind: d.kind.to_string(),
+                handed_down: d.handed_down,
+                freed: d.freed,
+            })
         })?;
     if args.json {
         return say!(
             "{}",
             serde_json::to_string_pretty(&deleted).map_err(|e| e.to_string())?
+        );
+    }
+    if deleted.kind == "clone" {
+        return say!(
+            "deleted clone {} of {}: the {} blocks it wrote are free (the cleaner reclaims \
+             their space; `zdisk compact` or an idle minute does it now)",
+            args.name,
+            args.image.display(),
+            deleted.freed
         );
     }
     say!(

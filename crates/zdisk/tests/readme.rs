@@ -31,6 +31,7 @@ fn main() {
         ("the_first_command_serves_as_written", first_command),
         ("the_quick_start_runs_as_written", quick_start),
         ("the_snapshot_commands_run_as_written", snapshot_commands),
+        ("the_clone_commands_run_as_written", clone_commands),
         (
             "the_kernel_filesystem_recipe_runs_as_written",
             kernel_filesystem,
@@ -261,6 +262,48 @@ fn snapshot_commands() -> TestResult {
         copied.len() == 8 << 30,
         "nbdcopy copied the snapshot whole: {} bytes",
         copied.len()
+    );
+    ensure!(log.contains("closed cleanly"), "{log}");
+    Ok(Completion::Completed)
+}
+
+fn clone_commands() -> TestResult {
+    let ready = require_tools(&[
+        "bash",
+        "nbdinfo",
+        "nbdcopy",
+        "tar",
+        "/usr/share/doc",
+        "/usr/share/man",
+    ])
+    .and_then(|()| port_for_snippets());
+    if let Some(skip) = skip_unless(ready) {
+        return skip;
+    }
+    let scratch = Scratch::new("readme-clones");
+    // After the quick start's writes, the clone snippet as written.
+    let client = format!("{}\n{}", snippet("quick-start")?, snippet("clones")?);
+    let (out, log) = with_readme_server(&scratch.path, &client)?;
+    ensure!(
+        out.contains("made clone vm1 of snapshot golden")
+            && out.contains("export=\"vm1\"")
+            && out.contains("export=\"golden\""),
+        "the clone was made and listed: {out}"
+    );
+    // zdisk volumes: vm1's row says it wrote blocks of its own.
+    let row = out
+        .lines()
+        .find(|line| line.starts_with("vm1 ") && line.contains("clone"))
+        .ok_or_else(|| format!("zdisk volumes shows no vm1 row: {out}"))?;
+    let own: u64 = row
+        .split_whitespace()
+        .nth(5)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("vm1's row has no block count: {row}"))?;
+    ensure!(own > 1000, "vm1 holds {own} blocks of its own: {row}");
+    ensure!(
+        out.contains("deleted clone vm1") && out.contains("deleted snapshot golden"),
+        "the deletions ran: {out}"
     );
     ensure!(log.contains("closed cleanly"), "{log}");
     Ok(Completion::Completed)

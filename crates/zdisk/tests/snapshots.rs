@@ -9,6 +9,10 @@
 //! trims) while snapshots are taken and deleted: every flushed block of
 //! the volume survives, every snapshot whose command returned survives
 //! and reads as the volume did when it was taken, and `check` is clean.
+//! Clones the same way: made while served, written through their own
+//! writable exports beside the volume's, snapshotted and cloned in turn,
+//! deleted in the order their dependents allow; and 12 rounds of kill -9
+//! under a writer on a clone while its snapshots are taken and deleted.
 
 mod support;
 
@@ -37,6 +41,14 @@ fn main() {
         (
             "kill_9_while_snapshots_are_taken_and_deleted_loses_nothing",
             kill9_snapshots,
+        ),
+        (
+            "clones_of_a_served_image_are_writable_exports_of_their_own",
+            served_clones,
+        ),
+        (
+            "kill_9_while_a_clone_is_written_and_snapshotted_loses_nothing",
+            kill9_clones,
         ),
     ];
     let trials = tests
@@ -87,16 +99,40 @@ fn export_uri(socket: &Path, export: &str) -> String {
     format!("nbd+unix:///{export}?socket={}", socket.display())
 }
 
+/// A new 256 MiB image in a scratch directory of its own, served on a
+/// Unix socket there.
+struct Served {
+    scratch: Scratch,
+    image: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    server: Server,
+}
+
+fn served_image(name: &str) -> Result<Served, Failed> {
+    let scratch = Scratch::new(name);
+    let image = scratch.join("vol.zdisk");
+    let socket = scratch.join("sock");
+    zdisk_ok(&["create", image.to_str().unwrap(), "--logical", "256M"])?;
+    let server = Server::start(&image, &socket, &[])?;
+    Ok(Served {
+        scratch,
+        image,
+        socket,
+        server,
+    })
+}
+
 fn served_snapshots() -> TestResult {
     if let Some(skip) = skip_unless(require_tools(&["qemu-io", "nbdinfo"])) {
         return skip;
     }
-    let scratch = Scratch::new("snapshots-served");
-    let image = scratch.join("vol.zdisk");
+    let Served {
+        scratch: _scratch,
+        image,
+        socket,
+        mut server,
+    } = served_image("snapshots-served")?;
     let image_arg = image.to_str().unwrap();
-    let socket = scratch.join("sock");
-    zdisk_ok(&["create", image_arg, "--logical", "256M"])?;
-    let mut server = Server::start(&image, &socket, &[])?;
     let volume = server.uri();
     // 16 MiB of 0xaa, then a snapshot, then 8 MiB of it overwritten with
     // 0xbb, a second snapshot, then 4 MiB trimmed.
@@ -303,13 +339,17 @@ fn snapshot_errors() -> TestResult {
     zdisk_ok(&["create", image_arg, "--logical", "64M"])?;
     one_line_error(&["snapshot", image_arg, "a b"], "letters, digits")?;
     one_line_error(&["snapshot", image_arg, "-x"], "")?;
-    one_line_error(&["delete", image_arg, "nope"], "no snapshot named \"nope\"")?;
+    one_line_error(
+        &["delete", image_arg, "nope"],
+        "no snapshot or clone named \"nope\"",
+    )?;
     zdisk_ok(&["snapshot", image_arg, "once"])?;
     one_line_error(&["snapshot", image_arg, "once"], "exists already")?;
     let nand = scratch.join("nand.zdisk");
     let nand_arg = nand.to_str().unwrap();
     zdisk_ok(&["create", nand_arg, "--nand", "tiny"])?;
     one_line_error(&["snapshot", nand_arg, "x"], "emulated drive")?;
+    one_line_error(&["clone", nand_arg, "x", "y"], "emulated drive")?;
     let missing = scratch.join("missing.zdisk");
     one_line_error(&["volumes", missing.to_str().unwrap()], "does not exist")?;
     Ok(Completion::Completed)
@@ -320,6 +360,127 @@ fn crashwriter() -> String {
         "{}/tests/scripts/crashwriter.py",
         env!("CARGO_MANIFEST_DIR")
     )
+}
+
+fn served_clones() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["qemu-io", "nbdinfo"])) {
+        return skip;
+    }
+    let Served {
+        scratch: _scratch,
+        image,
+        socket,
+        mut server,
+    } = served_image("clones-served")?;
+    let image_arg = image.to_str().unwrap();
+    let volume = server.uri();
+    // A golden image: 16 MiB of 0xaa; a snapshot of it, and a clone.
+    qemu_io_ok(&volume, false, "write -P 0xaa 0 16M")?;
+    zdisk_ok(&["snapshot", image_arg, "golden"])?;
+    let said = zdisk_ok(&["clone", image_arg, "golden", "vm1"])?;
+    println!("{}", said.trim());
+    ensure!(
+        said.contains("made clone vm1 of snapshot golden") && said.contains("exports it writable"),
+        "zdisk clone said: {said}"
+    );
+    let list = stdout(&run("nbdinfo", &["--list", "--json", &volume])?);
+    let exports: serde_json::Value =
+        serde_json::from_str(&list).map_err(|e| format!("nbdinfo --list --json: {e}: {list}"))?;
+    let vm1_listed = exports["exports"]
+        .as_array()
+        .and_then(|all| all.iter().find(|e| e["export-name"] == "vm1"))
+        .cloned()
+        .ok_or_else(|| format!("nbdinfo --list does not show vm1:\n{list}"))?;
+    ensure!(
+        vm1_listed["is_read_only"] == false,
+        "vm1 is not writable: {vm1_listed}"
+    );
+    let vm1 = export_uri(&socket, "vm1");
+    // The clone reads as the snapshot; what it writes is its own.
+    qemu_io_ok(&vm1, true, "read -P 0xaa 0 16M")?;
+    qemu_io_ok(&vm1, false, "write -P 0xbb 4M 4M")?;
+    qemu_io_ok(&vm1, false, "discard 8M 4M")?;
+    qemu_io_ok(&vm1, true, "read -P 0xaa 0 4M")?;
+    qemu_io_ok(&vm1, true, "read -P 0xbb 4M 4M")?;
+    qemu_io_ok(&vm1, true, "read -P 0 8M 4M")?;
+    qemu_io_ok(&vm1, true, "read -P 0xaa 12M 4M")?;
+    qemu_io_ok(&volume, true, "read -P 0xaa 0 16M")?;
+    // The volume moves on; neither the snapshot nor the clone sees it.
+    qemu_io_ok(&volume, false, "write -P 0xcc 0 16M")?;
+    qemu_io_ok(&export_uri(&socket, "golden"), true, "read -P 0xaa 0 16M")?;
+    qemu_io_ok(&vm1, true, "read -P 0xaa 12M 4M")?;
+    // A snapshot of the clone, and a clone of that.
+    zdisk_ok(&["snapshot", image_arg, "vm1-base", "--of", "vm1"])?;
+    zdisk_ok(&["clone", image_arg, "vm1-base", "vm2"])?;
+    let vm2 = export_uri(&socket, "vm2");
+    qemu_io_ok(&vm1, false, "write -P 0xdd 0 4M")?;
+    qemu_io_ok(&vm2, true, "read -P 0xaa 0 4M")?;
+    qemu_io_ok(&vm2, true, "read -P 0xbb 4M 4M")?;
+    qemu_io_ok(&vm2, false, "write -P 0xee 12M 4M")?;
+    qemu_io_ok(&vm1, true, "read -P 0xaa 12M 4M")?;
+    // What each holds, and what the stats say.
+    let listed = json(&["volumes", image_arg, "--json"])?;
+    println!("{listed}");
+    let entry = |name: &str| {
+        listed
+            .as_array()
+            .and_then(|all| all.iter().find(|e| e["name"] == name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    // vm1 wrote 1024 blocks of 0xbb and trimmed 1024 (zeros of its own),
+    // then 1024 of 0xdd over the snapshot's blocks.
+    ensure!(
+        entry("vm1")["kind"] == "clone"
+            && entry("vm1")["own_blocks"] == 3072
+            && entry("vm1")["own_zero_blocks"] == 1024
+            && entry("vm2")["own_blocks"] == 1024
+            && entry("vm1-base")["of"] == "vm1"
+            && entry("vm2")["snapshot"] == "vm1-base",
+        "zdisk volumes --json: {listed}"
+    );
+    let stats = json(&["stats", image_arg, "--json"])?;
+    ensure!(
+        stats["clones"] == 2 && stats["clone_blocks"] == 4096,
+        "stats: clones {} clone_blocks {}",
+        stats["clones"],
+        stats["clone_blocks"]
+    );
+    // Deleting goes in the order dependents allow, each refusal one line.
+    one_line_error(&["delete", image_arg, "golden"], "has clones")?;
+    one_line_error(&["delete", image_arg, "vm1"], "has snapshots")?;
+    one_line_error(&["delete", image_arg, "nope"], "no snapshot or clone named")?;
+    one_line_error(&["clone", image_arg, "nope", "vm3"], "no snapshot named")?;
+    one_line_error(&["clone", image_arg, "golden", "vm1"], "exists already")?;
+    let deleted = json(&["delete", image_arg, "vm2", "--json"])?;
+    ensure!(
+        deleted["kind"] == "clone" && deleted["freed"] == 1024,
+        "delete vm2: {deleted}"
+    );
+    zdisk_ok(&["delete", image_arg, "vm1-base"])?;
+    zdisk_ok(&["delete", image_arg, "vm1"])?;
+    let list = stdout(&run("nbdinfo", &["--list", &volume])?);
+    ensure!(
+        !list.contains("vm1"),
+        "nbdinfo --list still shows vm1:\n{list}"
+    );
+    zdisk_ok(&["delete", image_arg, "golden"])?;
+    zdisk_ok(&["compact", image_arg])?;
+    let stats = json(&["stats", image_arg, "--json"])?;
+    ensure!(
+        stats["clones"] == 0 && stats["clone_blocks"] == 0 && stats["snapshots"] == 0,
+        "after deleting: {stats}"
+    );
+    qemu_io_ok(&volume, true, "read -P 0xcc 0 16M")?;
+    server.stop()?;
+    let report = zdisk(&["check", image_arg]);
+    ensure!(
+        report.status.success(),
+        "check: {}{}",
+        String::from_utf8_lossy(&report.stdout),
+        String::from_utf8_lossy(&report.stderr)
+    );
+    Ok(Completion::Completed)
 }
 
 /// A snapshot the test took: what the writer had logged when the
@@ -363,20 +524,51 @@ fn verify_snapshot(
 }
 
 fn kill9_snapshots() -> TestResult {
+    kill9_rounds("snapshots-kill9", 30, None)
+}
+
+/// The same with a clone: the writer writes a clone of a snapshot of the
+/// volume (which holds data of its own), the snapshots are the clone's.
+fn kill9_clones() -> TestResult {
+    kill9_rounds("clones-kill9", 12, Some("vm"))
+}
+
+/// `rounds` rounds of kill -9 under the crash writer, on the volume or on
+/// clone `clone`, while snapshots of it are taken and deleted.
+fn kill9_rounds(scratch_name: &str, rounds: u64, clone: Option<&str>) -> TestResult {
     if let Some(skip) = skip_unless(python_has_libnbd()) {
         return skip;
     }
-    let scratch = Scratch::new("snapshots-kill9");
+    let scratch = Scratch::new(scratch_name);
     let image = scratch.join("crash.zdisk");
     let image_arg = image.to_str().unwrap();
     let socket = scratch.join("sock");
     zdisk_ok(&["create", image_arg, "--logical", "64M", "--physical", "64M"])?;
     let blocks = "4096";
     let baseline = scratch.join("baseline");
+    if let Some(clone) = clone {
+        // The volume's blocks beyond the writer's (it writes the first
+        // 16 MiB) are the clone's too, and stay as they were.
+        let mut server = Server::start(&image, &socket, &[])?;
+        qemu_io_ok(&server.uri(), false, "write -P 0x5c 16M 8M")?;
+        zdisk_ok(&["snapshot", image_arg, "golden"])?;
+        zdisk_ok(&["clone", image_arg, "golden", clone])?;
+        qemu_io_ok(&server.uri(), false, "write -P 0x7d 16M 8M")?;
+        server.stop()?;
+    }
     let mut taken: Vec<Taken> = Vec::new();
     let mut verified = 0;
-    for round in 0..30u64 {
+    for round in 0..rounds {
         let mut server = Server::start(&image, &socket, &[])?;
+        let target = match clone {
+            Some(clone) => export_uri(&socket, clone),
+            None => server.uri(),
+        };
+        if let Some(clone) = clone {
+            qemu_io_ok(&target, true, "read -P 0x5c 16M 8M")
+                .map_err(|e| format!("round {round}: clone {clone}: {e:?}"))?;
+            qemu_io_ok(&server.uri(), true, "read -P 0x7d 16M 8M")?;
+        }
         if round > 0 {
             ensure!(
                 server.log().contains("recovered after an unclean stop"),
@@ -400,7 +592,7 @@ fn kill9_snapshots() -> TestResult {
                 .arg(crashwriter())
                 .args([
                     "verify",
-                    &server.uri(),
+                    &target,
                     blocks,
                     log.to_str().unwrap(),
                     baseline.to_str().unwrap(),
@@ -425,7 +617,7 @@ fn kill9_snapshots() -> TestResult {
             .arg(crashwriter())
             .args([
                 "write",
-                &server.uri(),
+                &target,
                 blocks,
                 &round.to_string(),
                 baseline.to_str().unwrap(),
@@ -451,7 +643,10 @@ fn kill9_snapshots() -> TestResult {
         // nothing about it, so they are left out of its log.
         let name = format!("r{round}");
         let before = std::fs::read(&log_path).map_err(|e| e.to_string())?;
-        zdisk_ok(&["snapshot", image_arg, &name])?;
+        match clone {
+            Some(clone) => zdisk_ok(&["snapshot", image_arg, &name, "--of", clone])?,
+            None => zdisk_ok(&["snapshot", image_arg, &name])?,
+        };
         let after = std::fs::read(&log_path).map_err(|e| e.to_string())?;
         let whole_lines = |bytes: &[u8]| {
             let end = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
@@ -501,9 +696,15 @@ fn kill9_snapshots() -> TestResult {
         verified += 1;
     }
     let listed = json(&["volumes", image_arg, "--json"])?;
+    let of = clone.map_or(serde_json::Value::Null, |c| c.into());
     let names: Vec<&str> = listed
         .as_array()
-        .map(|a| a.iter().filter_map(|s| s["name"].as_str()).collect())
+        .map(|a| {
+            a.iter()
+                .filter(|s| s["kind"] == "snapshot" && s["of"] == of)
+                .filter_map(|s| s["name"].as_str())
+                .collect()
+        })
         .unwrap_or_default();
     let want: Vec<&str> = taken.iter().map(|t| t.name.as_str()).collect();
     ensure!(names == want, "snapshots {names:?}, expected {want:?}");

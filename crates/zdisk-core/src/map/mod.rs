@@ -91,6 +91,9 @@ pub(crate) struct Map {
     /// The part of `counts` snapshots' kept entries make (keys from
     /// `SPACE_BLOCKS` below `TABLE_BASE`), kept the same way.
     kept_counts: MapCounts,
+    /// `kept_counts` by key space (snapshots' and clones'), kept the same
+    /// way: what `zdisk stats` says each clone holds, in O(1).
+    space_counts: BTreeMap<u16, MapCounts>,
     /// False while a dump's totals hold cells or kept entries not counted
     /// yet (from `add_paged_counts` until `recount_table`).
     table_counted: bool,
@@ -192,6 +195,7 @@ impl Map {
             counts: MapCounts::default(),
             table_counts: MapCounts::default(),
             kept_counts: MapCounts::default(),
+            space_counts: BTreeMap::new(),
             table_counted: true,
             keep_tombstones,
             chunk_items: 0,
@@ -233,11 +237,17 @@ impl Map {
         self.kept_counts
     }
 
+    /// Counts of the entries in key space `space` (1 and up).
+    pub(crate) fn space_counts(&self, space: u16) -> MapCounts {
+        self.space_counts.get(&space).copied().unwrap_or_default()
+    }
+
     /// Counts the shared table's cells and the snapshots' kept entries
     /// again (after recovery's replay).
     pub(crate) fn recount_table(&mut self, media: &dyn Media) -> Result<()> {
         let mut table = MapCounts::default();
         let mut kept = MapCounts::default();
+        let mut spaces: BTreeMap<u16, MapCounts> = BTreeMap::new();
         // From the leaf holding the first kept key: a leaf may span the
         // end of the volume's space if its blocks reach it.
         let from = self
@@ -256,6 +266,8 @@ impl Map {
                     table.add(entry.slot(), count);
                 } else if key >= SPACE_BLOCKS {
                     kept.add(entry.slot(), count);
+                    let space = (key >> entry::SPACE_SHIFT) as u16;
+                    spaces.entry(space).or_default().add(entry.slot(), count);
                 }
                 ControlFlow::Continue(())
             });
@@ -263,6 +275,7 @@ impl Map {
         })?;
         self.table_counts = table;
         self.kept_counts = kept;
+        self.space_counts = spaces;
         self.table_counted = true;
         Ok(())
     }
@@ -361,13 +374,17 @@ impl Map {
         self.counts.sub(old.slot(), 1);
         self.counts.add(slot, 1);
         if lba.0 >= SPACE_BLOCKS && self.table_counted {
-            let counts = if lba.0 >= TABLE_BASE {
-                &mut self.table_counts
+            if lba.0 >= TABLE_BASE {
+                self.table_counts.sub(old.slot(), 1);
+                self.table_counts.add(slot, 1);
             } else {
-                &mut self.kept_counts
-            };
-            counts.sub(old.slot(), 1);
-            counts.add(slot, 1);
+                self.kept_counts.sub(old.slot(), 1);
+                self.kept_counts.add(slot, 1);
+                let space = (lba.0 >> entry::SPACE_SHIFT) as u16;
+                let counts = self.space_counts.entry(space).or_default();
+                counts.sub(old.slot(), 1);
+                counts.add(slot, 1);
+            }
         }
         debug_assert_eq!(self.get(lba).slot(), slot);
         old
@@ -930,6 +947,32 @@ impl Map {
     /// dies, or a reference to shared content that goes). With `only_newer`,
     /// blocks holding a higher version are left alone (recovery).
     pub(crate) fn set_range(
+        &mut self,
+        first: Lba,
+        count: u64,
+        state: RangeState,
+        version: u64,
+        only_newer: bool,
+        displaced: &mut dyn FnMut(Slot),
+    ) {
+        // A range in a clone's key space counts among the kept entries
+        // (`kept_counts`), as its single entries do.
+        let kept = (SPACE_BLOCKS..TABLE_BASE).contains(&first.0) && self.table_counted;
+        let before = self.counts;
+        self.set_range_counted(first, count, state, version, only_newer, displaced);
+        if kept {
+            let mut counts = self.kept_counts;
+            counts.merge(self.counts);
+            self.kept_counts = counts.without(before);
+            let space = (first.0 >> entry::SPACE_SHIFT) as u16;
+            let in_space = self.space_counts.entry(space).or_default();
+            let mut counts = *in_space;
+            counts.merge(self.counts);
+            *in_space = counts.without(before);
+        }
+    }
+
+    fn set_range_counted(
         &mut self,
         first: Lba,
         count: u64,
@@ -1601,6 +1644,7 @@ impl Map {
         media: Option<&dyn Media>,
     ) -> std::result::Result<(), String> {
         let mut counts = MapCounts::default();
+        let mut spaces: BTreeMap<u16, MapCounts> = BTreeMap::new();
         let (mut chunk_items, mut heap_bytes, mut end) = (0u64, 0u64, 0u64);
         let mut paged = 0u64;
         for (&start, stub) in &self.leaves {
@@ -1628,10 +1672,15 @@ impl Map {
             }
             check_leaf(start, leaf, self.keep_tombstones)?;
             let _ = leaf.visit(start, start, end, &mut |piece| {
-                match piece {
-                    Piece::Gap(..) => {}
-                    Piece::Same(from, to, entry) => counts.add(entry.slot(), to - from),
-                    Piece::One(_, entry) => counts.add(entry.slot(), 1),
+                let (key, entry, n) = match piece {
+                    Piece::Gap(..) => return ControlFlow::Continue(()),
+                    Piece::Same(from, to, entry) => (from, entry, to - from),
+                    Piece::One(key, entry) => (key, entry, 1),
+                };
+                counts.add(entry.slot(), n);
+                if (SPACE_BLOCKS..TABLE_BASE).contains(&key) {
+                    let space = (key >> entry::SPACE_SHIFT) as u16;
+                    spaces.entry(space).or_default().add(entry.slot(), n);
                 }
                 ControlFlow::Continue(())
             });
@@ -1641,6 +1690,23 @@ impl Map {
                 "map counts drifted: running {:?}, recount {:?}",
                 self.counts, counts
             ));
+        }
+        if self.table_counted {
+            for (&space, &recount) in &spaces {
+                if recount != self.space_counts(space) {
+                    return Err(format!(
+                        "key space {space}'s counts drifted: running {:?}, recount {recount:?}",
+                        self.space_counts(space)
+                    ));
+                }
+            }
+            for (&space, &running) in &self.space_counts {
+                if running != MapCounts::default() && !spaces.contains_key(&space) {
+                    return Err(format!(
+                        "key space {space} counts {running:?} but holds nothing"
+                    ));
+                }
+            }
         }
         if paged != self.paged_leaves {
             return Err(format!(

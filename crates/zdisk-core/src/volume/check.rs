@@ -43,7 +43,7 @@ use crate::units::{Lba, BLOCK_SIZE};
 
 use super::io::{decode_into, Wanted, RANGE_RECORD_LEN};
 use super::space::Writer;
-use super::state::{keeps, State};
+use super::state::{keeps_in, State};
 use super::Volume;
 
 /// A live block: where its record is, its number and version.
@@ -423,8 +423,10 @@ fn check_segments(state: &State, extents: &[Extent], errors: &mut Vec<String>) {
 }
 
 /// Every entry in a snapshot's key space belongs to a snapshot that sees
-/// it: data, shared data or damage, older than the snapshot, for a block
-/// of the volume.
+/// it: data, shared data or damage (or a zero, for a clone's snapshot),
+/// older than the snapshot, for a block of the volume. Every entry in a
+/// clone's key space is newer than the clone. No other key space holds
+/// entries.
 fn check_snapshots(
     state: &State,
     media: &dyn crate::media::Media,
@@ -438,13 +440,29 @@ fn check_snapshots(
         }
         let space = key_space(key).expect("a block key");
         let block = key_block(key);
+        if block >= logical {
+            errors.push(format!(
+                "key space {space} has an entry for block {block}, beyond the volume"
+            ));
+        }
+        if let Some(clone) = snapshots.clone_by_space(space) {
+            if entry.version() <= clone.version {
+                errors.push(format!(
+                    "clone {} (made at version {}) holds block {block} at older version {}",
+                    clone.name,
+                    clone.version,
+                    entry.version()
+                ));
+            }
+            return;
+        }
         let Some(snapshot) = snapshots.by_space(space) else {
             errors.push(format!(
-                "block {block} has an entry in key space {space}, which no snapshot owns"
+                "block {block} has an entry in key space {space}, which no snapshot or clone owns"
             ));
             return;
         };
-        if !keeps(entry) {
+        if !keeps_in(snapshot.volume, entry) {
             errors.push(format!(
                 "snapshot {} keeps {:?} for block {block}",
                 snapshot.name,
@@ -456,12 +474,6 @@ fn check_snapshots(
                 snapshot.name,
                 snapshot.version,
                 entry.version()
-            ));
-        }
-        if block >= logical {
-            errors.push(format!(
-                "snapshot {} keeps block {block}, beyond the volume",
-                snapshot.name
             ));
         }
     })

@@ -37,7 +37,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
 use super::guard::StateGuard;
 use super::space::{Need, Reach, Writer};
-use super::state::{Buffered, Dedup, State, StreamKind, Tally};
+use super::state::{host_key, Buffered, Dedup, State, StreamKind, Tally, View};
 use super::Volume;
 
 /// Adjacent extents are read from the medium in one request up to this size.
@@ -577,7 +577,13 @@ impl Volume {
         }
     }
 
-    pub(crate) fn write_bytes(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    pub(crate) fn write_bytes(
+        &self,
+        target: Target,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+    ) -> Result<()> {
         // The data crosses the host link (and a drive's compressor) first.
         self.media
             .host_transfer(HostDirection::Write, data.len() as u64);
@@ -594,17 +600,19 @@ impl Volume {
                 let block_end = ((position / BLOCK_SIZE_U64) + 1) * BLOCK_SIZE_U64;
                 let piece_end = block_end.min(end);
                 let piece = &data[(position - offset) as usize..(piece_end - offset) as usize];
-                self.modify_block(position, Some(piece))?;
+                self.modify_block(target, position, Some(piece))?;
                 position = piece_end;
             }
         } else {
             if offset < first_full {
-                self.modify_block(offset, Some(&data[..(first_full - offset) as usize]))?;
+                let head = &data[..(first_full - offset) as usize];
+                self.modify_block(target, offset, Some(head))?;
             }
             let middle = &data[(first_full - offset) as usize..(end_full - offset) as usize];
-            self.write_blocks(Lba(first_full / BLOCK_SIZE_U64), middle)?;
+            self.write_blocks(target, Lba(first_full / BLOCK_SIZE_U64), middle)?;
             if end_full < end {
-                self.modify_block(end_full, Some(&data[(end_full - offset) as usize..]))?;
+                let tail = &data[(end_full - offset) as usize..];
+                self.modify_block(target, end_full, Some(tail))?;
             }
         }
         self.tally(Tally::HostWrite(data.len() as u64));
@@ -616,23 +624,33 @@ impl Volume {
 
     /// Read-modify-write of part of one block: `bytes` at byte `offset`, or
     /// zeros of `len` when `bytes` is `None`.
-    fn modify_block(&self, offset: u64, bytes: Option<&[u8]>) -> Result<()> {
-        self.modify_block_with(offset, bytes, 0)
+    fn modify_block(&self, target: Target, offset: u64, bytes: Option<&[u8]>) -> Result<()> {
+        self.modify_block_with(target, offset, bytes, 0)
     }
 
-    fn modify_block_with(&self, offset: u64, bytes: Option<&[u8]>, zero_len: usize) -> Result<()> {
+    fn modify_block_with(
+        &self,
+        target: Target,
+        offset: u64,
+        bytes: Option<&[u8]>,
+        zero_len: usize,
+    ) -> Result<()> {
         let lba = Lba(offset / BLOCK_SIZE_U64);
-        let _stripe = self.stripes[(lba.0 % self.stripes.len() as u64) as usize]
+        let key = host_key(target.space, lba.0);
+        let _stripe = self.stripes[(key.0 % self.stripes.len() as u64) as usize]
             .lock()
             .expect("stripe lock poisoned");
         let mut block = vec![0u8; BLOCK_SIZE];
-        self.read_blocks(lba, &mut block)?;
+        match target.space {
+            0 => self.read_blocks(lba, &mut block)?,
+            space => self.read_view_blocks(View::Clone(space), "", lba, &mut block)?,
+        }
         let at = (offset % BLOCK_SIZE_U64) as usize;
         match bytes {
             Some(bytes) => block[at..at + bytes.len()].copy_from_slice(bytes),
             None => block[at..at + zero_len].fill(0),
         }
-        self.write_blocks(lba, &block)
+        self.write_blocks(target, lba, &block)
     }
 
     /// The most blocks a write compresses as one unit: the image's setting,
@@ -642,14 +660,20 @@ impl Volume {
         self.settings.unit_blocks.min(segment_cap)
     }
 
-    /// Compresses and appends whole blocks; with dedup on, blocks found
-    /// stored already are shared instead (`dedup.rs`).
-    pub(crate) fn write_blocks(&self, first: Lba, data: &[u8]) -> Result<()> {
+    /// Compresses and appends whole blocks from block `first` of
+    /// `target`; with dedup on, blocks of the image's volume found stored
+    /// already are shared instead (`dedup.rs`; a clone's writes are not
+    /// deduplicated).
+    pub(crate) fn write_blocks(&self, target: Target, first: Lba, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
+        let first = host_key(target.space, first.0);
         let codec = self.settings.codec;
         let unit_blocks = self.unit_blocks() as u64;
         let count = data.len() / BLOCK_SIZE;
-        let found = self.find_stored(data);
+        let found = match target.space {
+            0 => self.find_stored(data),
+            _ => None,
+        };
         let skip: Vec<bool> = found
             .as_ref()
             .map(|found| found.iter().map(Found::is_found).collect())
@@ -704,6 +728,7 @@ impl Volume {
             versions: count as u64,
             bytes: needed,
         })?;
+        state.check_clone_live(first, target.made)?;
         let mut apply = Applier {
             volume: self,
             first,
@@ -753,7 +778,14 @@ impl Volume {
         })
     }
 
-    pub(crate) fn discard(&self, offset: u64, len: u64, mode: Discard, fua: bool) -> Result<()> {
+    pub(crate) fn discard(
+        &self,
+        target: Target,
+        offset: u64,
+        len: u64,
+        mode: Discard,
+        fua: bool,
+    ) -> Result<()> {
         self.media.host_transfer(HostDirection::Write, 0);
         if len == 0 {
             return Ok(());
@@ -768,27 +800,29 @@ impl Volume {
                 while position < end {
                     let block_end = ((position / BLOCK_SIZE_U64) + 1) * BLOCK_SIZE_U64;
                     let piece_end = block_end.min(end);
-                    self.modify_block_with(position, None, (piece_end - position) as usize)?;
+                    let len = (piece_end - position) as usize;
+                    self.modify_block_with(target, position, None, len)?;
                     position = piece_end;
                 }
             }
         } else {
             if zeroing && offset < first_full {
-                self.modify_block_with(offset, None, (first_full - offset) as usize)?;
+                self.modify_block_with(target, offset, None, (first_full - offset) as usize)?;
             }
             let kind = match mode {
                 Discard::Trim | Discard::ZeroPunch => RecordKind::Trim,
                 Discard::Zero => RecordKind::Zero,
             };
             // Trims and zeroes free space, so they may use the cleaner's reserve.
-            let first = Lba(first_full / BLOCK_SIZE_U64);
+            let first = host_key(target.space, first_full / BLOCK_SIZE_U64);
             let count = (end_full - first_full) / BLOCK_SIZE_U64;
             let (mut state, floor) =
                 self.admit(Writer::Range, (first, count), RANGE_RECORD_LEN, 1)?;
+            state.check_clone_live(first, target.made)?;
             state.apply_range(kind, first, count, floor)?;
             drop(state);
             if zeroing && end_full < end {
-                self.modify_block_with(end_full, None, (end - end_full) as usize)?;
+                self.modify_block_with(target, end_full, None, (end - end_full) as usize)?;
             }
         }
         self.tally(match mode {
@@ -800,6 +834,19 @@ impl Volume {
         }
         Ok(())
     }
+}
+
+/// The volume a host write goes to: the image's own (space 0), or the
+/// clone in key space `space` made at version `made` (a write to a clone
+/// deleted since, whose space may be reused, is refused under the lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub space: u16,
+    pub made: u64,
+}
+
+impl Target {
+    pub(crate) const VOLUME: Target = Target { space: 0, made: 0 };
 }
 
 /// A block a read must fetch from the medium.

@@ -24,6 +24,7 @@
 mod check;
 mod checkpoint;
 mod clean;
+mod clone;
 mod cold;
 mod compressors;
 mod dedup;
@@ -50,8 +51,9 @@ mod tallies;
 #[cfg(test)]
 mod tests;
 
-pub use crate::snapshots::Snapshot;
+pub use crate::snapshots::{CloneVolume, Snapshot};
 pub use check::CheckReport;
+pub use clone::{CloneDevice, CloneInfo, DeletedClone};
 pub use cold::{IdleBudget, Recompress};
 pub use dedup::DedupRunStats;
 pub use estimate::{BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator};
@@ -526,6 +528,13 @@ impl Volume {
         let dedup = self.dedup_stats().unwrap_or_default();
         let state = self.lock();
         let counts = state.map().block_counts();
+        // What clones wrote, and what snapshots keep: the map's kept
+        // entries, split by key space.
+        let mut cloned = crate::map::MapCounts::default();
+        for clone in state.snapshots().clones() {
+            cloned.merge(state.map().space_counts(clone.space));
+        }
+        let kept = state.map().kept_counts().without(cloned);
         let cache = state.map().cache_counts();
         let (map_leaves, map_paged_leaves) = state.map().leaf_counts();
         let segment_size = self.geometry.segment_size_bytes;
@@ -598,9 +607,11 @@ impl Volume {
                 + state.shared().contents())
             .saturating_sub(state.shared().references()),
             snapshots: state.snapshots().len() as u64,
-            snapshot_kept_blocks: state.map().kept_counts().data_blocks
-                + state.map().kept_counts().damaged_blocks,
-            snapshot_kept_bytes: state.map().kept_counts().stored_bytes,
+            snapshot_kept_blocks: kept.data_blocks + kept.damaged_blocks,
+            snapshot_kept_bytes: kept.stored_bytes,
+            clones: state.snapshots().clones().len() as u64,
+            clone_blocks: cloned.data_blocks + cloned.damaged_blocks + cloned.zero_blocks,
+            clone_bytes: cloned.stored_bytes,
             dedup: if self.settings.dedup { "on" } else { "off" }.to_string(),
             dedup_index_bytes: dedup.ram_bytes,
             dedup_index_bound_bytes: dedup.ram_bound_bytes,
@@ -897,7 +908,7 @@ impl BlockDevice for Volume {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check_access(offset, data.len() as u64, true)?;
         self.note_host_io(true);
-        self.write_bytes(offset, data, fua)
+        self.write_bytes(io::Target::VOLUME, offset, data, fua)
     }
 
     fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
@@ -908,13 +919,13 @@ impl BlockDevice for Volume {
         } else {
             io::Discard::Zero
         };
-        self.discard(offset, len, mode, fua)
+        self.discard(io::Target::VOLUME, offset, len, mode, fua)
     }
 
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check_access(offset, len, true)?;
         self.note_host_io(true);
-        self.discard(offset, len, io::Discard::Trim, fua)
+        self.discard(io::Target::VOLUME, offset, len, io::Discard::Trim, fua)
     }
 
     fn flush(&self) -> Result<()> {

@@ -27,7 +27,7 @@
 
 use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, RunPiece};
 use crate::error::Result;
-use crate::map::{key_block, table_key, Location, Slot, SPACE_BLOCKS, TABLE_BASE};
+use crate::map::{key_block, key_space, table_key, Location, Slot, TABLE_BASE};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
 use crate::units::{Lba, BLOCK_SIZE};
 
@@ -105,13 +105,15 @@ pub(crate) fn plan_record(
         codec,
     };
     // A member a snapshot keeps is never copied unchanged: the copy would
-    // name the volume's block, and a replay that no longer finds the kept
-    // entry (its snapshot deleted meanwhile) could take it for a write of
-    // that block after a trim whose version the checkpoint forgot. It is
-    // rewritten naming its key in the snapshot's space instead.
+    // name the volume's (or clone's) block, and a replay that no longer
+    // finds the kept entry (its snapshot deleted meanwhile) could take it
+    // for a write of that block after a trim whose version the checkpoint
+    // forgot. It is rewritten naming its key in the snapshot's space
+    // instead. A member in the key space the record names is its own.
+    let named = key_space(header.lba).unwrap_or(0);
     let kept = live
         .iter()
-        .any(|&(key, _, _)| (SPACE_BLOCKS..TABLE_BASE).contains(&key.0));
+        .any(|&(key, _, _)| key.0 < TABLE_BASE && key_space(key.0) != Some(named));
     match header.kind {
         RecordKind::Data => {
             let (key, _, version) = live[0];

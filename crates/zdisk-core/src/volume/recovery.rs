@@ -28,8 +28,8 @@ use serde::Serialize;
 use crate::dump::load_dump;
 use crate::error::Result;
 use crate::map::{
-    key_block, space_key, table_content, table_key, Entry, Location, Map, RangeState, Slot,
-    SPACE_BLOCKS, TABLE_BASE,
+    key_block, key_space, space_key, table_content, table_key, Entry, Location, Map, RangeState,
+    Slot, SPACE_BLOCKS, TABLE_BASE,
 };
 use crate::media::Media;
 use crate::meta::{RetainedRoot, Root};
@@ -42,7 +42,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 
 use super::scan::{scan_segment, Scanned};
 use super::staging::{lay_over, recover_staged, Staged};
-use super::state::{keeps, SharedCounts};
+use super::state::{keeps, keeps_in, SharedCounts};
 use crate::snapshots::{decode_change, SnapshotChange, Snapshots};
 
 /// What happened while opening a volume.
@@ -452,10 +452,11 @@ impl<'a> Recovery<'a> {
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                 let count = range_count(payload);
-                let beyond = header
-                    .lba
-                    .checked_add(count)
-                    .is_none_or(|end| end > self.logical_blocks);
+                // A clone's ranges name its keys.
+                let beyond = header.lba >= TABLE_BASE
+                    || key_block(header.lba)
+                        .checked_add(count)
+                        .is_none_or(|end| end > self.logical_blocks);
                 if count == 0 || beyond {
                     return Ok(());
                 }
@@ -468,20 +469,7 @@ impl<'a> Recovery<'a> {
                     count,
                     version: header.version,
                 });
-                let state = match header.kind {
-                    RecordKind::Trim => RangeState::Hole,
-                    RecordKind::Zero => RangeState::Zero,
-                    _ => RangeState::Damaged,
-                };
-                self.keep_replayed_range(Lba(header.lba), count, header.version)?;
-                self.map.set_range(
-                    Lba(header.lba),
-                    count,
-                    state,
-                    header.version,
-                    true,
-                    &mut |_| {},
-                );
+                self.replay_range(header.kind, Lba(header.lba), count, header.version)?;
             }
             RecordKind::Ref => self.replay_ref(seq, segment, record, payload, versions_seen)?,
             RecordKind::Snapshot => match decode_change(payload) {
@@ -637,25 +625,22 @@ impl<'a> Recovery<'a> {
         Ok(holds_ranges)
     }
 
-    /// Replays `slot` at `version` for block key `key` (a volume block, or
-    /// an entry a snapshot kept if the cleaner rewrote it from there): a
-    /// copy of an entry that exists at that version (the volume's or a
-    /// snapshot's) moves it; else, for a volume block, a newer write
-    /// replaces the entry, which the newest snapshot keeps if it sees it,
-    /// as `State::release_entry` did.
+    /// Replays `slot` at `version` for block key `key` (a host key, or an
+    /// entry a snapshot kept if the cleaner rewrote it from there): a copy
+    /// of an entry that exists at that version (in any key space: versions
+    /// are unique) moves it; else, for a host key, a newer write replaces
+    /// the entry, which the newest snapshot of its volume keeps if it sees
+    /// it, as `State::release_entry` did.
     fn replay_block(&mut self, key: Lba, slot: Slot, version: u64) -> Result<()> {
         if self.snapshots.is_empty() && key.0 < SPACE_BLOCKS {
             self.map.set_if_newer(key, slot, version);
             return Ok(());
         }
         let block = key_block(key.0);
-        let candidates: Vec<Lba> = std::iter::once(Lba(block))
-            .chain(
-                self.snapshots
-                    .list()
-                    .iter()
-                    .map(|s| space_key(s.space, block)),
-            )
+        let candidates: Vec<Lba> = self
+            .snapshots
+            .spaces()
+            .map(|space| space_key(space, block))
             .collect();
         for &at in &candidates {
             self.map.load(self.media, at, 1)?;
@@ -666,10 +651,12 @@ impl<'a> Recovery<'a> {
                 return Ok(());
             }
         }
-        if key.0 >= SPACE_BLOCKS {
-            // A copy of an entry no snapshot keeps any more.
+        if !self.replays_host_change(key, version) {
+            // A copy of an entry no snapshot keeps any more, or a write to
+            // a clone deleted since.
             return Ok(());
         }
+        self.map.load(self.media, key, 1)?;
         let old = self.map.get(key);
         if old.version() > version {
             return Ok(());
@@ -679,16 +666,31 @@ impl<'a> Recovery<'a> {
         Ok(())
     }
 
-    /// Volume block `key`'s entry `old` is being replaced: the newest
-    /// snapshot keeps it if it sees it and keeps nothing there yet.
+    /// True if a change at `version` to key `key` is a host change to
+    /// replay: the key is the image volume's, or a clone's that was made
+    /// before the change (a clone's space may have been reused).
+    fn replays_host_change(&self, key: Lba, version: u64) -> bool {
+        match key_space(key.0) {
+            Some(0) => true,
+            Some(space) => self
+                .snapshots
+                .clone_by_space(space)
+                .is_some_and(|clone| clone.version < version),
+            None => false,
+        }
+    }
+
+    /// Host key `key`'s entry `old` is being replaced: the newest snapshot
+    /// of its volume keeps it if it sees it and keeps nothing there yet.
     fn keep_replayed(&mut self, key: Lba, old: Entry) -> Result<()> {
-        let Some(newest) = self.snapshots.newest() else {
+        let volume = key_space(key.0).unwrap_or(0);
+        let Some(newest) = self.snapshots.newest_of(volume) else {
             return Ok(());
         };
-        if !keeps(old) || old.version() >= newest.version {
+        if !keeps_in(volume, old) || old.version() >= newest.version {
             return Ok(());
         }
-        let at = space_key(newest.space, key.0);
+        let at = space_key(newest.space, key_block(key.0));
         self.map.load(self.media, at, 1)?;
         if self.map.get(at).is_hole() {
             self.map.set(at, old.slot(), old.version());
@@ -697,9 +699,57 @@ impl<'a> Recovery<'a> {
         Ok(())
     }
 
-    /// Before a range record at `version` replays over volume blocks
-    /// `first..first+count`: what the newest snapshot sees there moves to
-    /// its space.
+    /// Replays a range record of `kind` at `version` over host keys
+    /// `first..first+count`: what the newest snapshot of their volume sees
+    /// there moves to its space first; a clone's zeros stay as they are
+    /// (`State::range_parts`).
+    fn replay_range(
+        &mut self,
+        kind: RecordKind,
+        first: Lba,
+        count: u64,
+        version: u64,
+    ) -> Result<()> {
+        let state = match kind {
+            RecordKind::Trim => RangeState::Hole,
+            RecordKind::Zero => RangeState::Zero,
+            _ => RangeState::Damaged,
+        };
+        self.map.load(self.media, first, count)?;
+        let space = key_space(first.0).unwrap_or(0);
+        if space != 0 && self.snapshots.by_space(space).is_some() {
+            // A kept entry found damaged (`State::mark_damaged`).
+            if state == RangeState::Damaged {
+                self.map
+                    .set_range(first, count, state, version, true, &mut |_| {});
+            }
+            return Ok(());
+        }
+        if !self.replays_host_change(first, version) {
+            return Ok(());
+        }
+        self.keep_replayed_range(first, count, version)?;
+        let mut parts: Vec<(Lba, u64)> = Vec::new();
+        if first.0 < SPACE_BLOCKS {
+            parts.push((first, count));
+        } else {
+            self.map.for_each_run(first, count, |at, blocks, entry| {
+                if entry.slot() != Slot::Zero {
+                    parts.push((at, blocks));
+                }
+                std::ops::ControlFlow::Continue(())
+            });
+        }
+        for (from, blocks) in parts {
+            self.map
+                .set_range(from, blocks, state, version, true, &mut |_| {});
+        }
+        Ok(())
+    }
+
+    /// Before a range record at `version` replays over host keys
+    /// `first..first+count`: what the newest snapshot of their volume sees
+    /// there moves to its space.
     fn keep_replayed_range(&mut self, first: Lba, count: u64, version: u64) -> Result<()> {
         if self.snapshots.is_empty() {
             return Ok(());
@@ -717,11 +767,31 @@ impl<'a> Recovery<'a> {
         Ok(())
     }
 
-    /// Replays a snapshot taken or deleted, unless the dump has it so
-    /// already. A deletion hands down or drops the entries it kept, as
-    /// `State::delete_snapshot` did (live bytes and counts are derived
-    /// from the map afterwards).
+    /// Replays a snapshot taken or deleted, or a clone made or deleted,
+    /// unless the dump has it so already. A snapshot's deletion hands down
+    /// or drops the entries it kept, as `State::delete_snapshot` did; a
+    /// clone's drops its entries (live bytes and counts are derived from
+    /// the map afterwards).
     fn replay_snapshot(&mut self, change: &SnapshotChange) -> Result<()> {
+        if let SnapshotChange::DeleteClone { space } = *change {
+            if self.snapshots.clone_by_space(space).is_none() {
+                return Ok(());
+            }
+            let first = space_key(space, 0);
+            self.map.load(self.media, first, SPACE_BLOCKS)?;
+            let mut entries = Vec::new();
+            self.map
+                .for_each_run(first, SPACE_BLOCKS, |at, blocks, entry| {
+                    if !entry.is_hole() {
+                        entries.push((at, blocks));
+                    }
+                    std::ops::ControlFlow::Continue(())
+                });
+            for (at, blocks) in entries {
+                self.map
+                    .set_range(at, blocks, RangeState::Hole, 0, false, &mut |_| {});
+            }
+        }
         if let SnapshotChange::Delete { space } = *change {
             if self.snapshots.by_space(space).is_none() {
                 return Ok(());

@@ -2,7 +2,7 @@
 //! deleting them, and a read-only [`SnapshotDevice`] per snapshot. The
 //! model is in `snapshots.rs`; the map changes in `state/snapshots.rs`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
@@ -28,6 +28,8 @@ const STATUS_BLOCKS_MAX: u64 = 1 << 16;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SnapshotInfo {
     pub name: String,
+    /// The clone it was taken of; `None` for the image's volume.
+    pub of: Option<String>,
     /// The version it was taken at (it holds every write before it).
     pub version: u64,
     pub created_unix_secs: u64,
@@ -91,10 +93,16 @@ impl Volume {
     /// one in between whole or not at all. Durable when it returns. Costs
     /// one small record and a flush, whatever the volume's size.
     pub fn take_snapshot(&self, name: &str) -> Result<Snapshot> {
+        self.take_snapshot_in(0, name)
+    }
+
+    /// Takes snapshot `name` of the volume in key space `volume` (0, or a
+    /// clone's), as [`Volume::take_snapshot`] does.
+    pub(super) fn take_snapshot_in(&self, volume: u16, name: &str) -> Result<Snapshot> {
         self.refuse_snapshots()?;
         crate::snapshots::check_name(name).map_err(Error::InvalidArgument)?;
         let (mut state, floor) = self.admit(Writer::Range, (Lba(0), 0), RANGE_RECORD_LEN, 1)?;
-        let snapshot = state.take_snapshot(name, unix_now_secs(), floor)?;
+        let snapshot = state.take_snapshot(volume, name, unix_now_secs(), floor)?;
         drop(state);
         self.flush()?;
         Ok(snapshot)
@@ -102,7 +110,8 @@ impl Volume {
 
     /// Deletes snapshot `name`: what it alone kept is freed (the cleaner
     /// reclaims the space as it reclaims any dead record), what the next
-    /// older snapshot sees is handed to it. Durable when it returns.
+    /// older snapshot of its volume sees is handed to it. Durable when it
+    /// returns. A snapshot with clones is refused.
     pub fn delete_snapshot(&self, name: &str) -> Result<DeletedSnapshot> {
         self.refuse_snapshots()?;
         // No cleaning step between finding the kept entries and moving them.
@@ -138,10 +147,12 @@ impl Volume {
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let state = self.lock_frozen();
         let mut infos = Vec::new();
-        // The blocks the next older snapshot keeps entries for: deleting
-        // a snapshot hands it an entry it sees only where it keeps none.
-        let mut older: Option<(u64, HashSet<u64>)> = None;
+        // Per volume, the blocks the next older snapshot keeps entries
+        // for: deleting a snapshot hands it an entry it sees only where it
+        // keeps none.
+        let mut olders: HashMap<u16, (u64, HashSet<u64>)> = HashMap::new();
         for snapshot in state.snapshots().list() {
+            let older = olders.get(&snapshot.volume);
             let (mut blocks, mut bytes, mut frees, mut frees_bytes) = (0, 0, 0, 0);
             let mut own = HashSet::new();
             state.map().for_each_kept(
@@ -156,7 +167,7 @@ impl Volume {
                     };
                     blocks += 1;
                     bytes += stored;
-                    let handed_down = older.as_ref().is_some_and(|(version, kept)| {
+                    let handed_down = older.is_some_and(|(version, kept)| {
                         entry.version() < *version && !kept.contains(&block)
                     });
                     if !handed_down {
@@ -168,6 +179,10 @@ impl Volume {
             )?;
             infos.push(SnapshotInfo {
                 name: snapshot.name.clone(),
+                of: state
+                    .snapshots()
+                    .clone_by_space(snapshot.volume)
+                    .map(|c| c.name.clone()),
                 version: snapshot.version,
                 created_unix_secs: snapshot.created_unix_secs,
                 kept_blocks: blocks,
@@ -175,7 +190,7 @@ impl Volume {
                 frees_blocks: frees,
                 frees_stored_bytes: frees_bytes,
             });
-            older = Some((snapshot.version, own));
+            olders.insert(snapshot.volume, (snapshot.version, own));
         }
         Ok(infos)
     }
@@ -206,27 +221,29 @@ impl Volume {
 
     /// Emulated drives model controllers without snapshots; the tier
     /// does not carry them yet.
-    fn refuse_snapshots(&self) -> Result<()> {
+    pub(super) fn refuse_snapshots(&self) -> Result<()> {
         use crate::meta::MediaKind;
         match self.superblock.media_kind {
             MediaKind::File | MediaKind::Memory => Ok(()),
             MediaKind::Nand => Err(Error::InvalidArgument(
-                "an emulated drive takes no snapshots (the controllers it models have none); \
+                "an emulated drive takes no snapshots or clones (the controllers it models have \
+                 none); \
                  use an image on a file or block device"
                     .into(),
             )),
             MediaKind::Tiered => Err(Error::InvalidArgument(
-                "a tiered image takes no snapshots yet (the bucket's copies would not keep \
+                "a tiered image takes no snapshots or clones yet (the bucket's copies would not keep \
                  them); snapshot an untiered image"
                     .into(),
             )),
         }
     }
 
-    /// Reads blocks `first..` of the snapshot in `space` into `out`.
-    fn read_snapshot_blocks(
+    /// Reads blocks `first..` of a snapshot's or a clone's `view` into
+    /// `out`; `name` is for the error if it is gone.
+    pub(super) fn read_view_blocks(
         &self,
-        space: u16,
+        view: View,
         name: &str,
         first: Lba,
         out: &mut [u8],
@@ -234,15 +251,16 @@ impl Volume {
         let count = (out.len() / BLOCK_SIZE) as u64;
         let mut lookup = Lookup::with_capacity(count as usize);
         {
-            // The same blocks in every snapshot's space come with them.
+            // The same blocks in every snapshot's and clone's space come
+            // with them.
             let state = self.make_resident(self.lock(), &[(first, count)])?;
-            if state.snapshots().by_space(space).is_none() {
-                return Err(no_such_snapshot(name));
+            if !state.view_exists(view) {
+                return Err(gone(view, name));
             }
             let mut finder = Finder::new(&state, first, out, &mut lookup).by_version();
             for i in 0..count {
                 let lba = Lba(first.0 + i);
-                finder.add(lba, state.snapshot_entry(space, lba));
+                finder.add(lba, state.view_entry(view, lba));
             }
             let complete = finder.finish()?;
             debug_assert!(complete, "cells of the snapshot's blocks are in RAM");
@@ -252,7 +270,7 @@ impl Volume {
             let lba = Lba(first.0 + index as u64);
             let entry = {
                 let state = self.make_resident(self.lock(), &[(lba, 1)])?;
-                let entry = state.snapshot_entry(space, lba);
+                let entry = state.view_entry(view, lba);
                 match entry.slot() {
                     Slot::Shared { content } => {
                         Some(state.map().get(crate::map::table_key(content)))
@@ -274,9 +292,54 @@ impl Volume {
         Ok(())
     }
 
-    fn snapshot_status(
+    /// Reads bytes `offset..` of a snapshot's or a clone's `view` into
+    /// `buf`, whole blocks or not.
+    pub(super) fn read_view_bytes(
         &self,
-        space: u16,
+        view: View,
+        name: &str,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let first = offset / BLOCK_SIZE_U64;
+        let end = (offset + buf.len() as u64).div_ceil(BLOCK_SIZE_U64);
+        let aligned = offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE);
+        if aligned {
+            return self.read_view_blocks(view, name, Lba(first), buf);
+        }
+        let mut blocks = vec![0u8; ((end - first) * BLOCK_SIZE_U64) as usize];
+        self.read_view_blocks(view, name, Lba(first), &mut blocks)?;
+        let skip = (offset - first * BLOCK_SIZE_U64) as usize;
+        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
+        Ok(())
+    }
+
+    /// Block status of a snapshot's or a clone's `view` over
+    /// `offset..offset+len`, as NBD's `base:allocation` context says it.
+    pub(super) fn view_block_status(
+        &self,
+        view: View,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<Extent>> {
+        self.check_access(offset, len, false)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let first = offset / BLOCK_SIZE_U64;
+        let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
+        let runs = self.view_status(view, Lba(first), end - first, max_extents)?;
+        Ok(super::extents_of(offset, len, runs))
+    }
+
+    /// Block status runs of a snapshot's or a clone's `view`.
+    fn view_status(
+        &self,
+        view: View,
         first: Lba,
         count: u64,
         max: usize,
@@ -285,7 +348,7 @@ impl Volume {
         let state = self.make_resident(self.lock(), &[(first, count)])?;
         let mut runs: Vec<(ExtentState, u64)> = Vec::new();
         let max = max.max(1);
-        state.for_each_snapshot_run(space, first, count, |_, blocks, entry| {
+        state.for_each_view_run(view, first, count, |_, blocks, entry| {
             let extent = match entry.slot() {
                 Slot::Hole => ExtentState::Hole,
                 Slot::Zero => ExtentState::Zero,
@@ -303,7 +366,7 @@ impl Volume {
     }
 }
 
-fn unix_now_secs() -> u64 {
+pub(super) fn unix_now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -311,6 +374,15 @@ fn unix_now_secs() -> u64 {
 
 fn no_such_snapshot(name: &str) -> Error {
     Error::InvalidArgument(format!("no snapshot named {name:?}"))
+}
+
+/// The error for a read of a snapshot or clone deleted meanwhile.
+pub(super) fn gone(view: View, name: &str) -> Error {
+    match view {
+        _ if name.is_empty() => Error::InvalidArgument("the clone was deleted".into()),
+        View::Clone(_) => Error::InvalidArgument(format!("no clone named {name:?}")),
+        _ => no_such_snapshot(name),
+    }
 }
 
 /// A snapshot served as a read-only block device.
@@ -337,23 +409,8 @@ impl BlockDevice for SnapshotDevice {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.volume.check_access(offset, buf.len() as u64, false)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let first = offset / BLOCK_SIZE_U64;
-        let end = (offset + buf.len() as u64).div_ceil(BLOCK_SIZE_U64);
-        let aligned = offset.is_multiple_of(BLOCK_SIZE_U64) && buf.len().is_multiple_of(BLOCK_SIZE);
-        if aligned {
-            return self
-                .volume
-                .read_snapshot_blocks(self.space, &self.name, Lba(first), buf);
-        }
-        let mut blocks = vec![0u8; ((end - first) * BLOCK_SIZE_U64) as usize];
         self.volume
-            .read_snapshot_blocks(self.space, &self.name, Lba(first), &mut blocks)?;
-        let skip = (offset - first * BLOCK_SIZE_U64) as usize;
-        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
-        Ok(())
+            .read_view_bytes(View::Snapshot(self.space), &self.name, offset, buf)
     }
 
     fn write(&self, _offset: u64, _data: &[u8], _fua: bool) -> Result<()> {
@@ -373,16 +430,8 @@ impl BlockDevice for SnapshotDevice {
     }
 
     fn block_status(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>> {
-        self.volume.check_access(offset, len, false)?;
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        let first = offset / BLOCK_SIZE_U64;
-        let end = (offset + len).div_ceil(BLOCK_SIZE_U64);
-        let runs = self
-            .volume
-            .snapshot_status(self.space, Lba(first), end - first, max_extents)?;
-        Ok(super::extents_of(offset, len, runs))
+        self.volume
+            .view_block_status(View::Snapshot(self.space), offset, len, max_extents)
     }
 
     /// How each block the snapshot sees is stored (`zdisk map`, NBD's

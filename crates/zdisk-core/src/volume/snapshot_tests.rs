@@ -1,7 +1,8 @@
-//! Snapshots against a model: random writes (with duplicates, so that
-//! dedup shares contents), trims, zeroes, snapshots taken and deleted,
-//! cleaning, checkpoints and power cuts; every snapshot and the volume
-//! read back as the model says, and `check` finds nothing wrong.
+//! Snapshots and clones against a model: random writes (with duplicates,
+//! so that dedup shares contents), trims, zeroes, snapshots taken and
+//! deleted, clones of them made, written, snapshotted and deleted,
+//! cleaning, checkpoints and power cuts; every snapshot, clone and the
+//! volume read back as the model says, and `check` finds nothing wrong.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,18 +49,31 @@ fn content(seed: u64) -> Vec<u8> {
     block
 }
 
-/// What every block of the volume and of each snapshot holds (seeds).
+/// What every block of the volume, of each snapshot and of each clone
+/// holds (seeds).
 #[derive(Default)]
 struct Model {
     volume: Vec<u64>,
     snapshots: Vec<(String, Vec<u64>)>,
+    /// The clone each snapshot was taken of, by snapshot name.
+    of: HashMap<String, String>,
+    /// Clones: name, the snapshot it was made from, its blocks.
+    clones: Vec<(String, String, Vec<u64>)>,
 }
 
 impl Model {
     fn new() -> Model {
         Model {
             volume: vec![0; BLOCKS as usize],
-            snapshots: Vec::new(),
+            ..Model::default()
+        }
+    }
+
+    /// The blocks of clone `at`, or of the volume.
+    fn blocks_mut(&mut self, clone: Option<usize>) -> &mut Vec<u64> {
+        match clone {
+            Some(at) => &mut self.clones[at].2,
+            None => &mut self.volume,
         }
     }
 
@@ -81,6 +95,20 @@ impl Model {
             .collect();
         let want: Vec<String> = self.snapshots.iter().map(|(n, _)| n.clone()).collect();
         assert_eq!(names, want, "{context}: the snapshots listed");
+        for (name, _, seeds) in &self.clones {
+            let device = volume.clone_device(name).unwrap();
+            device.read(0, &mut buf).unwrap();
+            compare(&buf, seeds, &format!("{context}: clone {name}"));
+            compare_status(&device, seeds, &format!("{context}: clone {name}"));
+        }
+        let names: Vec<String> = volume
+            .clones()
+            .unwrap()
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        let want: Vec<String> = self.clones.iter().map(|(n, _, _)| n.clone()).collect();
+        assert_eq!(names, want, "{context}: the clones listed");
         let report = volume.check(true).unwrap();
         assert!(report.is_clean(), "{context}: {report:?}");
     }
@@ -158,32 +186,78 @@ fn snapshots_see_what_was_there_through_cleaning_checkpoints_and_crashes() {
         let mut taken = 0;
         for step in 0..1200 {
             let roll: u32 = rng.gen_range(0..100);
+            // Writes go to a clone a third of the time there is one.
+            let clone = (!model.clones.is_empty() && rng.gen_bool(0.35))
+                .then(|| rng.gen_range(0..model.clones.len()));
+            let clone_device;
+            let device: &dyn BlockDevice = match clone {
+                Some(at) => {
+                    clone_device = volume.clone_device(&model.clones[at].0).unwrap();
+                    &clone_device
+                }
+                None => &*volume,
+            };
             if roll < 60 {
                 let lba = rng.gen_range(0..BLOCKS);
                 let count = rng.gen_range(1..=16).min(BLOCKS - lba);
                 // Few distinct seeds: duplicates for dedup to share.
                 let seeds: Vec<u64> = (0..count).map(|_| rng.gen_range(1..400u64)).collect();
                 let data: Vec<u8> = seeds.iter().flat_map(|&s| content(s)).collect();
-                volume.write(lba * BLOCK_SIZE_U64, &data, false).unwrap();
-                model.volume[lba as usize..(lba + count) as usize].copy_from_slice(&seeds);
+                device.write(lba * BLOCK_SIZE_U64, &data, false).unwrap();
+                model.blocks_mut(clone)[lba as usize..(lba + count) as usize]
+                    .copy_from_slice(&seeds);
             } else if roll < 68 {
                 let lba = rng.gen_range(0..BLOCKS);
                 let count = rng.gen_range(1..=300).min(BLOCKS - lba);
                 let (offset, len) = (lba * BLOCK_SIZE_U64, count * BLOCK_SIZE_U64);
                 if rng.gen_bool(0.5) {
-                    volume.trim(offset, len, false).unwrap();
+                    device.trim(offset, len, false).unwrap();
                 } else {
-                    volume.write_zeroes(offset, len, false, false).unwrap();
+                    device.write_zeroes(offset, len, false, false).unwrap();
                 }
-                model.volume[lba as usize..(lba + count) as usize].fill(0);
+                model.blocks_mut(clone)[lba as usize..(lba + count) as usize].fill(0);
             } else if roll < 74 && model.snapshots.len() < 6 {
                 taken += 1;
                 let name = format!("s{taken}");
-                volume.take_snapshot(&name).unwrap();
-                model.snapshots.push((name, model.volume.clone()));
+                match clone {
+                    Some(at) => {
+                        let of = model.clones[at].0.clone();
+                        volume.take_snapshot_of(&of, &name).unwrap();
+                        model.of.insert(name.clone(), of);
+                    }
+                    None => {
+                        volume.take_snapshot(&name).unwrap();
+                    }
+                }
+                let seeds = model.blocks_mut(clone).clone();
+                model.snapshots.push((name, seeds));
+            } else if roll < 76 && !model.snapshots.is_empty() && model.clones.len() < 3 {
+                let at = rng.gen_range(0..model.snapshots.len());
+                let (base, seeds) = model.snapshots[at].clone();
+                taken += 1;
+                let name = format!("c{taken}");
+                volume.make_clone(&base, &name).unwrap();
+                model.clones.push((name, base, seeds));
+            } else if roll < 77 && !model.clones.is_empty() {
+                let at = rng.gen_range(0..model.clones.len());
+                let name = model.clones[at].0.clone();
+                if model.of.values().any(|of| *of == name) {
+                    let refused = volume.delete_clone(&name).unwrap_err().to_string();
+                    assert!(refused.contains("has snapshots"), "{refused}");
+                } else {
+                    volume.delete_clone(&name).unwrap();
+                    model.clones.remove(at);
+                }
             } else if roll < 78 && !model.snapshots.is_empty() {
                 let at = rng.gen_range(0..model.snapshots.len());
-                let (name, _) = model.snapshots.remove(at);
+                let name = model.snapshots[at].0.clone();
+                if model.clones.iter().any(|(_, base, _)| *base == name) {
+                    let refused = volume.delete_snapshot(&name).unwrap_err().to_string();
+                    assert!(refused.contains("has clones"), "{refused}");
+                    continue;
+                }
+                model.snapshots.remove(at);
+                model.of.remove(&name);
                 let listed = volume.snapshots().unwrap();
                 let info = listed.iter().find(|s| s.name == name).unwrap();
                 let deleted = volume.delete_snapshot(&name).unwrap();
@@ -266,12 +340,33 @@ fn snapshots_see_what_was_there_through_cleaning_checkpoints_and_crashes() {
             stats.counters.segments_cleaned > 0,
             "seed {seed} cleaned nothing"
         );
-        // Deleting every snapshot leaves the volume's own stored bytes.
-        for (name, _) in std::mem::take(&mut model.snapshots) {
-            volume.delete_snapshot(&name).unwrap();
+        // Deleting every snapshot and clone (each clone before its
+        // snapshot, each snapshot of a clone before the clone) leaves the
+        // volume's own stored bytes.
+        while !model.snapshots.is_empty() || !model.clones.is_empty() {
+            if let Some(at) = model
+                .clones
+                .iter()
+                .position(|(name, _, _)| !model.of.values().any(|of| of == name))
+            {
+                let (name, _, _) = model.clones.remove(at);
+                volume.delete_clone(&name).unwrap();
+            }
+            if let Some(at) = model
+                .snapshots
+                .iter()
+                .position(|(name, _)| !model.clones.iter().any(|(_, base, _)| base == name))
+            {
+                let (name, _) = model.snapshots.remove(at);
+                model.of.remove(&name);
+                volume.delete_snapshot(&name).unwrap();
+            }
         }
         let stats = volume.stats();
         assert_eq!(stats.snapshots, 0);
+        assert_eq!(stats.clones, 0);
+        assert_eq!(stats.clone_blocks, 0, "seed {seed}");
+        assert_eq!(stats.clone_bytes, 0, "seed {seed}");
         assert_eq!(stats.snapshot_kept_blocks, 0, "seed {seed}");
         assert_eq!(stats.snapshot_kept_bytes, 0, "seed {seed}");
         model.check(&volume, &format!("seed {seed} without snapshots"));
@@ -340,4 +435,124 @@ fn snapshot_errors_are_clear() {
     let device = volume.snapshot_device("a").unwrap();
     assert!(device.write(0, &[0u8; 4096], false).is_err());
     assert!(device.is_read_only());
+}
+
+#[test]
+fn making_a_clone_writes_a_record_whatever_the_volume_holds() {
+    let mut costs = HashMap::new();
+    for mapped_blocks in [64u64, 2048] {
+        let (_media, volume) = create(256 * 1024, 256, false);
+        let data: Vec<u8> = (0..mapped_blocks).flat_map(|s| content(s + 1)).collect();
+        volume.write(0, &data, false).unwrap();
+        volume.take_snapshot("golden").unwrap();
+        volume.checkpoint().unwrap();
+        let before = volume.stats().counters.media_write_bytes;
+        volume.make_clone("golden", "vm").unwrap();
+        let cost = volume.stats().counters.media_write_bytes - before;
+        costs.insert(mapped_blocks, cost);
+        assert!(cost <= 8192, "{mapped_blocks} blocks: {cost} bytes");
+        // The clone holds nothing of its own yet.
+        let stats = volume.stats();
+        assert_eq!((stats.clones, stats.clone_blocks), (1, 0));
+    }
+    assert_eq!(costs[&64], costs[&2048], "{costs:?}");
+}
+
+/// A clone reads as its snapshot until written; what it writes, trims and
+/// zeroes is its own, flushed writes survive a power cut, and the volume
+/// and the snapshot never see any of it.
+#[test]
+fn a_clone_reads_as_its_snapshot_until_written_and_keeps_what_it_flushed() {
+    let (media, volume) = create(256 * 1024, 256, true);
+    let old: Vec<u8> = (1..=32).flat_map(content).collect();
+    volume.write(0, &old, false).unwrap();
+    volume.take_snapshot("golden").unwrap();
+    volume.make_clone("golden", "vm").unwrap();
+    let vm = volume.clone_device("vm").unwrap();
+    let mut buf = vec![0u8; 32 * BLOCK_SIZE];
+    vm.read(0, &mut buf).unwrap();
+    assert!(buf == old, "a new clone reads as its snapshot");
+    let new: Vec<u8> = (100..108).flat_map(content).collect();
+    vm.write(0, &new, false).unwrap();
+    vm.trim(8 * BLOCK_SIZE_U64, 4 * BLOCK_SIZE_U64, false)
+        .unwrap();
+    vm.write(12 * BLOCK_SIZE_U64 + 512, &[7u8; 1024], false)
+        .unwrap();
+    vm.flush().unwrap();
+    let mut want = old.clone();
+    want[..8 * BLOCK_SIZE].copy_from_slice(&new);
+    want[8 * BLOCK_SIZE..12 * BLOCK_SIZE].fill(0);
+    want[12 * BLOCK_SIZE + 512..12 * BLOCK_SIZE + 1536].fill(7);
+    // The volume moves on; the clone does not see it.
+    volume
+        .write(20 * BLOCK_SIZE_U64, &content(500), false)
+        .unwrap();
+    drop((vm, volume));
+    let mut rng = SmallRng::seed_from_u64(3);
+    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
+    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let vm = volume.clone_device("vm").unwrap();
+    vm.read(0, &mut buf).unwrap();
+    assert!(buf == want, "the clone lost what it flushed");
+    volume
+        .snapshot_device("golden")
+        .unwrap()
+        .read(0, &mut buf)
+        .unwrap();
+    assert!(buf == old, "the snapshot saw the clone's writes");
+    volume.read(0, &mut buf[..8 * BLOCK_SIZE]).unwrap();
+    assert!(buf[..8 * BLOCK_SIZE] == old[..8 * BLOCK_SIZE]);
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let info = &volume.clones().unwrap()[0];
+    assert_eq!((info.own_blocks, info.own_zero_blocks), (13, 4), "{info:?}");
+    assert_eq!(volume.stats().clone_blocks, 13);
+}
+
+#[test]
+fn clone_errors_are_clear() {
+    let (_media, volume) = create(256 * 1024, 64, false);
+    let missing = volume.make_clone("nope", "vm").unwrap_err().to_string();
+    assert!(missing.contains("no snapshot named \"nope\""), "{missing}");
+    volume.take_snapshot("golden").unwrap();
+    volume.make_clone("golden", "vm").unwrap();
+    for taken in ["golden", "vm"] {
+        let error = volume.make_clone("golden", taken).unwrap_err().to_string();
+        assert!(error.contains("exists already"), "{error}");
+        let error = volume.take_snapshot(taken).unwrap_err().to_string();
+        assert!(error.contains("exists already"), "{error}");
+    }
+    let refused = volume.delete_snapshot("golden").unwrap_err().to_string();
+    assert!(refused.contains("has clones (\"vm\""), "{refused}");
+    volume.take_snapshot_of("vm", "vm-1").unwrap();
+    assert_eq!(volume.snapshot_volume("vm-1").as_deref(), Some("vm"));
+    let refused = volume.delete_clone("vm").unwrap_err().to_string();
+    assert!(refused.contains("has snapshots (\"vm-1\""), "{refused}");
+    let device = volume.clone_device("vm").unwrap();
+    volume.delete_snapshot("vm-1").unwrap();
+    volume.delete_clone("vm").unwrap();
+    // A device of a deleted clone is refused, even once its key space is
+    // another clone's.
+    volume.make_clone("golden", "other").unwrap();
+    let gone = device
+        .write(0, &[1u8; 4096], false)
+        .unwrap_err()
+        .to_string();
+    assert!(gone.contains("deleted"), "{gone}");
+    let gone = device.trim(0, 4096, false).unwrap_err().to_string();
+    assert!(gone.contains("deleted"), "{gone}");
+    let mut buf = vec![0u8; 4096];
+    volume
+        .clone_device("other")
+        .unwrap()
+        .read(0, &mut buf)
+        .unwrap();
+    assert!(is_zero(&buf), "the other clone got the deleted one's write");
+    assert!(volume.delete_clone("nope").is_err());
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+fn is_zero(buf: &[u8]) -> bool {
+    buf.iter().all(|&b| b == 0)
 }

@@ -48,7 +48,7 @@ pub(crate) use super::tallies::Tally;
 mod shares;
 mod snapshots;
 pub(crate) use shares::{Dedup, SharedCounts};
-pub(crate) use snapshots::keeps;
+pub(crate) use snapshots::{host_key, keeps, keeps_in, View};
 
 /// Which writer a record goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -500,7 +500,10 @@ impl State {
         payload_crc: u32,
         floor: u64,
     ) -> Result<()> {
-        debug_assert!(lba.0 < self.logical_blocks, "block {lba} beyond the volume");
+        debug_assert!(
+            crate::map::key_block(lba.0) < self.logical_blocks && self.host_volume(lba).is_some(),
+            "block {lba} beyond the volume"
+        );
         self.load_map(lba, 1)?;
         let version = self.space.take_version();
         let header = RecordHeader {
@@ -528,6 +531,12 @@ impl State {
         count: u64,
         floor: u64,
     ) -> Result<()> {
+        // A hole in a clone reads as its snapshot: a clone's trim zeroes.
+        let in_clone = first.0 >= crate::map::SPACE_BLOCKS;
+        let kind = match kind {
+            RecordKind::Trim if in_clone => RecordKind::Zero,
+            kind => kind,
+        };
         let state = match kind {
             RecordKind::Trim => RangeState::Hole,
             RecordKind::Zero => RangeState::Zero,
@@ -536,7 +545,8 @@ impl State {
         };
         assert!(count > 0, "an empty range");
         debug_assert!(
-            first.0 + count <= self.logical_blocks,
+            crate::map::key_block(first.0) + count <= self.logical_blocks
+                && self.host_volume(first).is_some(),
             "range {first}+{count} beyond the volume"
         );
         self.load_map(first, count)?;
@@ -545,20 +555,23 @@ impl State {
         debug_assert_eq!(payload.len() as u32, RANGE_PAYLOAD_LEN);
         self.append_metadata(StreamKind::Host, kind, first, version, &payload, floor)?;
         self.keep_range_for_snapshots(first, count)?;
+        let parts = self.range_parts(first, count);
         let mut unshared = Vec::new();
         let State { map, space, .. } = self;
-        map.set_range(
-            first,
-            count,
-            state,
-            version,
-            false,
-            &mut |slot| match slot {
-                Slot::Data(loc) => space.kill(loc.segment, loc.share()),
-                Slot::Shared { content } => unshared.push(content),
-                _ => {}
-            },
-        );
+        for (from, blocks) in parts {
+            map.set_range(
+                from,
+                blocks,
+                state,
+                version,
+                false,
+                &mut |slot| match slot {
+                    Slot::Data(loc) => space.kill(loc.segment, loc.share()),
+                    Slot::Shared { content } => unshared.push(content),
+                    _ => {}
+                },
+            );
+        }
         for content in unshared {
             self.release_shared(content)?;
         }
@@ -588,7 +601,8 @@ impl State {
             "a host unit has consecutive versions"
         );
         debug_assert!(
-            first.0 + count <= self.logical_blocks,
+            crate::map::key_block(first.0) + count <= self.logical_blocks
+                && self.host_volume(first).is_some(),
             "unit beyond the volume"
         );
         self.load_map(first, count)?;
@@ -795,7 +809,7 @@ impl State {
             &payload,
             0,
         )?;
-        if lba.0 >= crate::map::SPACE_BLOCKS && lba.0 < crate::map::TABLE_BASE {
+        if lba.0 < crate::map::TABLE_BASE && self.host_volume(lba).is_none() {
             // An entry a snapshot keeps stays at its version, which says
             // the snapshot sees it.
             let old = self

@@ -14,9 +14,10 @@
 //! reuse its segment meanwhile: a header that is not the record the map
 //! pointed at is not believed, and the run says the codec is unknown.
 //!
-//! A snapshot's export is described the same way, from the entries the
-//! snapshot sees (`State::snapshot_entry`, block by block); a record kept
-//! for it may name the block in the snapshot's key space.
+//! A snapshot's or a clone's export is described the same way, from the
+//! entries it sees (`State::view_entry`, in runs cut where any of the maps
+//! it looks at changes); a record it sees may name the block in another
+//! key space (a clone's, or a snapshot's the cleaner rewrote it for).
 
 use std::collections::hash_map::Entry::Vacant;
 use std::collections::HashMap;
@@ -47,13 +48,7 @@ const SNAPSHOT_WINDOW_SPAN_BLOCKS: u64 = 1 << 16;
 
 type Headers = HashMap<(SegmentId, u32), Option<RecordHeader>>;
 
-/// Whose blocks a status describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum View {
-    Volume,
-    /// The snapshot whose key space this is.
-    Snapshot(u16),
-}
+pub(crate) use super::state::View;
 
 /// What one window of the map holds, found under the state lock.
 struct Window {
@@ -135,7 +130,7 @@ impl Volume {
     fn look_up_window(&self, view: View, from: Lba, end: u64) -> Result<Window> {
         let span = match view {
             View::Volume => WINDOW_SPAN_BLOCKS,
-            View::Snapshot(_) => SNAPSHOT_WINDOW_SPAN_BLOCKS,
+            View::Snapshot(_) | View::Clone(_) => SNAPSHOT_WINDOW_SPAN_BLOCKS,
         };
         let end = end.min(from.0 + span);
         let mut found = Vec::new();
@@ -191,13 +186,13 @@ impl Volume {
         };
         match view {
             View::Volume => state.map().for_each_run(from, end - from.0, visit),
-            View::Snapshot(space) => {
-                if state.snapshots().by_space(space).is_none() {
+            view => {
+                if !state.view_exists(view) {
                     return Err(Error::InvalidArgument(
-                        "the snapshot was deleted meanwhile".into(),
+                        "the snapshot or clone was deleted meanwhile".into(),
                     ));
                 }
-                state.for_each_snapshot_run(space, from, end - from.0, visit);
+                state.for_each_view_run(view, from, end - from.0, visit);
             }
         }
         drop(state);
@@ -258,7 +253,7 @@ fn classify(
         // one a snapshot keeps may name the block in the snapshot's space.
         let named = match view {
             View::Volume => header.lba,
-            View::Snapshot(_) => key_block(header.lba),
+            View::Snapshot(_) | View::Clone(_) => key_block(header.lba),
         };
         header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(named))
     });

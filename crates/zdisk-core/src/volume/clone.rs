@@ -1,0 +1,267 @@
+//! Clones as the host sees them (issue #26): making, listing and deleting
+//! them, snapshots of them, and a writable [`CloneDevice`] per clone. The
+//! model is in `snapshots.rs` ("A clone"); the map changes in
+//! `state/snapshots.rs`.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::device::{BlockDevice, Extent, StoredExtent};
+use crate::error::{Error, Result};
+use crate::map::{space_key, Slot, SPACE_BLOCKS};
+use crate::snapshots::{CloneVolume, Snapshot};
+use crate::units::Lba;
+
+use super::io::{Discard, Target, RANGE_RECORD_LEN};
+use super::snapshot::unix_now_secs;
+use super::space::{Need, Reach, Writer};
+use super::state::{StreamKind, View};
+use super::Volume;
+
+/// A clone, as `zdisk volumes` and the control socket list it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CloneInfo {
+    pub name: String,
+    /// The snapshot it was made from.
+    pub snapshot: String,
+    /// The version it was made at.
+    pub version: u64,
+    pub created_unix_secs: u64,
+    /// Blocks written to the clone since it was made (its own entries:
+    /// data, and zeros where it trimmed or zeroed), and the stored bytes of
+    /// their records: what deleting it frees, once its snapshots are gone.
+    /// Every other block is its snapshot's, shared. Found by walking the
+    /// clone's own entries: O(blocks it wrote), never the volume's map.
+    pub own_blocks: u64,
+    pub own_zero_blocks: u64,
+    pub own_stored_bytes: u64,
+    /// Its snapshots, oldest first.
+    pub snapshots: Vec<String>,
+}
+
+/// What deleting a clone did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DeletedClone {
+    /// Data entries of its own that were freed.
+    pub freed: u64,
+}
+
+impl Volume {
+    /// Makes clone `name` of snapshot `snapshot`: a writable volume in the
+    /// same image that reads as the snapshot until it is written. Costs one
+    /// small record and a flush, whatever the volume's size.
+    pub fn make_clone(&self, snapshot: &str, name: &str) -> Result<CloneVolume> {
+        self.refuse_snapshots()?;
+        crate::snapshots::check_name(name).map_err(Error::InvalidArgument)?;
+        let (mut state, floor) = self.admit(Writer::Range, (Lba(0), 0), RANGE_RECORD_LEN, 1)?;
+        let base = state
+            .snapshots()
+            .by_name(snapshot)
+            .ok_or_else(|| Error::InvalidArgument(format!("no snapshot named {snapshot:?}")))?
+            .space;
+        let clone = state.make_clone(base, name, unix_now_secs(), floor)?;
+        drop(state);
+        self.flush()?;
+        Ok(clone)
+    }
+
+    /// Takes snapshot `name` of clone `clone`, as
+    /// [`Volume::take_snapshot`] takes one of the volume.
+    pub fn take_snapshot_of(&self, clone: &str, name: &str) -> Result<Snapshot> {
+        let space = self.clone_space(clone)?;
+        self.take_snapshot_in(space, name)
+    }
+
+    /// Deletes clone `name`, which must have no snapshots: every block it
+    /// wrote is freed at once (the cleaner or `compact` gives the medium
+    /// back). Durable when it returns.
+    pub fn delete_clone(&self, name: &str) -> Result<DeletedClone> {
+        self.refuse_snapshots()?;
+        // No cleaning step between finding the entries and dropping them.
+        let _maintenance = self.maintenance.lock().expect("maintenance lock poisoned");
+        let space = self.clone_space(name)?;
+        let (mut state, floor) = self.make_room_resident(
+            Reach::Nested,
+            &[(space_key(space, 0), SPACE_BLOCKS)],
+            |state| Need {
+                writer: Writer::Range,
+                segments: state.segments_needed(StreamKind::Host, RANGE_RECORD_LEN),
+                versions: 1,
+                bytes: RANGE_RECORD_LEN,
+            },
+        )?;
+        if state.snapshots().clone_by_space(space).is_none() {
+            return Err(no_such_clone(name));
+        }
+        let freed = state.delete_clone(space, floor)?;
+        drop(state);
+        self.flush()?;
+        Ok(DeletedClone { freed })
+    }
+
+    /// The clones, oldest first, with what each wrote (a walk of their own
+    /// entries).
+    pub fn clones(&self) -> Result<Vec<CloneInfo>> {
+        let state = self.lock_frozen();
+        let registry = state.snapshots();
+        let mut infos = Vec::new();
+        for clone in registry.clones() {
+            let (mut blocks, mut zeros, mut bytes) = (0, 0, 0);
+            state.map().for_each_kept(
+                &*self.media,
+                space_key(clone.space, 0),
+                SPACE_BLOCKS,
+                |_, entry| {
+                    blocks += 1;
+                    match entry.slot() {
+                        Slot::Data(loc) => bytes += loc.share(),
+                        Slot::Zero => zeros += 1,
+                        _ => {}
+                    }
+                },
+            )?;
+            infos.push(CloneInfo {
+                name: clone.name.clone(),
+                snapshot: registry
+                    .by_space(clone.base)
+                    .map_or_else(String::new, |s| s.name.clone()),
+                version: clone.version,
+                created_unix_secs: clone.created_unix_secs,
+                own_blocks: blocks,
+                own_zero_blocks: zeros,
+                own_stored_bytes: bytes,
+                snapshots: registry
+                    .of_volume(clone.space)
+                    .map(|s| s.name.clone())
+                    .collect(),
+            });
+        }
+        Ok(infos)
+    }
+
+    /// The clones, oldest first, without what they hold (cheap).
+    pub fn clone_list(&self) -> Vec<CloneVolume> {
+        self.lock().snapshots().clones().to_vec()
+    }
+
+    /// The name of the volume snapshot `name` was taken of: `None` for the
+    /// image's own, else the clone's.
+    pub fn snapshot_volume(&self, name: &str) -> Option<String> {
+        let state = self.lock();
+        let registry = state.snapshots();
+        let volume = registry.by_name(name)?.volume;
+        registry.clone_by_space(volume).map(|c| c.name.clone())
+    }
+
+    /// Clone `name` as a block device, writable unless the image was
+    /// opened read-only.
+    pub fn clone_device(self: &Arc<Self>, name: &str) -> Result<CloneDevice> {
+        let state = self.lock();
+        let clone = state
+            .snapshots()
+            .clone_by_name(name)
+            .ok_or_else(|| no_such_clone(name))?;
+        Ok(CloneDevice {
+            volume: Arc::clone(self),
+            target: Target {
+                space: clone.space,
+                made: clone.version,
+            },
+            name: name.to_string(),
+        })
+    }
+
+    fn clone_space(&self, name: &str) -> Result<u16> {
+        let state = self.lock();
+        let clone = state
+            .snapshots()
+            .clone_by_name(name)
+            .ok_or_else(|| no_such_clone(name))?;
+        Ok(clone.space)
+    }
+}
+
+fn no_such_clone(name: &str) -> Error {
+    Error::InvalidArgument(format!("no clone named {name:?}"))
+}
+
+/// A clone served as a block device.
+pub struct CloneDevice {
+    volume: Arc<Volume>,
+    target: Target,
+    name: String,
+}
+
+impl CloneDevice {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn view(&self) -> View {
+        View::Clone(self.target.space)
+    }
+}
+
+impl BlockDevice for CloneDevice {
+    fn size_bytes(&self) -> u64 {
+        self.volume.superblock.logical_size_bytes
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.volume.read_only
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.volume.check_access(offset, buf.len() as u64, false)?;
+        self.volume.note_host_io(false);
+        self.volume
+            .read_view_bytes(self.view(), &self.name, offset, buf)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.volume.check_access(offset, data.len() as u64, true)?;
+        self.volume.note_host_io(true);
+        self.volume.write_bytes(self.target, offset, data, fua)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, may_punch: bool, fua: bool) -> Result<()> {
+        self.volume.check_access(offset, len, true)?;
+        self.volume.note_host_io(true);
+        let mode = if may_punch {
+            Discard::ZeroPunch
+        } else {
+            Discard::Zero
+        };
+        self.volume.discard(self.target, offset, len, mode, fua)
+    }
+
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.volume.check_access(offset, len, true)?;
+        self.volume.note_host_io(true);
+        self.volume
+            .discard(self.target, offset, len, Discard::Trim, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        BlockDevice::flush(&*self.volume)
+    }
+
+    fn block_status(&self, offset: u64, len: u64, max_extents: usize) -> Result<Vec<Extent>> {
+        self.volume
+            .view_block_status(self.view(), offset, len, max_extents)
+    }
+
+    /// How each block the clone sees is stored (`zdisk map`, NBD's
+    /// `zdisk:compression`).
+    fn stored_status(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<Vec<StoredExtent>> {
+        self.volume.check_access(offset, len, false)?;
+        self.volume
+            .stored_runs(self.view(), offset, len, max_extents)
+    }
+}
