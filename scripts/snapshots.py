@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""Snapshots: what one costs as the volume grows, and ten of them over an
-OS image that keeps changing, beside btrfs and qcow2 (issue #26).
+"""Snapshots and clones: what one costs as the volume grows, ten snapshots
+of an OS image that keeps changing, and ten clones of one, beside btrfs
+and qcow2 (issue #26).
 
 Everything on tmpfs (a new directory in /dev/shm, removed at the end).
 
@@ -13,9 +14,11 @@ cost: two volumes, each served and written by nbdcopy from nbdkit's
   `zdisk snapshot IMAGE NAME` while served. For each: the command's wall
   time (its process start and the control socket included), and what the
   image wrote for it: media_write_bytes and metadata_bytes from /stats
-  before and after. Then each snapshot deleted with `zdisk delete`, timed.
-  Printed: median and largest time and bytes per volume, and the large
-  volume's median time over the small one's.
+  before and after. Then as many clones of the first snapshot through
+  `zdisk clone IMAGE SNAPSHOT NAME`, measured the same way. Then each
+  clone and each snapshot deleted with `zdisk delete`, timed. Printed:
+  median and largest time and bytes per volume, and the large volume's
+  median time over the small one's, for snapshots and for clones.
 
 series: the two-image layout of scripts/dedup.py (two ext4 images made by
   `mkfs.ext4 -d`, tree A copies of /usr/share/doc, /usr/lib/python3 and
@@ -48,16 +51,37 @@ series: the two-image layout of scripts/dedup.py (two ext4 images made by
   it, the volume did not); and after every snapshot is
   deleted and `zdisk compact` run, stored bytes against a fresh image
   holding only the volume's final contents (copied by nbdcopy).
+clones: the same layout written once and a snapshot of it; then --rounds
+  (10) clones of that one snapshot, each with its own 5% of the layout's
+  non-zero blocks (the series' plan, round i for clone i) overwritten with
+  random bytes. The same blocks and bytes on:
+  - zdisk, for each configuration in CONFIGS: `zdisk clone` while served,
+    the blocks by libnbd pwrite to the clone's own export and a flush;
+    stored bytes from /stats (stored_bytes: every record the map names,
+    the clones' included, plus metadata_bytes);
+  - btrfs compress-force=zstd:1: `btrfs subvolume snapshot` (writable) of
+    the subvolume per clone, the blocks written into the clone's file;
+    compsize over the subvolume and the clones;
+  - qcow2 backing files: `qemu-img create -b` per clone over a qcow2 copy
+    of the layout, the blocks written by qemu-io; the allocated bytes of
+    the base and every clone.
+  Printed per system: stored bytes before the clones and after; the
+  target of issue #26 for clones, 1.05 x (one image + the rewritten
+  blocks) + 2 MiB per clone; the median clone time; for zdisk, 4 KiB random
+  reads (fio, best of two) of the last clone (95% of its blocks unchanged,
+  read through the snapshot) over the volume's before the clones; and
+  after every clone and the snapshot are deleted and `zdisk compact` run,
+  stored bytes over a fresh image holding the volume alone.
 Then one JSON object per row (also appended to --json FILE).
 
 Needs nbdcopy, nbdkit, fio, mkfs.ext4, python3-libnbd; root for btrfs
 (loop mounts; or --skip-btrfs), qemu-img and qemu-io for qcow2 (or
 --skip-qcow2). About 6 GiB of /dev/shm with the defaults.
 
-  --parts cost,series        which parts to run (default both)
+  --parts cost,series,clones which parts to run (default all three)
   --quick                    cost: 64 MiB small, 1 TiB with 1 GiB mapped;
-                             series: tree A of /usr/share/perl only,
-                             3 rounds, 3 s reads
+                             series and clones: tree A of /usr/share/perl
+                             only, 3 rounds, 3 s reads
 """
 
 import os
@@ -84,6 +108,7 @@ CONFIGS = [
 ]
 BTRFS = "btrfs compress-force=zstd:1"
 QCOW2 = "qcow2 internal snapshots"
+QCOW2_CLONES = "qcow2 backing files"
 
 
 def zdisk_command(zdisk, *words):
@@ -138,12 +163,25 @@ def cost_volume(ctx, zdisk, name, logical, mapped, takes):
                 - before["counters"]["media_write_bytes"],
                 "metadata_growth_bytes": after["metadata_bytes"] - before["metadata_bytes"],
             })
-        deletes = [timed(lambda: zdisk_command(zdisk, "delete", image, f"s{index}"))
+        clone_rows = []
+        for index in range(takes):
+            before = server.stats()
+            seconds = timed(lambda: zdisk_command(zdisk, "clone", image, "s0", f"c{index}"))
+            after = server.stats()
+            clone_rows.append({
+                "seconds": seconds,
+                "media_write_bytes": after["counters"]["media_write_bytes"]
+                - before["counters"]["media_write_bytes"],
+                "metadata_growth_bytes": after["metadata_bytes"] - before["metadata_bytes"],
+            })
+        deletes = [timed(lambda: zdisk_command(zdisk, "delete", image, f"c{index}"))
                    for index in range(takes)]
+        deletes += [timed(lambda: zdisk_command(zdisk, "delete", image, f"s{index}"))
+                    for index in range(takes)]
         server.stop()
     return {"volume": name, "logical_bytes": logical, "mapped_bytes": stats["mapped_bytes"],
             "stored_bytes": stats["stored_bytes"], "write_seconds": written,
-            "takes": takes_rows, "delete_seconds": deletes}
+            "takes": takes_rows, "clones": clone_rows, "delete_seconds": deletes}
 
 
 def run_cost(ctx, zdisk):
@@ -151,18 +189,23 @@ def run_cost(ctx, zdisk):
             cost_volume(ctx, zdisk, "large", ctx.large_logical, ctx.large_mapped, ctx.takes)]
     body = []
     for row in rows:
-        times = [take["seconds"] for take in row["takes"]]
-        media = [take["media_write_bytes"] for take in row["takes"]]
-        meta = [take["metadata_growth_bytes"] for take in row["takes"]]
-        body.append([f"{size(row['logical_bytes'])}, {size(row['mapped_bytes'])} mapped",
-                     ms(harness.median(times)), ms(max(times)),
-                     str(int(harness.median(media))), str(max(media)), str(max(meta)),
-                     ms(harness.median(row["delete_seconds"]))])
-    print("\nSnapshot cost (zdisk snapshot through the control socket, one after another)")
-    harness.print_table(["volume", "median ms", "max ms", "median bytes written",
-                         "max bytes written", "max metadata growth", "delete median ms"], body)
-    small, large = (harness.median([t["seconds"] for t in row["takes"]]) for row in rows)
-    print(f"  large over small, median time: {large / small:.2f}x")
+        for kind, key in (("snapshot", "takes"), ("clone", "clones")):
+            times = [take["seconds"] for take in row[key]]
+            media = [take["media_write_bytes"] for take in row[key]]
+            meta = [take["metadata_growth_bytes"] for take in row[key]]
+            body.append([f"{size(row['logical_bytes'])}, {size(row['mapped_bytes'])} mapped",
+                         kind, ms(harness.median(times)), ms(max(times)),
+                         str(int(harness.median(media))), str(max(media)), str(max(meta))])
+    print("\nSnapshot and clone cost (zdisk snapshot, zdisk clone through the control socket, "
+          "one after another)")
+    harness.print_table(["volume", "what", "median ms", "max ms", "median bytes written",
+                         "max bytes written", "max metadata growth"], body)
+    for kind, key in (("snapshot", "takes"), ("clone", "clones")):
+        small, large = (harness.median([t["seconds"] for t in row[key]]) for row in rows)
+        print(f"  {kind}: large over small, median time: {large / small:.2f}x")
+    print(f"  delete median ms: "
+          + ", ".join(f"{row['volume']} {ms(harness.median(row['delete_seconds']))}"
+                      for row in rows))
     for row in rows:
         harness.emit_json(dict(row, part="cost"), ctx.json)
 
@@ -365,12 +408,174 @@ def run_series(ctx, zdisk):
         harness.emit_json(dict(row, part="series", system=name), ctx.json)
 
 
+# ---- clones -------------------------------------------------------------
+
+
+def write_blocks(sock, export, blocks, seed):
+    """Overwrites `blocks` of `export` with the round's bytes, then flushes."""
+    import nbd  # python3-libnbd, under /usr/bin/python3
+
+    handle = nbd.NBD()
+    handle.set_export_name(export)
+    handle.connect_unix(sock)
+    data = round_bytes(seed, len(blocks))
+    for at, block in enumerate(blocks):
+        handle.pwrite(data[at * harness.BLOCK:(at + 1) * harness.BLOCK], block * harness.BLOCK)
+    handle.flush()
+    handle.shutdown()
+
+
+def zdisk_clones(ctx, zdisk, layout, plan, name, create_words, serve_words):
+    image = os.path.join(ctx.work, "clones.zdisk")
+    fresh = os.path.join(ctx.work, "fresh.zdisk")
+    harness.zdisk_create(zdisk, image, "--logical", 2 * IMAGE_BYTES, *create_words)
+    with harness.Teardown() as teardown:
+        teardown.push(f"remove {image}", lambda: os.remove(image))
+        sock = os.path.join(ctx.work, "clones.sock")
+        server = harness.Server(teardown, zdisk, image, sock, flags=serve_words)
+        harness.nbdcopy("--flush", layout, server.uri)
+        first = server.stats()
+        before = random_reads(ctx, sock, "")
+        zdisk_command(zdisk, "snapshot", image, "golden")
+        makes = []
+        for index, (blocks, seed) in enumerate(plan):
+            makes.append(timed(lambda: zdisk_command(zdisk, "clone", image, "golden",
+                                                     f"c{index}")))
+            write_blocks(sock, f"c{index}", blocks, seed)
+        after = server.stats()
+        last = random_reads(ctx, sock, f"c{len(plan) - 1}")
+        harness.progress("snapshots.py", f"clones: {name}: deleting the clones, compacting")
+        deletes = [timed(lambda: zdisk_command(zdisk, "delete", image, f"c{index}"))
+                   for index in range(len(plan))]
+        zdisk_command(zdisk, "delete", image, "golden")
+        compact = timed(lambda: zdisk_command(zdisk, "compact", image))
+        cleaned = server.stats()
+        harness.zdisk_create(zdisk, fresh, "--logical", 2 * IMAGE_BYTES, *create_words)
+        teardown.push(f"remove {fresh}", lambda: os.remove(fresh))
+        other = harness.Server(teardown, zdisk, fresh, os.path.join(ctx.work, "fresh.sock"),
+                               flags=serve_words)
+        harness.nbdcopy("--flush", server.uri, other.uri)
+        alone = other.stats()
+        other.stop()
+        server.stop()
+    return {"first_stored_bytes": first["stored_bytes"],
+            "first_metadata_bytes": first["metadata_bytes"],
+            "stored_bytes": after["stored_bytes"],
+            "clone_bytes": after["clone_bytes"], "clone_blocks": after["clone_blocks"],
+            "metadata_bytes": after["metadata_bytes"],
+            "clone_seconds": makes, "delete_seconds": deletes, "compact_seconds": compact,
+            "after_delete_stored_bytes": cleaned["stored_bytes"],
+            "fresh_copy_stored_bytes": alone["stored_bytes"], "volume_read_iops": before,
+            "clone_read_iops": last}
+
+
+def btrfs_clones(ctx, layout, plan):
+    with harness.Teardown() as teardown:
+        mount = harness.btrfs_mount(teardown, ctx.work, 8 << 30)
+        volume = os.path.join(mount, "volume")
+        harness.run(["btrfs", "subvolume", "create", volume])
+        target = os.path.join(volume, "layout.img")
+        harness.run(["cp", "--sparse=always", layout, target])
+        harness.run(["sync", "-f", target])
+        first = harness.compsize_bytes([volume])
+        makes = []
+        clones = []
+        for index, (blocks, seed) in enumerate(plan):
+            clone = os.path.join(mount, f"c{index}")
+            makes.append(timed(lambda: harness.run(
+                ["btrfs", "subvolume", "snapshot", volume, clone])))
+            clones.append(clone)
+            data = round_bytes(seed, len(blocks))
+            fd = os.open(os.path.join(clone, "layout.img"), os.O_WRONLY)
+            try:
+                for at, block in enumerate(blocks):
+                    os.pwrite(fd, data[at * harness.BLOCK:(at + 1) * harness.BLOCK],
+                              block * harness.BLOCK)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        harness.run(["sync", "-f", target])
+        after = harness.compsize_bytes([volume, *clones])
+    return {"first_stored_bytes": first, "stored_bytes": after, "clone_seconds": makes}
+
+
+def qcow2_clones(ctx, layout, plan):
+    base = os.path.join(ctx.work, "base.qcow2")
+    harness.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", layout, base])
+    disks = [base]
+    try:
+        first = allocated_bytes(base)
+        makes = []
+        for index, (blocks, _seed) in enumerate(plan):
+            disk = os.path.join(ctx.work, f"c{index}.qcow2")
+            makes.append(timed(lambda: harness.run(
+                ["qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", disk])))
+            disks.append(disk)
+            commands = []
+            for at, block in enumerate(blocks):
+                commands += ["-c", f"write -q -P {1 + (index + at) % 255} "
+                                   f"{block * harness.BLOCK} {harness.BLOCK}"]
+            harness.run(["qemu-io", "-f", "qcow2", *commands, disk])
+        after = sum(allocated_bytes(disk) for disk in disks)
+    finally:
+        for disk in disks:
+            os.remove(disk)
+    return {"first_stored_bytes": first, "stored_bytes": after, "clone_seconds": makes}
+
+
+def run_clones(ctx, zdisk):
+    harness.progress("snapshots.py", "clones: copying trees and making ext4 images")
+    layout = make_layout(ctx, ctx.quick)
+    blocks = harness.nonzero_blocks(layout)
+    plan = plan_rounds(blocks, ctx.rounds)
+    rewritten = sum(len(round_blocks) for round_blocks, _ in plan)
+    rows = {}
+    for name, create_words, serve_words in CONFIGS:
+        harness.progress("snapshots.py", f"clones: {name}")
+        rows[name] = zdisk_clones(ctx, zdisk, layout, plan, name, create_words, serve_words)
+    if not ctx.skip_btrfs:
+        harness.progress("snapshots.py", f"clones: {BTRFS}")
+        rows[BTRFS] = btrfs_clones(ctx, layout, plan)
+    if not ctx.skip_qcow2:
+        harness.progress("snapshots.py", f"clones: {QCOW2_CLONES}")
+        rows[QCOW2_CLONES] = qcow2_clones(ctx, layout, plan)
+    os.remove(layout)
+    rewritten_bytes = rewritten * (harness.BLOCK + RECORD_HEADER)
+    print(f"\nClones of an OS image: {len(blocks)} non-zero blocks in the layout, "
+          f"{len(plan)} clones of one snapshot, each with its own {len(plan[0][0])} blocks "
+          f"({REWRITTEN_SHARE:.0%}) rewritten with random bytes")
+    body = []
+    for name, row in rows.items():
+        stored = row["stored_bytes"] + row.get("metadata_bytes", 0)
+        first = row["first_stored_bytes"] + row.get("first_metadata_bytes", 0)
+        target = TARGET_SLACK * (first + rewritten_bytes) + TARGET_PER_SNAPSHOT * len(plan)
+        row.update(rewritten_blocks=rewritten, target_bytes=target,
+                   stored_with_metadata_bytes=stored)
+        reads = (f"{row['clone_read_iops'] / row['volume_read_iops']:.2f}x"
+                 if "volume_read_iops" in row else "")
+        after_delete = (f"{row['after_delete_stored_bytes'] / row['fresh_copy_stored_bytes']:.3f}x"
+                        if "fresh_copy_stored_bytes" in row else "")
+        body.append([name, mib(first), mib(stored), mib(target), f"{stored / target:.2f}",
+                     ms(harness.median(row["clone_seconds"])), ms(max(row["clone_seconds"])),
+                     reads, after_delete])
+    harness.print_table(["system", "first MiB", "after MiB", "target MiB", "of target",
+                         "clone median ms", "clone max ms", "clone reads",
+                         "after delete+compact"], body)
+    print("  MiB: stored bytes (zdisk: the volume's and the clones'), plus zdisk's "
+          "metadata_bytes; btrfs: compsize (data only); qcow2: allocated bytes of the base "
+          "and every clone.\n  clone reads: 4 KiB random read IOPS of the last clone over "
+          "the volume's before the clones (95% of the clone's blocks are the snapshot's).\n"
+          "  after delete+compact: stored_bytes over a fresh image's holding the volume alone.")
+    for name, row in rows.items():
+        harness.emit_json(dict(row, part="clones", system=name), ctx.json)
+
+
 def body():
     parser = harness.parser(__doc__)
     harness.add_zdisk(parser)
     parser.add_argument("--dir", help="work directory (default: a new directory in /dev/shm, "
                                       "removed at the end)")
-    parser.add_argument("--parts", default="cost,series")
+    parser.add_argument("--parts", default="cost,series,clones")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--takes", type=harness.positive, default=5)
     parser.add_argument("--rounds", type=harness.positive)
@@ -384,11 +589,12 @@ def body():
     args = parser.parse_args()
     zdisk = harness.zdisk_binary(args.zdisk)
     parts = args.parts.split(",")
-    unknown = set(parts) - {"cost", "series"}
+    unknown = set(parts) - {"cost", "series", "clones"}
     if unknown:
-        raise harness.Failure(f"unknown part {', '.join(sorted(unknown))}: cost or series")
+        raise harness.Failure(f"unknown part {', '.join(sorted(unknown))}: cost, series or "
+                              "clones")
     harness.require_tools("nbdcopy", "nbdkit", "fio")
-    if "series" in parts:
+    if "series" in parts or "clones" in parts:
         harness.require_tools("mkfs.ext4", "dd")
         if not args.skip_btrfs:
             harness.require_tools("mkfs.btrfs", "compsize", "losetup", "btrfs")
@@ -417,6 +623,8 @@ def body():
             run_cost(ctx, zdisk)
         if "series" in parts:
             run_series(ctx, zdisk)
+        if "clones" in parts:
+            run_clones(ctx, zdisk)
 
 
 if __name__ == "__main__":

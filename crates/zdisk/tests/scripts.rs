@@ -72,7 +72,7 @@ const TESTS: &[(&str, &str, TestFn)] = &[
     ),
     (
         "snapshots.py",
-        "snapshots_cost_no_more_as_the_volume_grows_and_keep_only_what_changed",
+        "snapshots_and_clones_cost_no_more_as_the_volume_grows_and_keep_only_what_changed",
         snapshots,
     ),
     (
@@ -560,15 +560,18 @@ fn snapshots() -> TestResult {
             .find(|r| r["part"] == "cost" && r["volume"] == volume)
             .ok_or_else(|| format!("no cost row for {volume}"))?;
         let mapped = positive(row, "mapped_bytes")?;
-        let takes = row["takes"].as_array().ok_or("no takes")?;
-        ensure!(takes.len() == 5, "{row}");
-        for take in takes {
-            positive(take, "seconds")?;
-            let written = positive(take, "media_write_bytes")?;
-            ensure!(
-                written <= 64.0 * 1024.0 && number(take, "metadata_growth_bytes")? <= 1048576.0,
-                "{volume} ({mapped} bytes mapped): a snapshot wrote {take}"
-            );
+        // Snapshots, then clones of the first: each a record and a flush.
+        for key in ["takes", "clones"] {
+            let takes = row[key].as_array().ok_or("no takes")?;
+            ensure!(takes.len() == 5, "{key}: {row}");
+            for take in takes {
+                positive(take, "seconds")?;
+                let written = positive(take, "media_write_bytes")?;
+                ensure!(
+                    written <= 64.0 * 1024.0 && number(take, "metadata_growth_bytes")? <= 1048576.0,
+                    "{volume} ({mapped} bytes mapped): one of the {key} wrote {take}"
+                );
+            }
         }
     }
     let row = |system: &str| {
@@ -601,6 +604,36 @@ fn snapshots() -> TestResult {
     }
     for system in ["btrfs compress-force=zstd:1", "qcow2 internal snapshots"] {
         let peer = row(system)?;
+        ensure!(
+            positive(peer, "stored_bytes")? > positive(peer, "first_stored_bytes")?,
+            "{system}: {peer}"
+        );
+    }
+    // Ten clones (three here) of one snapshot, each with its own blocks
+    // rewritten: one image plus what the clones wrote, within the target.
+    let clones = |system: &str| {
+        rows.iter()
+            .find(|r| r["part"] == "clones" && r["system"] == system)
+            .ok_or_else(|| Failed::from(format!("no clones row for {system}")))
+    };
+    for system in ["zdisk lz4", "zdisk zstd"] {
+        let zdisk = clones(system)?;
+        let stored = positive(zdisk, "stored_with_metadata_bytes")?;
+        ensure!(
+            stored <= positive(zdisk, "target_bytes")?,
+            "{system}: clones stored {stored} over the target: {zdisk}"
+        );
+        positive(zdisk, "clone_bytes")?;
+        positive(zdisk, "clone_read_iops")?;
+        let left = positive(zdisk, "after_delete_stored_bytes")?;
+        let fresh = positive(zdisk, "fresh_copy_stored_bytes")?;
+        ensure!(
+            left <= 1.01 * fresh && left < stored,
+            "{system}: {left} stored after deleting every clone, {fresh} in a fresh copy"
+        );
+    }
+    for system in ["btrfs compress-force=zstd:1", "qcow2 backing files"] {
+        let peer = clones(system)?;
         ensure!(
             positive(peer, "stored_bytes")? > positive(peer, "first_stored_bytes")?,
             "{system}: {peer}"
