@@ -405,6 +405,14 @@ fn served_clones() -> TestResult {
     qemu_io_ok(&vm1, true, "read -P 0 8M 4M")?;
     qemu_io_ok(&vm1, true, "read -P 0xaa 12M 4M")?;
     qemu_io_ok(&volume, true, "read -P 0xaa 0 16M")?;
+    // `zdisk map` of the clone: 12 MiB of data it sees (its own 4 MiB and
+    // the snapshot's 8 MiB), all compressed; its zeros are not data.
+    let map = zdisk_ok(&["map", &vm1])?;
+    println!("{}", map.lines().next().unwrap_or(""));
+    ensure!(
+        map.contains("12 MiB written (0 B raw, 12 MiB compressed"),
+        "zdisk map {vm1}:\n{map}"
+    );
     // The volume moves on; neither the snapshot nor the clone sees it.
     qemu_io_ok(&volume, false, "write -P 0xcc 0 16M")?;
     qemu_io_ok(&export_uri(&socket, "golden"), true, "read -P 0xaa 0 16M")?;
