@@ -44,7 +44,7 @@ pub use device::{BlockDevice, Extent, ExtentState, Stored, StoredExtent};
 pub use error::{Error, Result};
 pub use fingerprint::Fingerprint;
 pub use gc::GcPolicy;
-pub use stats::{Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
+pub use stats::{CloneStats, Counters, Field, Metric, SegmentCounts, Stats, Wear, FIELDS};
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CloneDevice,

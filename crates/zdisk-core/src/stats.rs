@@ -109,6 +109,19 @@ pub struct Wear {
     pub erase_count_mean: f64,
 }
 
+/// What one clone wrote, from the map's counts of its key space (O(1)).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloneStats {
+    pub name: String,
+    /// The snapshot it was made from.
+    pub snapshot: String,
+    /// Blocks it wrote since it was made (data, damage and zeros), the
+    /// zeros among them, and the stored bytes of their records.
+    pub own_blocks: u64,
+    pub own_zero_blocks: u64,
+    pub own_bytes: u64,
+}
+
 /// A point-in-time view of a volume, with the stable key names scripts use.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Stats {
@@ -211,6 +224,9 @@ pub struct Stats {
     pub clones: u64,
     pub clone_blocks: u64,
     pub clone_bytes: u64,
+    /// The same per clone, oldest first.
+    #[serde(default)]
+    pub clone_volumes: Vec<CloneStats>,
     /// Deduplication of new writes: on or off; the index's RAM and its
     /// bound (`--dedup-cache`); since the volume opened, the non-zero
     /// blocks written that were looked up, those found stored already
@@ -390,6 +406,7 @@ pub const FIELDS: &[Field] = &[
         Gauge("Blocks clones wrote since they were made."), |s| s.clone_blocks as f64),
     field("clone_bytes", "bytes", "stored bytes only clones hold (the blocks they wrote)",
         Gauge("Stored bytes only clones hold."), |s| s.clone_bytes as f64),
+    shown("clone_volumes", "clones", "per clone: its name, its snapshot, the blocks it wrote (own_blocks, zeros among them own_zero_blocks) and their stored bytes (own_bytes); /metrics has zdisk_clone_own_blocks and zdisk_clone_own_bytes labelled clone=NAME"),
     shown("dedup", "name", "whether new writes are deduplicated: on or off (create --dedup, serve --dedup)"),
     field("dedup_index_bytes", "bytes", "RAM the dedup index takes: sampled hooks, cached chapters, the open chapter, where chapters were written",
         Gauge("RAM used by the dedup index."), |s| s.dedup_index_bytes as f64),
@@ -457,6 +474,35 @@ impl Stats {
                 .copied()
                 .unwrap_or("A counter of the medium.");
             metric(name, "gauge", help, *value as f64);
+        }
+        // Per clone, one sample each, labelled with its name (names need
+        // no escaping: letters, digits, '.', '_' and '-').
+        type PerClone = fn(&CloneStats) -> u64;
+        let per_clone: [(&str, &str, PerClone); 2] = [
+            (
+                "clone_own_blocks",
+                "Blocks a clone wrote since it was made.",
+                |c| c.own_blocks,
+            ),
+            (
+                "clone_own_bytes",
+                "Stored bytes of the blocks a clone wrote.",
+                |c| c.own_bytes,
+            ),
+        ];
+        if !self.clone_volumes.is_empty() {
+            for (name, help, value) in per_clone {
+                out.push_str(&format!(
+                    "# HELP zdisk_{name} {help}\n# TYPE zdisk_{name} gauge\n"
+                ));
+                for clone in &self.clone_volumes {
+                    out.push_str(&format!(
+                        "zdisk_{name}{{clone=\"{}\"}} {}\n",
+                        clone.name,
+                        value(clone)
+                    ));
+                }
+            }
         }
         out
     }

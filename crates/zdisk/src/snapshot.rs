@@ -296,8 +296,8 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
     out.push_str(
         "A snapshot holds the blocks its volume changed since it was taken; deleting it \
          frees those no older snapshot of the same volume sees. A clone holds the blocks \
-         written to it; every other block is its snapshot's, shared. (Counted by walking \
-         their own entries, not the volume.)\n",
+         written to it; every other block is its snapshot's, shared. (A snapshot's by \
+         walking its own entries, a clone's from the map's counts: never the volume.)\n",
     );
     crate::output::write(format_args!("{out}"))
 }

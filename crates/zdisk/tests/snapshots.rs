@@ -449,10 +449,15 @@ fn served_clones() -> TestResult {
     );
     let stats = json(&["stats", image_arg, "--json"])?;
     ensure!(
-        stats["clones"] == 2 && stats["clone_blocks"] == 4096,
-        "stats: clones {} clone_blocks {}",
+        stats["clones"] == 2
+            && stats["clone_blocks"] == 4096
+            && stats["clone_volumes"][0]["name"] == "vm1"
+            && stats["clone_volumes"][0]["own_blocks"] == 3072
+            && stats["clone_volumes"][1]["own_blocks"] == 1024,
+        "stats: clones {} clone_blocks {} per clone {}",
         stats["clones"],
-        stats["clone_blocks"]
+        stats["clone_blocks"],
+        stats["clone_volumes"]
     );
     // Deleting goes in the order dependents allow, each refusal one line.
     one_line_error(&["delete", image_arg, "golden"], "has clones")?;

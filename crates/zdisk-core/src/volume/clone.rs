@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::device::{BlockDevice, Extent, StoredExtent};
 use crate::error::{Error, Result};
-use crate::map::{space_key, Slot, SPACE_BLOCKS};
+use crate::map::{space_key, SPACE_BLOCKS};
 use crate::snapshots::{CloneVolume, Snapshot};
 use crate::units::Lba;
 
@@ -31,8 +31,8 @@ pub struct CloneInfo {
     /// Blocks written to the clone since it was made (its own entries:
     /// data, and zeros where it trimmed or zeroed), and the stored bytes of
     /// their records: what deleting it frees, once its snapshots are gone.
-    /// Every other block is its snapshot's, shared. Found by walking the
-    /// clone's own entries: O(blocks it wrote), never the volume's map.
+    /// Every other block is its snapshot's, shared. Counted by the map as
+    /// it changes, per key space: reading them costs nothing.
     pub own_blocks: u64,
     pub own_zero_blocks: u64,
     pub own_stored_bytes: u64,
@@ -100,44 +100,33 @@ impl Volume {
         Ok(DeletedClone { freed })
     }
 
-    /// The clones, oldest first, with what each wrote (a walk of their own
-    /// entries).
+    /// The clones, oldest first, with what each wrote (the map's counts of
+    /// their key spaces: O(1) each, no walk).
     pub fn clones(&self) -> Result<Vec<CloneInfo>> {
-        let state = self.lock_frozen();
+        let state = self.lock();
         let registry = state.snapshots();
-        let mut infos = Vec::new();
-        for clone in registry.clones() {
-            let (mut blocks, mut zeros, mut bytes) = (0, 0, 0);
-            state.map().for_each_kept(
-                &*self.media,
-                space_key(clone.space, 0),
-                SPACE_BLOCKS,
-                |_, entry| {
-                    blocks += 1;
-                    match entry.slot() {
-                        Slot::Data(loc) => bytes += loc.share(),
-                        Slot::Zero => zeros += 1,
-                        _ => {}
-                    }
-                },
-            )?;
-            infos.push(CloneInfo {
-                name: clone.name.clone(),
-                snapshot: registry
-                    .by_space(clone.base)
-                    .map_or_else(String::new, |s| s.name.clone()),
-                version: clone.version,
-                created_unix_secs: clone.created_unix_secs,
-                own_blocks: blocks,
-                own_zero_blocks: zeros,
-                own_stored_bytes: bytes,
-                snapshots: registry
-                    .of_volume(clone.space)
-                    .map(|s| s.name.clone())
-                    .collect(),
-            });
-        }
-        Ok(infos)
+        Ok(registry
+            .clones()
+            .iter()
+            .map(|clone| {
+                let counts = state.map().space_counts(clone.space);
+                CloneInfo {
+                    name: clone.name.clone(),
+                    snapshot: registry
+                        .by_space(clone.base)
+                        .map_or_else(String::new, |s| s.name.clone()),
+                    version: clone.version,
+                    created_unix_secs: clone.created_unix_secs,
+                    own_blocks: counts.data_blocks + counts.damaged_blocks + counts.zero_blocks,
+                    own_zero_blocks: counts.zero_blocks,
+                    own_stored_bytes: counts.stored_bytes,
+                    snapshots: registry
+                        .of_volume(clone.space)
+                        .map(|s| s.name.clone())
+                        .collect(),
+                }
+            })
+            .collect())
     }
 
     /// The clones, oldest first, without what they hold (cheap).

@@ -610,6 +610,24 @@ impl Volume {
             snapshot_kept_blocks: kept.data_blocks + kept.damaged_blocks,
             snapshot_kept_bytes: kept.stored_bytes,
             clones: state.snapshots().clones().len() as u64,
+            clone_volumes: state
+                .snapshots()
+                .clones()
+                .iter()
+                .map(|clone| {
+                    let counts = state.map().space_counts(clone.space);
+                    crate::stats::CloneStats {
+                        name: clone.name.clone(),
+                        snapshot: state
+                            .snapshots()
+                            .by_space(clone.base)
+                            .map_or_else(String::new, |s| s.name.clone()),
+                        own_blocks: counts.data_blocks + counts.damaged_blocks + counts.zero_blocks,
+                        own_zero_blocks: counts.zero_blocks,
+                        own_bytes: counts.stored_bytes,
+                    }
+                })
+                .collect(),
             clone_blocks: cloned.data_blocks + cloned.damaged_blocks + cloned.zero_blocks,
             clone_bytes: cloned.stored_bytes,
             dedup: if self.settings.dedup { "on" } else { "off" }.to_string(),

@@ -506,7 +506,20 @@ fn a_clone_reads_as_its_snapshot_until_written_and_keeps_what_it_flushed() {
     assert!(report.is_clean(), "{report:?}");
     let info = &volume.clones().unwrap()[0];
     assert_eq!((info.own_blocks, info.own_zero_blocks), (13, 4), "{info:?}");
-    assert_eq!(volume.stats().clone_blocks, 13);
+    let stats = volume.stats();
+    assert_eq!(stats.clone_blocks, 13);
+    assert_eq!(
+        (
+            stats.clone_volumes[0].own_blocks,
+            stats.clone_volumes[0].own_zero_blocks
+        ),
+        (13, 4)
+    );
+    let metrics = stats.to_prometheus();
+    assert!(
+        metrics.contains("zdisk_clone_own_blocks{clone=\"vm\"} 13\n"),
+        "{metrics}"
+    );
 }
 
 #[test]
