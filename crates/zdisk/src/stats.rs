@@ -305,6 +305,9 @@ mod tests {
             "snapshots",
             "snapshot_kept_blocks",
             "snapshot_kept_bytes",
+            "clones",
+            "clone_blocks",
+            "clone_bytes",
             "dedup_index_bytes",
             "dedup_index_bound_bytes",
         ];
