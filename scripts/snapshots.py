@@ -71,7 +71,8 @@ clones: the same layout written once and a snapshot of it; then --rounds
   reads (fio, best of two) of the last clone (95% of its blocks unchanged,
   read through the snapshot) over the volume's before the clones; and
   after every clone and the snapshot are deleted and `zdisk compact` run,
-  stored bytes over a fresh image holding the volume alone.
+  stored bytes over the volume's own before the clones (it did not
+  change).
 Then one JSON object per row (also appended to --json FILE).
 
 Needs nbdcopy, nbdkit, fio, mkfs.ext4, python3-libnbd; root for btrfs
@@ -290,7 +291,8 @@ def zdisk_series(ctx, zdisk, layout, plan, name, create_words, serve_words):
             "snapshot_kept_bytes": after["snapshot_kept_bytes"],
             "snapshot_seconds": takes, "delete_seconds": deletes, "compact_seconds": compact,
             "after_delete_stored_bytes": cleaned["stored_bytes"],
-            "fresh_copy_stored_bytes": alone["stored_bytes"], "volume_read_iops": before,
+            "fresh_copy_stored_bytes": alone["stored_bytes"],
+            "after_delete_baseline_bytes": alone["stored_bytes"], "volume_read_iops": before,
             "snapshot_read_iops": oldest}
 
 
@@ -376,36 +378,16 @@ def run_series(ctx, zdisk):
         harness.progress("snapshots.py", f"series: {QCOW2}")
         rows[QCOW2] = qcow2_series(ctx, layout, plan)
     os.remove(layout)
-    # Random 4 KiB blocks do not compress: each costs its bytes and, on
-    # zdisk, a record header.
-    rewritten_bytes = rewritten * (harness.BLOCK + RECORD_HEADER)
-    print(f"\nTen snapshots of a changing OS image: {len(blocks)} non-zero blocks in the "
-          f"layout, {len(plan)} rounds of a snapshot and {len(plan[0][0])} blocks "
-          f"({REWRITTEN_SHARE:.0%}) rewritten with random bytes")
-    body = []
-    for name, row in rows.items():
-        stored = row["stored_bytes"] + row.get("metadata_bytes", 0)
-        first = row["first_stored_bytes"] + row.get("first_metadata_bytes", 0)
-        target = TARGET_SLACK * (first + rewritten_bytes) + TARGET_PER_SNAPSHOT * len(plan)
-        row.update(rewritten_blocks=rewritten, target_bytes=target,
-                   stored_with_metadata_bytes=stored)
-        reads = (f"{row['snapshot_read_iops'] / row['volume_read_iops']:.2f}x"
-                 if "volume_read_iops" in row else "")
-        after_delete = (f"{row['after_delete_stored_bytes'] / row['fresh_copy_stored_bytes']:.3f}x"
-                        if "fresh_copy_stored_bytes" in row else "")
-        body.append([name, mib(first), mib(stored), mib(target), f"{stored / target:.2f}",
-                     ms(harness.median(row["snapshot_seconds"])), ms(max(row["snapshot_seconds"])),
-                     reads, after_delete])
-    harness.print_table(["system", "first MiB", "after MiB", "target MiB", "of target",
-                         "snap median ms", "snap max ms", "oldest snap reads",
-                         "after delete+compact"], body)
-    print("  MiB: stored bytes, plus zdisk's metadata_bytes; btrfs: compsize (data only); "
-          "qcow2: allocated bytes of the file.\n  oldest snap reads: 4 KiB random read IOPS of "
-          "the oldest snapshot after the rounds over the volume's before them (the same "
-          "bytes).\n  after delete+compact: stored_bytes over a fresh image's holding the "
-          "volume's final contents.")
-    for name, row in rows.items():
-        harness.emit_json(dict(row, part="series", system=name), ctx.json)
+    title = (f"Ten snapshots of a changing OS image: {len(blocks)} non-zero blocks in the "
+             f"layout, {len(plan)} rounds of a snapshot and {len(plan[0][0])} blocks "
+             f"({REWRITTEN_SHARE:.0%}) rewritten with random bytes")
+    notes = ("  MiB: stored bytes, plus zdisk's metadata_bytes; btrfs: compsize (data only); "
+             "qcow2: allocated bytes of the file.\n  oldest snap reads: 4 KiB random read IOPS "
+             "of the oldest snapshot after the rounds over the volume's before them (the same "
+             "bytes).\n  after delete+compact: stored_bytes over a fresh image's holding the "
+             "volume's final contents.")
+    report(ctx, rows, plan, rewritten, title, notes,
+           ("snapshot", "snapshot_seconds", "snapshot_read_iops", "oldest snap reads", "series"))
 
 
 # ---- clones -------------------------------------------------------------
@@ -427,7 +409,6 @@ def write_blocks(sock, export, blocks, seed):
 
 def zdisk_clones(ctx, zdisk, layout, plan, name, create_words, serve_words):
     image = os.path.join(ctx.work, "clones.zdisk")
-    fresh = os.path.join(ctx.work, "fresh.zdisk")
     harness.zdisk_create(zdisk, image, "--logical", 2 * IMAGE_BYTES, *create_words)
     with harness.Teardown() as teardown:
         teardown.push(f"remove {image}", lambda: os.remove(image))
@@ -450,14 +431,9 @@ def zdisk_clones(ctx, zdisk, layout, plan, name, create_words, serve_words):
         zdisk_command(zdisk, "delete", image, "golden")
         compact = timed(lambda: zdisk_command(zdisk, "compact", image))
         cleaned = server.stats()
-        harness.zdisk_create(zdisk, fresh, "--logical", 2 * IMAGE_BYTES, *create_words)
-        teardown.push(f"remove {fresh}", lambda: os.remove(fresh))
-        other = harness.Server(teardown, zdisk, fresh, os.path.join(ctx.work, "fresh.sock"),
-                               flags=serve_words)
-        harness.nbdcopy("--flush", server.uri, other.uri)
-        alone = other.stats()
-        other.stop()
         server.stop()
+    # The volume did not change: what it stored before the clones is what
+    # it should store once they are gone.
     return {"first_stored_bytes": first["stored_bytes"],
             "first_metadata_bytes": first["metadata_bytes"],
             "stored_bytes": after["stored_bytes"],
@@ -465,7 +441,7 @@ def zdisk_clones(ctx, zdisk, layout, plan, name, create_words, serve_words):
             "metadata_bytes": after["metadata_bytes"],
             "clone_seconds": makes, "delete_seconds": deletes, "compact_seconds": compact,
             "after_delete_stored_bytes": cleaned["stored_bytes"],
-            "fresh_copy_stored_bytes": alone["stored_bytes"], "volume_read_iops": before,
+            "after_delete_baseline_bytes": first["stored_bytes"], "volume_read_iops": before,
             "clone_read_iops": last}
 
 
@@ -540,10 +516,27 @@ def run_clones(ctx, zdisk):
         harness.progress("snapshots.py", f"clones: {QCOW2_CLONES}")
         rows[QCOW2_CLONES] = qcow2_clones(ctx, layout, plan)
     os.remove(layout)
+    title = (f"Clones of an OS image: {len(blocks)} non-zero blocks in the layout, "
+             f"{len(plan)} clones of one snapshot, each with its own {len(plan[0][0])} blocks "
+             f"({REWRITTEN_SHARE:.0%}) rewritten with random bytes")
+    notes = ("  MiB: stored bytes (zdisk: the volume's and the clones'), plus zdisk's "
+             "metadata_bytes; btrfs: compsize (data only); qcow2: allocated bytes of the base "
+             "and every clone.\n  clone reads: 4 KiB random read IOPS of the last clone over "
+             "the volume's before the clones (95% of the clone's blocks are the snapshot's).\n"
+             "  after delete+compact: stored_bytes over the volume's own before the clones.")
+    report(ctx, rows, plan, rewritten, title, notes,
+           ("clone", "clone_seconds", "clone_read_iops", "clone reads", "clones"))
+
+
+def report(ctx, rows, plan, rewritten, title, notes, what):
+    """Prints the table of a series or clones part and emits its rows:
+    `what` names the thing made, its rows' seconds and read keys, the
+    reads column and the JSON part."""
+    thing, seconds_key, reads_key, reads_label, part = what
+    # Random 4 KiB blocks do not compress: each costs its bytes and, on
+    # zdisk, a record header.
     rewritten_bytes = rewritten * (harness.BLOCK + RECORD_HEADER)
-    print(f"\nClones of an OS image: {len(blocks)} non-zero blocks in the layout, "
-          f"{len(plan)} clones of one snapshot, each with its own {len(plan[0][0])} blocks "
-          f"({REWRITTEN_SHARE:.0%}) rewritten with random bytes")
+    print(f"\n{title}")
     body = []
     for name, row in rows.items():
         stored = row["stored_bytes"] + row.get("metadata_bytes", 0)
@@ -551,23 +544,21 @@ def run_clones(ctx, zdisk):
         target = TARGET_SLACK * (first + rewritten_bytes) + TARGET_PER_SNAPSHOT * len(plan)
         row.update(rewritten_blocks=rewritten, target_bytes=target,
                    stored_with_metadata_bytes=stored)
-        reads = (f"{row['clone_read_iops'] / row['volume_read_iops']:.2f}x"
+        reads = (f"{row[reads_key] / row['volume_read_iops']:.2f}x"
                  if "volume_read_iops" in row else "")
-        after_delete = (f"{row['after_delete_stored_bytes'] / row['fresh_copy_stored_bytes']:.3f}x"
-                        if "fresh_copy_stored_bytes" in row else "")
+        baseline = row.get("after_delete_baseline_bytes")
+        after_delete = (f"{row['after_delete_stored_bytes'] / baseline:.3f}x"
+                        if baseline else "")
         body.append([name, mib(first), mib(stored), mib(target), f"{stored / target:.2f}",
-                     ms(harness.median(row["clone_seconds"])), ms(max(row["clone_seconds"])),
+                     ms(harness.median(row[seconds_key])), ms(max(row[seconds_key])),
                      reads, after_delete])
+    short = "snap" if thing == "snapshot" else thing
     harness.print_table(["system", "first MiB", "after MiB", "target MiB", "of target",
-                         "clone median ms", "clone max ms", "clone reads",
+                         f"{short} median ms", f"{short} max ms", reads_label,
                          "after delete+compact"], body)
-    print("  MiB: stored bytes (zdisk: the volume's and the clones'), plus zdisk's "
-          "metadata_bytes; btrfs: compsize (data only); qcow2: allocated bytes of the base "
-          "and every clone.\n  clone reads: 4 KiB random read IOPS of the last clone over "
-          "the volume's before the clones (95% of the clone's blocks are the snapshot's).\n"
-          "  after delete+compact: stored_bytes over a fresh image's holding the volume alone.")
+    print(notes)
     for name, row in rows.items():
-        harness.emit_json(dict(row, part="clones", system=name), ctx.json)
+        harness.emit_json(dict(row, part=part, system=name), ctx.json)
 
 
 def body():

@@ -48,8 +48,8 @@ pub use stats::{CloneStats, Counters, Field, Metric, SegmentCounts, Stats, Wear,
 pub use units::{Lba, SegmentId, BLOCK_SIZE};
 pub use volume::{
     default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CloneDevice,
-    CloneInfo, CloneVolume, Compacted, CreateOptions, DedupIndex, DedupRunStats, DedupSummary,
-    DeletedClone, DeletedSnapshot, IdleBudget, LockProfile, OpenOptions, OpenReport, Random,
-    Recompress, Snapshot, SnapshotDevice, SnapshotInfo, Volume, WriteEstimate, WriteEstimator,
-    DEFAULT_DEDUP,
+    CloneInfo, CloneMapped, CloneVolume, Compacted, CreateOptions, DedupIndex, DedupRunStats,
+    DedupSummary, DeletedClone, DeletedSnapshot, IdleBudget, LockProfile, OpenOptions, OpenReport,
+    Random, Recompress, Snapshot, SnapshotDevice, SnapshotInfo, Volume, WriteEstimate,
+    WriteEstimator, DEFAULT_DEDUP,
 };

@@ -165,13 +165,27 @@ mod erased {
 #[derive(serde::Serialize)]
 pub struct Listing {
     pub snapshots: Vec<zdisk_core::SnapshotInfo>,
-    pub clones: Vec<zdisk_core::CloneInfo>,
+    pub clones: Vec<ListedClone>,
+}
+
+/// A clone with what its view holds (`Volume::clone_mapped`'s walk).
+#[derive(serde::Serialize)]
+pub struct ListedClone {
+    #[serde(flatten)]
+    pub info: zdisk_core::CloneInfo,
+    #[serde(flatten)]
+    pub mapped: zdisk_core::CloneMapped,
 }
 
 pub fn listing(volume: &Volume) -> Result<Listing, String> {
+    let mut clones = Vec::new();
+    for info in volume.clones().map_err(|e| e.to_string())? {
+        let mapped = volume.clone_mapped(&info.name).map_err(|e| e.to_string())?;
+        clones.push(ListedClone { info, mapped });
+    }
     Ok(Listing {
         snapshots: volume.snapshots().map_err(|e| e.to_string())?,
-        clones: volume.clones().map_err(|e| e.to_string())?,
+        clones,
     })
 }
 
@@ -384,7 +398,8 @@ pub fn ask(image: &Path, request: &str, command: &str) -> Result<String, AskErro
     // Statistics come at once; a snapshot or a deletion flushes, and
     // compacting cleans the whole image: those wait as long as they take.
     let read_timeout = match request {
-        "stats" | "snapshots" | "volumes" => Some(TIMEOUT),
+        // `volumes` walks each clone's view: it waits as long as that.
+        "stats" | "snapshots" => Some(TIMEOUT),
         _ => None,
     };
     stream.set_read_timeout(read_timeout).map_err(failed)?;

@@ -56,6 +56,14 @@ struct ListedClone {
     own_zero_blocks: u64,
     own_stored_bytes: u64,
     snapshots: Vec<String>,
+    /// Blocks of data the clone sees, its own among them, and the rest
+    /// (its snapshot's, shared).
+    #[serde(default)]
+    mapped_blocks: u64,
+    #[serde(default)]
+    own_data_blocks: u64,
+    #[serde(default)]
+    shared_blocks: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -250,10 +258,18 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
         Source::Server => "being served; from its server",
         Source::Image => "not being served; from the image",
     };
-    let row = |cells: [&str; 7]| {
+    let row = |cells: [&str; 9]| {
         format!(
-            "{:<24} {:<9} {:<24} {:<20} {:>12} {:>12} {:>12}\n",
-            cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], cells[6]
+            "{:<24} {:<9} {:<24} {:<20} {:>12} {:>12} {:>12} {:>9} {:>9}\n",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            cells[4],
+            cells[5],
+            cells[6],
+            cells[7],
+            cells[8]
         )
     };
     let mut out = format!("{}: {from}\n", args.image.display());
@@ -265,8 +281,20 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
         "HOLDS BLOCKS",
         "HOLDS BYTES",
         "FREES BLOCKS",
+        "MAPPED",
+        "SHARED",
     ]));
-    out.push_str(&row(["(the volume)", "volume", "-", "-", "-", "-", "-"]));
+    out.push_str(&row([
+        "(the volume)",
+        "volume",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+        "-",
+    ]));
     for snapshot in &listing.snapshots {
         out.push_str(&row([
             &snapshot.name,
@@ -276,6 +304,8 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
             &snapshot.kept_blocks.to_string(),
             &format_size(snapshot.kept_stored_bytes),
             &snapshot.frees_blocks.to_string(),
+            "-",
+            "-",
         ]));
     }
     for clone in &listing.clones {
@@ -287,17 +317,23 @@ pub fn volumes(args: &VolumesArgs) -> Result<(), String> {
             &clone.own_blocks.to_string(),
             &format_size(clone.own_stored_bytes),
             // A clone with snapshots cannot be deleted.
+            // What deleting it frees: its own data (a clone with
+            // snapshots cannot be deleted).
             &match clone.snapshots.is_empty() {
-                true => clone.own_blocks.to_string(),
+                true => (clone.own_blocks - clone.own_zero_blocks).to_string(),
                 false => "-".to_string(),
             },
+            &clone.mapped_blocks.to_string(),
+            &clone.shared_blocks.to_string(),
         ]));
     }
     out.push_str(
         "A snapshot holds the blocks its volume changed since it was taken; deleting it \
          frees those no older snapshot of the same volume sees. A clone holds the blocks \
          written to it; every other block is its snapshot's, shared. (A snapshot's by \
-         walking its own entries, a clone's from the map's counts: never the volume.)\n",
+         walking its own entries; a clone's HOLDS from the map's counts, its MAPPED (data \
+         blocks it sees) and SHARED (those its snapshot holds) by walking its view a window \
+         at a time.)\n",
     );
     crate::output::write(format_args!("{out}"))
 }

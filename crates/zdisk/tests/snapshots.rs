@@ -444,7 +444,13 @@ fn served_clones() -> TestResult {
             && entry("vm1")["own_zero_blocks"] == 1024
             && entry("vm2")["own_blocks"] == 1024
             && entry("vm1-base")["of"] == "vm1"
-            && entry("vm2")["snapshot"] == "vm1-base",
+            && entry("vm2")["snapshot"] == "vm1-base"
+            // vm1 sees 12 MiB of data: 8 MiB its own, 4 MiB golden's;
+            // vm2 12 MiB: 4 MiB its own, 8 MiB vm1-base's.
+            && entry("vm1")["mapped_blocks"] == 3072
+            && entry("vm1")["shared_blocks"] == 1024
+            && entry("vm2")["mapped_blocks"] == 3072
+            && entry("vm2")["shared_blocks"] == 2048,
         "zdisk volumes --json: {listed}"
     );
     let stats = json(&["stats", image_arg, "--json"])?;

@@ -277,7 +277,15 @@ impl Volume {
         for &lba in &report.damaged_blocks {
             let (mut state, floor) =
                 self.admit(Writer::Range, (Lba(lba), 1), RANGE_RECORD_LEN, 1)?;
-            state.apply_range(RecordKind::Trim, Lba(lba), 1, floor)?;
+            let kept =
+                (SPACE_BLOCKS..TABLE_BASE).contains(&lba) && state.host_volume(Lba(lba)).is_none();
+            if kept {
+                // A snapshot's kept entry: marked damaged at its version
+                // (a trim there would be a write to no volume).
+                state.mark_damaged(Lba(lba))?;
+            } else {
+                state.apply_range(RecordKind::Trim, Lba(lba), 1, floor)?;
+            }
         }
         report.repaired_blocks = std::mem::take(&mut report.damaged_blocks);
         self.checkpoint()?;

@@ -643,7 +643,10 @@ impl Volume {
         let mut block = vec![0u8; BLOCK_SIZE];
         match target.space {
             0 => self.read_blocks(lba, &mut block)?,
-            space => self.read_view_blocks(View::Clone(space), "", lba, &mut block)?,
+            space => {
+                let view = View::Clone(space, target.made);
+                self.read_view_blocks(view, "", lba, &mut block)?
+            }
         }
         let at = (offset % BLOCK_SIZE_U64) as usize;
         match bytes {

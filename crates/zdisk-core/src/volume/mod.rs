@@ -53,7 +53,7 @@ mod tests;
 
 pub use crate::snapshots::{CloneVolume, Snapshot};
 pub use check::CheckReport;
-pub use clone::{CloneDevice, CloneInfo, DeletedClone};
+pub use clone::{CloneDevice, CloneInfo, CloneMapped, DeletedClone};
 pub use cold::{IdleBudget, Recompress};
 pub use dedup::DedupRunStats;
 pub use estimate::{BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator};

@@ -43,7 +43,7 @@ use crate::units::{Lba, SegmentId, BLOCK_SIZE_U64};
 use super::scan::{scan_segment, Scanned};
 use super::staging::{lay_over, recover_staged, Staged};
 use super::state::{keeps, keeps_in, SharedCounts};
-use crate::snapshots::{decode_change, SnapshotChange, Snapshots};
+use crate::snapshots::{decode_change, SnapshotChange, Snapshots, SNAPSHOTS_MAX};
 
 /// What happened while opening a volume.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -152,6 +152,8 @@ struct Recovery<'a> {
     /// Segments holding a snapshot record replayed: needed until the next
     /// checkpoint, as reference records are.
     snapshot_segments: HashSet<SegmentId>,
+    /// Replay changed a clone's key space, or one nobody owned then.
+    clone_spaces_touched: bool,
     /// Sectors found only in staging slots, read as if they were in place.
     staged: Vec<Staged>,
     report: OpenReport,
@@ -241,6 +243,7 @@ impl<'a> Recovery<'a> {
             shared: SharedCounts::default(),
             snapshots: checkpoint.snapshots.clone(),
             snapshot_segments: HashSet::new(),
+            clone_spaces_touched: false,
             staged: Vec::new(),
             report: OpenReport {
                 clean: checkpoint.clean && trust_clean,
@@ -476,7 +479,7 @@ impl<'a> Recovery<'a> {
                 Ok(change) => {
                     self.report.replayed_records += 1;
                     self.snapshot_segments.insert(segment);
-                    self.replay_snapshot(&change)?;
+                    self.replay_snapshot(&change, header.version)?;
                 }
                 Err(why) => self.report.replay_damage.push(format!(
                     "segment {segment} (seq {seq}) at offset {}: {why}",
@@ -667,17 +670,55 @@ impl<'a> Recovery<'a> {
     }
 
     /// True if a change at `version` to key `key` is a host change to
-    /// replay: the key is the image volume's, or a clone's that was made
-    /// before the change (a clone's space may have been reused).
-    fn replays_host_change(&self, key: Lba, version: u64) -> bool {
+    /// replay: the key is the image volume's, or in a space no snapshot
+    /// owns and no clone made at or after the change owns. A space nobody
+    /// owns now may be a clone's whose making is replayed later (a copy
+    /// the cleaner wrote into a segment opened before it), or a deleted
+    /// clone's: [`Replay::sweep_clone_spaces`] settles which at the end.
+    fn replays_host_change(&mut self, key: Lba, version: u64) -> bool {
         match key_space(key.0) {
             Some(0) => true,
-            Some(space) => self
-                .snapshots
-                .clone_by_space(space)
-                .is_some_and(|clone| clone.version < version),
+            Some(space) if self.snapshots.by_space(space).is_some() => false,
+            Some(space) => {
+                let made_before = self
+                    .snapshots
+                    .clone_by_space(space)
+                    .is_none_or(|clone| clone.version < version);
+                self.clone_spaces_touched |= made_before;
+                made_before
+            }
             None => false,
         }
+    }
+
+    /// After the log is replayed: a key space that no snapshot or clone
+    /// owns holds nothing, and a clone's holds nothing older than the
+    /// clone (changes of a clone deleted before, in the same space).
+    fn sweep_clone_spaces(&mut self) -> Result<()> {
+        if !self.clone_spaces_touched {
+            return Ok(());
+        }
+        for space in 1..=SNAPSHOTS_MAX as u16 {
+            if self.snapshots.by_space(space).is_some() {
+                continue;
+            }
+            let made = self.snapshots.clone_by_space(space).map(|c| c.version);
+            let first = space_key(space, 0);
+            self.map.load(self.media, first, SPACE_BLOCKS)?;
+            let mut stale = Vec::new();
+            self.map
+                .for_each_run(first, SPACE_BLOCKS, |at, blocks, entry| {
+                    if !entry.is_hole() && made.is_none_or(|made| entry.version() <= made) {
+                        stale.push((at, blocks));
+                    }
+                    std::ops::ControlFlow::Continue(())
+                });
+            for (at, blocks) in stale {
+                self.map
+                    .set_range(at, blocks, RangeState::Hole, 0, false, &mut |_| {});
+            }
+        }
+        Ok(())
     }
 
     /// Host key `key`'s entry `old` is being replaced: the newest snapshot
@@ -718,10 +759,15 @@ impl<'a> Recovery<'a> {
         self.map.load(self.media, first, count)?;
         let space = key_space(first.0).unwrap_or(0);
         if space != 0 && self.snapshots.by_space(space).is_some() {
-            // A kept entry found damaged (`State::mark_damaged`).
+            // A kept entry found damaged (`State::mark_damaged`): it stays
+            // at its version, which says the snapshot sees it.
             if state == RangeState::Damaged {
-                self.map
-                    .set_range(first, count, state, version, true, &mut |_| {});
+                for key in first.0..first.0 + count {
+                    let entry = self.map.get(Lba(key));
+                    if !entry.is_hole() {
+                        self.map.set(Lba(key), Slot::Damaged, entry.version());
+                    }
+                }
             }
             return Ok(());
         }
@@ -772,7 +818,11 @@ impl<'a> Recovery<'a> {
     /// or drops the entries it kept, as `State::delete_snapshot` did; a
     /// clone's drops its entries (live bytes and counts are derived from
     /// the map afterwards).
-    fn replay_snapshot(&mut self, change: &SnapshotChange) -> Result<()> {
+    ///
+    /// A clone's deletion at `version` drops its entries older than that:
+    /// a newer one there can only be a later clone's in the same space,
+    /// replayed ahead of its making (`replays_host_change`).
+    fn replay_snapshot(&mut self, change: &SnapshotChange, version: u64) -> Result<()> {
         if let SnapshotChange::DeleteClone { space } = *change {
             if self.snapshots.clone_by_space(space).is_none() {
                 return Ok(());
@@ -782,7 +832,7 @@ impl<'a> Recovery<'a> {
             let mut entries = Vec::new();
             self.map
                 .for_each_run(first, SPACE_BLOCKS, |at, blocks, entry| {
-                    if !entry.is_hole() {
+                    if !entry.is_hole() && entry.version() < version {
                         entries.push((at, blocks));
                     }
                     std::ops::ControlFlow::Continue(())
@@ -978,6 +1028,7 @@ impl<'a> Recovery<'a> {
 
     /// Settles every segment's state from the map and what replay kept.
     fn finish(mut self, writable: bool) -> Result<Recovered> {
+        self.sweep_clone_spaces()?;
         let segment_size = self.media.geometry().segment_size_bytes;
         let mut holds_ranges = self.segments_holding_needed_ranges()?;
         holds_ranges.extend(self.snapshot_segments.iter().copied());

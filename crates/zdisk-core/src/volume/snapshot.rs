@@ -346,6 +346,9 @@ impl Volume {
     ) -> Result<Vec<(ExtentState, u64)>> {
         let count = count.min(STATUS_BLOCKS_MAX);
         let state = self.make_resident(self.lock(), &[(first, count)])?;
+        if !state.view_exists(view) {
+            return Err(gone(view, ""));
+        }
         let mut runs: Vec<(ExtentState, u64)> = Vec::new();
         let max = max.max(1);
         state.for_each_view_run(view, first, count, |_, blocks, entry| {
@@ -379,8 +382,8 @@ fn no_such_snapshot(name: &str) -> Error {
 /// The error for a read of a snapshot or clone deleted meanwhile.
 pub(super) fn gone(view: View, name: &str) -> Error {
     match view {
-        _ if name.is_empty() => Error::InvalidArgument("the clone was deleted".into()),
-        View::Clone(_) => Error::InvalidArgument(format!("no clone named {name:?}")),
+        _ if name.is_empty() => Error::InvalidArgument("the snapshot or clone was deleted".into()),
+        View::Clone(..) => Error::InvalidArgument(format!("no clone named {name:?}")),
         _ => no_such_snapshot(name),
     }
 }

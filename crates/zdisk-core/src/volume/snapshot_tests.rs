@@ -100,6 +100,14 @@ impl Model {
             device.read(0, &mut buf).unwrap();
             compare(&buf, seeds, &format!("{context}: clone {name}"));
             compare_status(&device, seeds, &format!("{context}: clone {name}"));
+            // The walk of its view counts the blocks of data it sees.
+            let mapped = volume.clone_mapped(name).unwrap();
+            let data = seeds.iter().filter(|&&seed| seed != 0).count() as u64;
+            assert_eq!(mapped.mapped_blocks, data, "{context}: clone {name}");
+            assert_eq!(
+                mapped.own_data_blocks + mapped.shared_blocks,
+                mapped.mapped_blocks
+            );
         }
         let names: Vec<String> = volume
             .clones()
@@ -555,6 +563,9 @@ fn clone_errors_are_clear() {
     let gone = device.trim(0, 4096, false).unwrap_err().to_string();
     assert!(gone.contains("deleted"), "{gone}");
     let mut buf = vec![0u8; 4096];
+    // Nor does it read the other clone's blocks.
+    assert!(device.read(0, &mut buf).is_err());
+    assert!(device.block_status(0, 4096, 1).is_err());
     volume
         .clone_device("other")
         .unwrap()

@@ -532,7 +532,7 @@ impl State {
         floor: u64,
     ) -> Result<()> {
         // A hole in a clone reads as its snapshot: a clone's trim zeroes.
-        let in_clone = first.0 >= crate::map::SPACE_BLOCKS;
+        let in_clone = self.host_volume(first).is_some_and(|volume| volume != 0);
         let kind = match kind {
             RecordKind::Trim if in_clone => RecordKind::Zero,
             kind => kind,

@@ -130,7 +130,7 @@ impl Volume {
     fn look_up_window(&self, view: View, from: Lba, end: u64) -> Result<Window> {
         let span = match view {
             View::Volume => WINDOW_SPAN_BLOCKS,
-            View::Snapshot(_) | View::Clone(_) => SNAPSHOT_WINDOW_SPAN_BLOCKS,
+            View::Snapshot(_) | View::Clone(..) => SNAPSHOT_WINDOW_SPAN_BLOCKS,
         };
         let end = end.min(from.0 + span);
         let mut found = Vec::new();
@@ -253,7 +253,7 @@ fn classify(
         // one a snapshot keeps may name the block in the snapshot's space.
         let named = match view {
             View::Volume => header.lba,
-            View::Snapshot(_) | View::Clone(_) => key_block(header.lba),
+            View::Snapshot(_) | View::Clone(..) => key_block(header.lba),
         };
         header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(named))
     });

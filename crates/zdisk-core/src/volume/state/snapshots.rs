@@ -58,8 +58,9 @@ pub(crate) enum View {
     Volume,
     /// The snapshot whose key space this is.
     Snapshot(u16),
-    /// The clone whose key space this is.
-    Clone(u16),
+    /// The clone whose key space this is, made at this version (a clone
+    /// deleted since, whose space another may have taken, is gone).
+    Clone(u16, u64),
 }
 
 /// The host key volume `volume` (0 or a clone's space) has for `lba`.
@@ -428,7 +429,7 @@ impl State {
         match view {
             View::Volume => self.map.get(lba),
             View::Snapshot(space) => self.snapshot_entry(space, lba),
-            View::Clone(space) => self.clone_entry(space, lba),
+            View::Clone(space, _) => self.clone_entry(space, lba),
         }
     }
 
@@ -437,7 +438,10 @@ impl State {
         match view {
             View::Volume => true,
             View::Snapshot(space) => self.snapshots.by_space(space).is_some(),
-            View::Clone(space) => self.snapshots.clone_by_space(space).is_some(),
+            View::Clone(space, made) => self
+                .snapshots
+                .clone_by_space(space)
+                .is_some_and(|clone| clone.version == made),
         }
     }
 
@@ -457,10 +461,15 @@ impl State {
                     spaces.extend(self.snapshots.chain_from(space).map(|s| s.space));
                     next = Some(match snapshot.volume {
                         0 => View::Volume,
-                        clone => View::Clone(clone),
+                        clone => View::Clone(
+                            clone,
+                            self.snapshots
+                                .clone_by_space(clone)
+                                .map_or(0, |c| c.version),
+                        ),
                     });
                 }
-                View::Clone(space) => {
+                View::Clone(space, _) => {
                     spaces.push(space);
                     next = self
                         .snapshots
