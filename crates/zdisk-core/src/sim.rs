@@ -1344,6 +1344,9 @@ impl<C: Choices> Run<C> {
             for lba in 0..self.config.logical_blocks {
                 println!("before crash: {}", self.volume.describe_block(lba));
             }
+            for line in &self.trace {
+                println!("TRACE {line}");
+            }
         }
         self.media = crashed;
         // Sometimes the newest root rots too: recovery must fall back to

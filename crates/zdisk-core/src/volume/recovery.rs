@@ -154,6 +154,10 @@ struct Recovery<'a> {
     snapshot_segments: HashSet<SegmentId>,
     /// Replay changed a clone's key space, or one nobody owned then.
     clone_spaces_touched: bool,
+    /// Changes applied to a key space nobody owned when they were
+    /// replayed (first key, blocks, version): kept only if a clone made
+    /// before them owns it in the end.
+    unowned: Vec<(Lba, u64, u64)>,
     /// Sectors found only in staging slots, read as if they were in place.
     staged: Vec<Staged>,
     report: OpenReport,
@@ -244,6 +248,7 @@ impl<'a> Recovery<'a> {
             snapshots: checkpoint.snapshots.clone(),
             snapshot_segments: HashSet::new(),
             clone_spaces_touched: false,
+            unowned: Vec::new(),
             staged: Vec::new(),
             report: OpenReport {
                 clean: checkpoint.clean && trust_clean,
@@ -654,17 +659,17 @@ impl<'a> Recovery<'a> {
                 return Ok(());
             }
         }
-        if !self.replays_host_change(key, version) {
+        if !self.replays_host_change(key, 1, version) {
             // A copy of an entry no snapshot keeps any more, or a write to
             // a clone deleted since.
             return Ok(());
         }
         self.map.load(self.media, key, 1)?;
         let old = self.map.get(key);
-        if old.version() > version {
+        if old.version() > version || !self.superseded_blocks(key, 1, version)?.is_empty() {
             return Ok(());
         }
-        self.keep_replayed(key, old)?;
+        self.keep_replayed(key, old, version)?;
         self.map.set(key, slot, version);
         Ok(())
     }
@@ -675,18 +680,23 @@ impl<'a> Recovery<'a> {
     /// owns now may be a clone's whose making is replayed later (a copy
     /// the cleaner wrote into a segment opened before it), or a deleted
     /// clone's: [`Replay::sweep_clone_spaces`] settles which at the end.
-    fn replays_host_change(&mut self, key: Lba, version: u64) -> bool {
+    ///
+    /// A change applied to a space nobody owns is remembered: the space
+    /// may also be a deleted snapshot's (a record the cleaner rewrote from
+    /// an entry it kept), which a later snapshot may take; only a clone
+    /// made before the change keeps it in the end.
+    fn replays_host_change(&mut self, key: Lba, count: u64, version: u64) -> bool {
         match key_space(key.0) {
             Some(0) => true,
             Some(space) if self.snapshots.by_space(space).is_some() => false,
-            Some(space) => {
-                let made_before = self
-                    .snapshots
-                    .clone_by_space(space)
-                    .is_none_or(|clone| clone.version < version);
-                self.clone_spaces_touched |= made_before;
-                made_before
-            }
+            Some(space) => match self.snapshots.clone_by_space(space) {
+                Some(clone) => clone.version < version,
+                None => {
+                    self.clone_spaces_touched = true;
+                    self.unowned.push((key, count, version));
+                    true
+                }
+            },
             None => false,
         }
     }
@@ -697,6 +707,30 @@ impl<'a> Recovery<'a> {
     fn sweep_clone_spaces(&mut self) -> Result<()> {
         if !self.clone_spaces_touched {
             return Ok(());
+        }
+        // What was applied to a space nobody owned then, and is not a
+        // later clone's in the end, goes (a snapshot may own the space now).
+        for (first, count, version) in std::mem::take(&mut self.unowned) {
+            let space = key_space(first.0).unwrap_or(0);
+            let kept = self
+                .snapshots
+                .clone_by_space(space)
+                .is_some_and(|clone| clone.version < version);
+            if kept {
+                continue;
+            }
+            self.map.load(self.media, first, count)?;
+            let mut applied = Vec::new();
+            self.map.for_each_run(first, count, |at, blocks, entry| {
+                if !entry.is_hole() && entry.version() == version {
+                    applied.push((at, blocks));
+                }
+                std::ops::ControlFlow::Continue(())
+            });
+            for (at, blocks) in applied {
+                self.map
+                    .set_range(at, blocks, RangeState::Hole, 0, false, &mut |_| {});
+            }
         }
         for space in 1..=SNAPSHOTS_MAX as u16 {
             if self.snapshots.by_space(space).is_some() {
@@ -723,12 +757,17 @@ impl<'a> Recovery<'a> {
 
     /// Host key `key`'s entry `old` is being replaced: the newest snapshot
     /// of its volume keeps it if it sees it and keeps nothing there yet.
-    fn keep_replayed(&mut self, key: Lba, old: Entry) -> Result<()> {
+    ///
+    /// Only a snapshot taken before the change at `version` keeps what it
+    /// replaced: a copy the cleaner made of an old change (a range record
+    /// relocated unchanged, say) may be replayed after a newer snapshot
+    /// is in the registry, and the snapshot never saw that replacement.
+    fn keep_replayed(&mut self, key: Lba, old: Entry, version: u64) -> Result<()> {
         let volume = key_space(key.0).unwrap_or(0);
         let Some(newest) = self.snapshots.newest_of(volume) else {
             return Ok(());
         };
-        if !keeps_in(volume, old) || old.version() >= newest.version {
+        if !keeps_in(volume, old) || old.version() >= newest.version || newest.version >= version {
             return Ok(());
         }
         let at = space_key(newest.space, key_block(key.0));
@@ -771,7 +810,7 @@ impl<'a> Recovery<'a> {
             }
             return Ok(());
         }
-        if !self.replays_host_change(first, version) {
+        if !self.replays_host_change(first, count, version) {
             return Ok(());
         }
         self.keep_replayed_range(first, count, version)?;
@@ -786,11 +825,40 @@ impl<'a> Recovery<'a> {
                 std::ops::ControlFlow::Continue(())
             });
         }
+        let superseded = self.superseded_blocks(first, count, version)?;
+        let parts = without_blocks(parts, &superseded);
         for (from, blocks) in parts {
             self.map
                 .set_range(from, blocks, state, version, true, &mut |_| {});
         }
         Ok(())
+    }
+
+    /// The host keys among `first..first+count` whose entry a snapshot of
+    /// their volume keeps at a version above `version`: the change at
+    /// `version` was overwritten there before that entry was kept (a copy
+    /// of an old change the cleaner made, replayed over a block a later
+    /// trim left a hole, must not come back: the snapshot's view would
+    /// take it for the volume's unchanged entry).
+    fn superseded_blocks(&mut self, first: Lba, count: u64, version: u64) -> Result<Vec<u64>> {
+        let volume = key_space(first.0).unwrap_or(0);
+        let spaces: Vec<u16> = self.snapshots.of_volume(volume).map(|s| s.space).collect();
+        let block = key_block(first.0);
+        let mut superseded = Vec::new();
+        for space in spaces {
+            let at = space_key(space, block);
+            self.map.load(self.media, at, count)?;
+            self.map.for_each_run(at, count, |key, blocks, entry| {
+                if !entry.is_hole() && entry.version() > version {
+                    let offset = key_block(key.0) - block;
+                    superseded.extend((0..blocks).map(|i| first.0 + offset + i));
+                }
+                std::ops::ControlFlow::Continue(())
+            });
+        }
+        superseded.sort_unstable();
+        superseded.dedup();
+        Ok(superseded)
     }
 
     /// Before a range record at `version` replays over host keys
@@ -808,7 +876,7 @@ impl<'a> Recovery<'a> {
             std::ops::ControlFlow::Continue(())
         });
         for (key, old) in seen {
-            self.keep_replayed(key, old)?;
+            self.keep_replayed(key, old, version)?;
         }
         Ok(())
     }
@@ -1084,5 +1152,44 @@ impl<'a> Recovery<'a> {
             report: self.report,
             staged: self.staged,
         })
+    }
+}
+
+/// `parts` (runs of keys, in order) less the keys in `gone` (sorted).
+fn without_blocks(parts: Vec<(Lba, u64)>, gone: &[u64]) -> Vec<(Lba, u64)> {
+    if gone.is_empty() {
+        return parts;
+    }
+    let mut out = Vec::new();
+    for (from, blocks) in parts {
+        let mut start = from.0;
+        let end = from.0 + blocks;
+        let lo = gone.partition_point(|&key| key < start);
+        for &key in gone[lo..].iter().take_while(|&&key| key < end) {
+            if key > start {
+                out.push((Lba(start), key - start));
+            }
+            start = key + 1;
+        }
+        if start < end {
+            out.push((Lba(start), end - start));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod without_blocks_tests {
+    use super::*;
+
+    #[test]
+    fn runs_lose_exactly_the_keys_named() {
+        let parts = vec![(Lba(10), 5), (Lba(20), 3)];
+        assert_eq!(without_blocks(parts.clone(), &[]), parts);
+        assert_eq!(
+            without_blocks(parts.clone(), &[10, 12, 14, 21, 30]),
+            vec![(Lba(11), 1), (Lba(13), 1), (Lba(20), 1), (Lba(22), 1)]
+        );
+        assert_eq!(without_blocks(vec![(Lba(0), 2)], &[0, 1]), vec![]);
     }
 }
