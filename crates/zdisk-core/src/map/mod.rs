@@ -961,14 +961,14 @@ impl Map {
         let before = self.counts;
         self.set_range_counted(first, count, state, version, only_newer, displaced);
         if kept {
-            let mut counts = self.kept_counts;
-            counts.merge(self.counts);
-            self.kept_counts = counts.without(before);
-            let space = (first.0 >> entry::SPACE_SHIFT) as u16;
-            let in_space = self.space_counts.entry(space).or_default();
-            let mut counts = *in_space;
-            counts.merge(self.counts);
-            *in_space = counts.without(before);
+            // What the range changed in the totals, it changed in these.
+            let (after, space) = (self.counts, (first.0 >> entry::SPACE_SHIFT) as u16);
+            let moved = |counts: &mut MapCounts| {
+                counts.merge(after);
+                *counts = counts.without(before);
+            };
+            moved(&mut self.kept_counts);
+            moved(self.space_counts.entry(space).or_default());
         }
     }
 

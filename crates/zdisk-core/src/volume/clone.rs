@@ -151,14 +151,7 @@ impl Volume {
     /// each under the lock once, cut where any of the maps it looks at
     /// changes, so O(entries of those spaces) plus one step per window.
     pub fn clone_mapped(&self, name: &str) -> Result<CloneMapped> {
-        let (space, made) = {
-            let state = self.lock();
-            let clone = state
-                .snapshots()
-                .clone_by_name(name)
-                .ok_or_else(|| no_such_clone(name))?;
-            (clone.space, clone.version)
-        };
+        let Target { space, made } = self.clone_target(name)?;
         let view = View::Clone(space, made);
         let blocks = self.logical_blocks();
         let mut mapped = CloneMapped::default();
@@ -202,28 +195,28 @@ impl Volume {
     /// Clone `name` as a block device, writable unless the image was
     /// opened read-only.
     pub fn clone_device(self: &Arc<Self>, name: &str) -> Result<CloneDevice> {
-        let state = self.lock();
-        let clone = state
-            .snapshots()
-            .clone_by_name(name)
-            .ok_or_else(|| no_such_clone(name))?;
         Ok(CloneDevice {
             volume: Arc::clone(self),
-            target: Target {
-                space: clone.space,
-                made: clone.version,
-            },
+            target: self.clone_target(name)?,
             name: name.to_string(),
         })
     }
 
     fn clone_space(&self, name: &str) -> Result<u16> {
+        Ok(self.clone_target(name)?.space)
+    }
+
+    /// Clone `name`'s key space and the version it was made at.
+    fn clone_target(&self, name: &str) -> Result<Target> {
         let state = self.lock();
         let clone = state
             .snapshots()
             .clone_by_name(name)
             .ok_or_else(|| no_such_clone(name))?;
-        Ok(clone.space)
+        Ok(Target {
+            space: clone.space,
+            made: clone.version,
+        })
     }
 }
 

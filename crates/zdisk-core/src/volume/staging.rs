@@ -533,21 +533,15 @@ mod tests {
         assert_eq!(reads(&volume, 0), small(7));
     }
 
-    /// A staging record of an older incarnation of a segment, which a root
-    /// would still replay, is never laid over the newer incarnation, even
-    /// when the records that show the segment was reused end in the newer
-    /// incarnation's own staged sector (so the medium alone holds none
-    /// that decodes).
-    #[test]
-    fn a_stale_staging_is_not_laid_over_a_reused_segment() {
-        let (media, volume) = staging_volume();
-        // Block 0's record is about 2 KiB: its first sectors go in place,
-        // its end only into a staging slot.
-        let mut rng = SmallRng::seed_from_u64(5);
+    /// Writes block 0 (a record of about 2 KiB: its first sectors go in
+    /// place, its end only into a staging slot) as the first record of the
+    /// host stream's second incarnation of a segment: the first is filled
+    /// (random fillers from `seed`) until block 0 no longer fits. Flushed;
+    /// returns block 0.
+    fn block_0_opens_an_incarnation(volume: &Volume, seed: u64) -> Vec<u8> {
+        let mut rng = SmallRng::seed_from_u64(seed);
         let mut block = small(0);
         rng.fill_bytes(&mut block[..2000]);
-        // Fill the first incarnation until block 0 no longer fits, so
-        // that its record is the first of the second one.
         let room = || volume.lock().stream_room(StreamKind::Host);
         for lba in 10..64 {
             let mut filler = small(lba as u8);
@@ -561,6 +555,18 @@ mod tests {
         volume.flush().unwrap();
         volume.write(0, &block, false).unwrap();
         volume.flush().unwrap();
+        block
+    }
+
+    /// A staging record of an older incarnation of a segment, which a root
+    /// would still replay, is never laid over the newer incarnation, even
+    /// when the records that show the segment was reused end in the newer
+    /// incarnation's own staged sector (so the medium alone holds none
+    /// that decodes).
+    #[test]
+    fn a_stale_staging_is_not_laid_over_a_reused_segment() {
+        let (media, volume) = staging_volume();
+        let block = block_0_opens_an_incarnation(&volume, 5);
         let (segment, seq, boundary) = {
             let state = volume.lock();
             let host = &state.streams()[0];
@@ -600,22 +606,7 @@ mod tests {
     #[test]
     fn a_longer_stale_copy_of_the_same_sector_does_not_hide_the_newer_one() {
         let (media, volume) = staging_volume();
-        let mut rng = SmallRng::seed_from_u64(6);
-        let mut block = small(0);
-        rng.fill_bytes(&mut block[..2000]);
-        let room = || volume.lock().stream_room(StreamKind::Host);
-        for lba in 10..64 {
-            let mut filler = small(lba as u8);
-            if lba == 10 || room() > 6 * 1024 {
-                rng.fill_bytes(&mut filler);
-            } else if room() < 2048 {
-                break;
-            }
-            volume.write(lba * BLOCK_SIZE_U64, &filler, false).unwrap();
-        }
-        volume.flush().unwrap();
-        volume.write(0, &block, false).unwrap();
-        volume.flush().unwrap();
+        let block = block_0_opens_an_incarnation(&volume, 6);
         let (segment, seq) = {
             let state = volume.lock();
             let host = &state.streams()[0];
