@@ -408,19 +408,24 @@ def nbdcopy(*words):
     return time.monotonic() - started
 
 
-def corpus(path, size_bytes, directory):
+# The reference workload of issue #27: the first 512 MiB of a tar of these.
+REFERENCE_TREES = ["/usr/share/doc", "/usr/lib/x86_64-linux-gnu", "/usr/bin"]
+
+
+def corpus(path, size_bytes, directory, trees=("/usr",)):
     """The file to write and read back: `path` if given, else the first
-    `size_bytes` of a tar of /usr made in `directory` (real OS files:
-    executables, libraries, text; it compresses about 1.6x with lz4)."""
+    `size_bytes` of a tar of `trees` (/usr) made in `directory` (real OS
+    files: executables, libraries, text; it compresses about 1.6x with lz4)."""
     if path:
         if not os.path.isfile(path):
             raise Failure(f"no corpus at {path}")
         return os.path.abspath(path)
     made = os.path.join(directory, "corpus.tar")
-    tar_prefix(made, size_bytes, ["--one-file-system", "/usr"])
+    trees = [tree for tree in trees if os.path.isdir(tree)] or ["/usr"]
+    tar_prefix(made, size_bytes, ["--one-file-system", *trees])
     if os.path.getsize(made) != size_bytes:
-        raise Failure(f"only {os.path.getsize(made)} bytes of /usr could be tarred, "
-                      f"not {size_bytes}")
+        raise Failure(f"only {os.path.getsize(made)} bytes of {' '.join(trees)} could be "
+                      f"tarred, not {size_bytes}")
     return made
 
 

@@ -4,7 +4,9 @@
 nbdkit's memory plugin (no compression: the protocol's ceiling on this
 machine), zdisk with each codec, optionally an older zdisk (--before), and
 btrfs with compress-force=zstd:1 on a loop file, over the same corpus of
-OS files. For each, best of --rounds interleaved rounds:
+OS files: the first 512 MiB of a tar of /usr/share/doc,
+/usr/lib/x86_64-linux-gnu and /usr/bin (issue #27's reference workload).
+For each, best of --rounds interleaved rounds:
 - write MB/s: nbdcopy of the corpus into the export (btrfs: cp + sync);
 - 4 KiB random read MB/s: fio's nbd engine, QD16 x 2 jobs, 8 s (btrfs: fio
   psync on the file, 2 jobs, after dropping the page cache: not the same
@@ -14,13 +16,18 @@ OS files. For each, best of --rounds interleaved rounds:
 - stored bytes and ratio: zdisk's stored_bytes and compression_ratio,
   btrfs's disk usage from compsize;
 - server cores: CPU the server used on average during the write;
+- for zdisk, media bytes per host byte (media_write_bytes over
+  host_write_bytes) right after the copy and after the idle pass, and the
+  bytes written at fast effort (host_write_fast_bytes);
 - for zdisk, after the reads: the idle pass (the cold-data recompression
   that starts after 5 s without requests, on data not read for 60 s) is
   left to finish (up to --idle-limit seconds; 0 skips it), and stored
   bytes, ratio and both reads are measured again: what reading cold data
   back costs.
 Ratios are against nbdkit memory and against btrfs from the same run.
-A codec may name a unit size: lz4@16K creates the image with --unit-max 16K.
+A codec may name a unit size: lz4@16K creates the image with --unit-max 16K;
+and a write effort: lz4/full serves with --write-effort full (the default
+is adaptive).
 --before BIN adds rows for an older zdisk binary (plain codecs, no idle
 pass), so that a change's before and after come from one run.
 Tables, then one JSON object per peer (also written to --json FILE).
@@ -28,7 +35,7 @@ Tables, then one JSON object per peer (also written to --json FILE).
 Needs nbdkit, nbdcopy, fio; the btrfs row needs root (loop mount),
 btrfs-progs and btrfs-compsize (or pass --skip-btrfs).
 
-  --quick   a 32 MiB corpus, one round, lz4 only, no idle pass (seconds)
+  --quick   a 32 MiB corpus, one round, lz4 adaptive and full, no idle pass (seconds)
 """
 
 import os
@@ -75,18 +82,28 @@ def nbdkit_round(ctx):
         return measure(server, ctx)
 
 
+def media_per_host(stats):
+    return stats["media_write_bytes"] / stats["host_write_bytes"]
+
+
 def zdisk_round(ctx, zdisk, spec, before=False):
-    codec, _, unit = spec.partition("@")
-    name = f"zdisk-{'before-' if before else ''}{spec.replace(':', '-').replace('@', '-')}"
+    spec_codec, _, effort = spec.partition("/")
+    codec, _, unit = spec_codec.partition("@")
+    label = spec.replace(':', '-').replace('@', '-').replace('/', '-')
+    name = f"zdisk-{'before-' if before else ''}{label}"
     image = os.path.join(ctx.work, f"{name}.zdisk")
     words = ["--logical", ctx.export_bytes, "--codec", codec, "--force"]
     harness.zdisk_create(zdisk, image, *words, *(["--unit-max", unit] if unit else []))
     with harness.Teardown() as teardown:
         teardown.push(f"remove {image}", lambda: os.remove(image))
-        server = harness.Server(teardown, zdisk, image, os.path.join(ctx.work, "zdisk.sock"))
+        flags = ["--write-effort", effort] if effort else []
+        server = harness.Server(teardown, zdisk, image, os.path.join(ctx.work, "zdisk.sock"),
+                                flags=flags)
         result = measure(server, ctx)
         stats = server.stats()
-        result.update(stored_bytes=stats["stored_bytes"], ratio=stats["compression_ratio"])
+        result.update(stored_bytes=stats["stored_bytes"], ratio=stats["compression_ratio"],
+                      media_per_host=media_per_host(stats),
+                      fast_bytes=stats.get("host_write_fast_bytes", 0))
         if not before and ctx.idle_limit > 0:
             # The idle pass: wait until what it rewrote stops changing.
             t0 = time.monotonic()
@@ -100,6 +117,7 @@ def zdisk_round(ctx, zdisk, spec, before=False):
                 last = now
             result.update(idle_seconds=time.monotonic() - t0,
                           stored_idle_bytes=stats["stored_bytes"],
+                          media_per_host_idle=media_per_host(stats),
                           ratio_idle=stats["compression_ratio"],
                           randread_4k_idle_mb_s=fio_randread(uri=server.uri, size=ctx.corpus_bytes,
                                                              seconds=ctx.read_seconds),
@@ -159,31 +177,38 @@ def report(rows):
     def mib(value):
         return f"{value / (1 << 20):.0f}" if value else "-"
 
-    print("fresh: right after the copy")
+    def fraction(value, of):
+        return f"{value / of:.2f}" if value is not None and of else "-"
+
+    print("fresh: right after the copy (fast: share of the data written at fast effort)")
     harness.print_table(
         ["", "write MB/s", "x nbdkit", "x btrfs", "4K rand read MB/s", "x nbdkit",
-         "1M seq read MB/s", "x nbdkit", "stored MiB", "x btrfs", "ratio", "server cores"],
+         "1M seq read MB/s", "x nbdkit", "stored MiB", "x btrfs", "ratio", "server cores",
+         "fast", "media/host"],
         [[name, f"{row['write_mb_s']:.0f}", ratio(row, "write_mb_s", base),
           ratio(row, "write_mb_s", btrfs),
           f"{row['randread_4k_mb_s']:.0f}", ratio(row, "randread_4k_mb_s", base),
           f"{row['seq_read_mb_s']:.0f}", ratio(row, "seq_read_mb_s", base),
           mib(row.get("stored_bytes")), ratio(row, "stored_bytes", btrfs),
           f"{row['ratio']:.2f}" if row.get("ratio") else "-",
-          f"{row['server_cores']:.2f}" if row.get("server_cores") is not None else "-"]
+          f"{row['server_cores']:.2f}" if row.get("server_cores") is not None else "-",
+          fraction(row.get("fast_bytes"), row.get("corpus_bytes")),
+          f"{row['media_per_host']:.3f}" if row.get("media_per_host") else "-"]
          for name, row in rows.items()])
     idle_rows = [(name, row) for name, row in rows.items() if "stored_idle_bytes" in row]
     if idle_rows:
         print("after the idle pass (zdisk only; reads against fresh nbdkit memory)")
         harness.print_table(
             ["", "idle s", "stored MiB", "x btrfs", "ratio", "4K rand read MB/s", "x nbdkit",
-             "1M seq read MB/s", "x nbdkit"],
+             "1M seq read MB/s", "x nbdkit", "media/host"],
             [[name, f"{row['idle_seconds']:.0f}", mib(row["stored_idle_bytes"]),
               ratio(row, "stored_idle_bytes", btrfs, "stored_bytes"),
               f"{row['ratio_idle']:.2f}" if row.get("ratio_idle") else "-",
               f"{row['randread_4k_idle_mb_s']:.0f}",
               ratio(row, "randread_4k_idle_mb_s", base, "randread_4k_mb_s"),
               f"{row['seq_read_idle_mb_s']:.0f}",
-              ratio(row, "seq_read_idle_mb_s", base, "seq_read_mb_s")]
+              ratio(row, "seq_read_idle_mb_s", base, "seq_read_mb_s"),
+              f"{row['media_per_host_idle']:.3f}"]
              for name, row in idle_rows])
     if btrfs:
         print("btrfs reads go through the kernel (fio psync on the file, page cache dropped), "
@@ -220,12 +245,12 @@ def body():
     ctx.loops = 1 if args.quick else 3
     ctx.read_seconds = 2 if args.quick else 8
     rounds = args.rounds or (1 if args.quick else 2)
-    codecs = (args.codecs or ("lz4" if args.quick else "lz4,zstd")).split(",")
+    codecs = (args.codecs or ("lz4,lz4/full" if args.quick else "lz4,lz4/full,zstd,zstd/full")).split(",")
     with harness.Teardown() as teardown:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         ctx.work = harness.workdir(teardown, args.dir, "peers.", base)
         size = (args.corpus_mib or (32 if args.quick else 512)) * harness.MIB
-        ctx.corpus = harness.corpus(args.corpus, size, ctx.work)
+        ctx.corpus = harness.corpus(args.corpus, size, ctx.work, harness.REFERENCE_TREES)
         if os.path.dirname(ctx.corpus) != ctx.work:
             # On tmpfs with the rest: a corpus in a disk file's page cache
             # can be evicted while a peer sits idle, and then the next
@@ -251,7 +276,7 @@ def body():
                 results[name].append(run())
                 print(f"  round {round_index + 1}: {name}: "
                       f"write {results[name][-1]['write_mb_s']:.0f} MB/s", flush=True)
-    rows = {name: best(results[name]) for name, _ in plan}
+    rows = {name: dict(best(results[name]), corpus_bytes=ctx.corpus_bytes) for name, _ in plan}
     report(rows)
     for name, row in rows.items():
         harness.emit_json(dict(row, peer=name, corpus_bytes=ctx.corpus_bytes), args.json)

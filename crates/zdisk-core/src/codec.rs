@@ -138,6 +138,39 @@ impl Codec {
     }
 }
 
+/// What a write at some effort compresses with: a codec's setting plus
+/// liblz4's acceleration where LZ4 runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    None,
+    Lz4 { acceleration: i32 },
+    Zstd { level: i32 },
+    Deflate { level: i32 },
+}
+
+impl Codec {
+    /// What a write at `effort` compresses with. Full effort is the codec
+    /// itself. Fast effort: lz4 and DEFLATE take LZ4 at
+    /// [`LZ4_FAST_ACCELERATION`] (DEFLATE's fastest level is no match for
+    /// it), zstd takes level [`ZSTD_FAST_LEVEL`], none stays none.
+    fn method(self, effort: Effort) -> Method {
+        match (self, effort) {
+            (Codec::None, _) => Method::None,
+            (Codec::Lz4, Effort::Full) => Method::Lz4 {
+                acceleration: LZ4_ACCELERATION,
+            },
+            (Codec::Lz4 | Codec::Deflate { .. }, Effort::Fast) => Method::Lz4 {
+                acceleration: LZ4_FAST_ACCELERATION,
+            },
+            (Codec::Zstd { level }, Effort::Full) => Method::Zstd { level },
+            (Codec::Zstd { level }, Effort::Fast) => Method::Zstd {
+                level: level.min(ZSTD_FAST_LEVEL),
+            },
+            (Codec::Deflate { level }, Effort::Full) => Method::Deflate { level },
+        }
+    }
+}
+
 impl fmt::Display for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -229,31 +262,96 @@ pub fn entropy_bits_per_byte(data: &[u8]) -> f64 {
     (n.log2() - sum / n).max(0.0)
 }
 
+/// How hard a host write compresses (issue #27). A volume's codec says
+/// what its data is compressed with at `Full` effort; at `Fast` effort a
+/// write takes the cheaper setting [`Codec::at_effort`] names, and its
+/// records are marked (`record::CODEC_FAST_EFFORT`) so that the cold-data
+/// pass rewrites them first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Effort {
+    #[default]
+    Full,
+    Fast,
+}
+
+impl Effort {
+    pub fn name(self) -> &'static str {
+        match self {
+            Effort::Full => "full",
+            Effort::Fast => "fast",
+        }
+    }
+}
+
 /// LZ4's own effort (liblz4's acceleration 1).
 const LZ4_ACCELERATION: i32 = 1;
+
+/// liblz4's acceleration at fast effort, for lz4 and DEFLATE volumes.
+pub const LZ4_FAST_ACCELERATION: i32 = 32;
+
+/// The zstd level of a zstd volume's writes at fast effort (or the
+/// volume's own level, if that is lower still).
+pub const ZSTD_FAST_LEVEL: i32 = -5;
+
+// liblz4 (linked by lz4-sys) compresses with a caller's state: set up
+// once per thread, then only reset between inputs. `LZ4_compress_fast`
+// instead clears a 16 KiB state on its stack for every input, which cost
+// 1.8% of the server's samples when writes took the fast effort.
+extern "C" {
+    fn LZ4_sizeofState() -> std::ffi::c_int;
+    fn LZ4_initStream(buffer: *mut std::ffi::c_void, size: usize) -> *mut std::ffi::c_void;
+    fn LZ4_compress_fast_extState_fastReset(
+        state: *mut std::ffi::c_void,
+        source: *const std::ffi::c_char,
+        dest: *mut std::ffi::c_char,
+        source_size: std::ffi::c_int,
+        dest_capacity: std::ffi::c_int,
+        acceleration: std::ffi::c_int,
+    ) -> std::ffi::c_int;
+}
+
+thread_local! {
+    /// This thread's LZ4 compression state (8-byte aligned, as liblz4
+    /// asks), initialised on first use.
+    static LZ4_STATE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
 
 /// LZ4-compresses `input` into `output` with liblz4, the library that
 /// decodes it too; None if the result would not fit in `limit` bytes.
 /// liblz4 gives up as soon as it would pass the limit, so a block that is
 /// stored raw anyway costs less than a whole compression, and the output
 /// is written into reserved capacity, never zeroed first.
-fn lz4_into(input: &[u8], output: &mut Vec<u8>, limit: usize) -> Option<usize> {
+fn lz4_into(input: &[u8], output: &mut Vec<u8>, limit: usize, acceleration: i32) -> Option<usize> {
     let source_len = i32::try_from(input.len()).ok()?;
     let capacity = i32::try_from(limit).ok()?;
     output.clear();
     output.reserve(limit);
-    // SAFETY: liblz4 reads `source_len` bytes from `input` and writes at
-    // most `capacity` bytes at `output`'s start, whose capacity is at least
-    // `limit`; it returns how many it wrote, or 0 if they would not fit.
-    let written = unsafe {
-        lz4::liblz4::LZ4_compress_fast(
-            input.as_ptr().cast(),
-            output.as_mut_ptr().cast(),
-            source_len,
-            capacity,
-            LZ4_ACCELERATION,
-        )
-    };
+    let written = LZ4_STATE.with(|state| {
+        let mut state = state.borrow_mut();
+        if state.is_empty() {
+            // SAFETY: a pure function.
+            let size = unsafe { LZ4_sizeofState() } as usize;
+            state.resize(size.div_ceil(8), 0);
+            // SAFETY: the buffer is `size` bytes or more, 8-byte aligned.
+            let done = unsafe { LZ4_initStream(state.as_mut_ptr().cast(), state.len() * 8) };
+            assert!(!done.is_null(), "liblz4 refused its state buffer");
+        }
+        // SAFETY: the state was initialised above (the fast reset only
+        // needs that once); liblz4 reads `source_len` bytes from `input`
+        // and writes at most `capacity` bytes at `output`'s start, whose
+        // capacity is at least `limit`; it returns how many it wrote, or 0
+        // if they would not fit.
+        unsafe {
+            LZ4_compress_fast_extState_fastReset(
+                state.as_mut_ptr().cast(),
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                source_len,
+                capacity,
+                acceleration,
+            )
+        }
+    });
     let written = usize::try_from(written).ok().filter(|&n| n > 0)?;
     debug_assert!(written <= limit);
     // SAFETY: liblz4 initialised these `written` bytes.
@@ -266,19 +364,21 @@ fn lz4_into(input: &[u8], output: &mut Vec<u8>, limit: usize) -> Option<usize> {
 /// Returns the codec actually used: [`CodecId::Raw`] (and a copy of the
 /// input) when the block does not compress enough to be worth it.
 pub fn compress_block(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> CodecId {
-    compress_block_with(codec, input, output, true)
+    compress_block_with(codec, Effort::Full, input, output, true)
 }
 
 /// [`compress_block`] with the incompressibility probe switchable, so that
 /// benchmarks can measure what it saves.
 pub fn compress_block_with(
     codec: Codec,
+    effort: Effort,
     input: &[u8],
     output: &mut Vec<u8>,
     probe: bool,
 ) -> CodecId {
     assert_eq!(input.len(), BLOCK_SIZE, "compress_block takes one block");
-    match compress_limited(codec, input, output, COMPRESSED_PAYLOAD_MAX, probe) {
+    let method = codec.method(effort);
+    match compress_limited(method, input, output, COMPRESSED_PAYLOAD_MAX, probe) {
         Some(id) => {
             debug_assert!(output.len() <= COMPRESSED_PAYLOAD_MAX);
             id
@@ -297,12 +397,16 @@ pub fn compress_block_with(
 /// data is stored block by block, raw, so that a read of one block never
 /// has to fetch its neighbours for nothing.
 pub fn compress_unit(codec: Codec, input: &[u8], output: &mut Vec<u8>) -> Option<CodecId> {
+    compress_unit_at(codec.method(Effort::Full), input, output)
+}
+
+fn compress_unit_at(method: Method, input: &[u8], output: &mut Vec<u8>) -> Option<CodecId> {
     assert!(
         input.len() >= 2 * BLOCK_SIZE && input.len().is_multiple_of(BLOCK_SIZE),
         "a unit is two blocks or more"
     );
     let limit = input.len() - input.len() / 16;
-    let used = compress_limited(codec, input, output, limit, true)?;
+    let used = compress_limited(method, input, output, limit, true)?;
     debug_assert!(output.len() <= limit);
     Some(used)
 }
@@ -325,9 +429,11 @@ pub enum RunPiece<'a> {
 /// and the cleaner's and cold pass's rewrites both follow: two or more
 /// blocks are one unit if that saves at least a sixteenth
 /// ([`compress_unit`]); otherwise each block is compressed alone
-/// ([`compress_block`]). `emit` gets the unit, or every block in order.
+/// ([`compress_block`]), all at `effort`. `emit` gets the unit, or every
+/// block in order.
 pub fn compress_whole_blocks(
     codec: Codec,
+    effort: Effort,
     run: &[u8],
     scratch: &mut Vec<u8>,
     mut emit: impl FnMut(RunPiece<'_>),
@@ -337,7 +443,7 @@ pub fn compress_whole_blocks(
         "a run of whole blocks"
     );
     if run.len() >= 2 * BLOCK_SIZE {
-        if let Some(id) = compress_unit(codec, run, scratch) {
+        if let Some(id) = compress_unit_at(codec.method(effort), run, scratch) {
             emit(RunPiece::Unit {
                 codec: id,
                 data: scratch,
@@ -346,7 +452,7 @@ pub fn compress_whole_blocks(
         }
     }
     for (index, block) in run.chunks_exact(BLOCK_SIZE).enumerate() {
-        let id = compress_block(codec, block, scratch);
+        let id = compress_block_with(codec, effort, block, scratch, true);
         emit(RunPiece::Block {
             index,
             codec: id,
@@ -355,11 +461,11 @@ pub fn compress_whole_blocks(
     }
 }
 
-/// Compresses `input` with `codec` into `output` if the result is at most
+/// Compresses `input` by `method` into `output` if the result is at most
 /// `limit` bytes. With `probe`, a zstd or DEFLATE pass is skipped when the
 /// first block looks random and a fast LZ4 probe finds nothing to save.
 fn compress_limited(
-    codec: Codec,
+    method: Method,
     input: &[u8],
     output: &mut Vec<u8>,
     limit: usize,
@@ -368,24 +474,26 @@ fn compress_limited(
     CONTEXTS.with(|contexts| {
         let mut contexts = contexts.borrow_mut();
         let contexts = &mut *contexts;
-        match codec {
-            Codec::None => None,
-            Codec::Lz4 => lz4_into(input, output, limit).map(|len| {
-                output.truncate(len);
-                CodecId::Lz4
-            }),
-            Codec::Zstd { .. } | Codec::Deflate { .. } => {
+        match method {
+            Method::None => None,
+            Method::Lz4 { acceleration } => {
+                lz4_into(input, output, limit, acceleration).map(|len| {
+                    output.truncate(len);
+                    CodecId::Lz4
+                })
+            }
+            Method::Zstd { .. } | Method::Deflate { .. } => {
                 let sample = &input[..BLOCK_SIZE];
                 if probe && entropy_bits_per_byte(sample) >= ENTROPY_RANDOM_BITS {
                     let probe_limit = ((1.0 - PROBE_MIN_SAVING) * BLOCK_SIZE as f64) as usize;
-                    lz4_into(sample, &mut contexts.probe, probe_limit)?;
+                    lz4_into(sample, &mut contexts.probe, probe_limit, LZ4_ACCELERATION)?;
                 }
-                match codec {
-                    Codec::Zstd { level } => compress_zstd(contexts, level, input, output, limit),
-                    Codec::Deflate { level } => {
+                match method {
+                    Method::Zstd { level } => compress_zstd(contexts, level, input, output, limit),
+                    Method::Deflate { level } => {
                         compress_deflate(contexts, level, input, output, limit)
                     }
-                    _ => unreachable!(),
+                    Method::None | Method::Lz4 { .. } => unreachable!(),
                 }
             }
         }
@@ -541,7 +649,8 @@ pub fn lz4_compress(input: &[u8]) -> Vec<u8> {
     // SAFETY: a pure function of a length.
     let bound = unsafe { lz4::liblz4::LZ4_compressBound(len) };
     let mut output = Vec::new();
-    lz4_into(input, &mut output, bound as usize).expect("LZ4's bound holds any input");
+    lz4_into(input, &mut output, bound as usize, LZ4_ACCELERATION)
+        .expect("LZ4's bound holds any input");
     output
 }
 

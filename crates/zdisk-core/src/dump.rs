@@ -54,6 +54,9 @@ const ITEM_PAGE: u8 = 5;
 /// this one keeps: its range, the page's length, the segment of its copy
 /// 0, its offset and the generation that wrote it (format 4).
 const ITEM_KEPT_PAGE: u8 = 6;
+/// A segment with the bytes the cold-data pass wrote into it and the
+/// bytes written at fast effort (format 9).
+const ITEM_SEGMENT_EFFORT: u8 = 7;
 
 const FORM_UNIFORM: u8 = 0;
 const FORM_MIXED: u8 = 1;
@@ -146,6 +149,7 @@ pub(crate) struct DumpedSegment {
     pub fill_bytes: u64,
     pub max_version: u64,
     pub cold_bytes: u64,
+    pub fast_bytes: u64,
 }
 
 /// Cuts the item stream into LZ4-compressed chunk payloads.
@@ -255,17 +259,21 @@ fn encode_segments(
 ) {
     for (segment, dumped) in segments {
         let out = &mut payloads.raw;
-        out.u8(if dumped.cold_bytes > 0 {
-            ITEM_SEGMENT_COLD
-        } else {
-            ITEM_SEGMENT
-        });
+        let tag = match (dumped.cold_bytes, dumped.fast_bytes) {
+            (0, 0) => ITEM_SEGMENT,
+            (_, 0) => ITEM_SEGMENT_COLD,
+            _ => ITEM_SEGMENT_EFFORT,
+        };
+        out.u8(tag);
         out.u32(segment.0);
         out.u64(dumped.seq);
         out.u64(dumped.fill_bytes);
         out.u64(dumped.max_version);
-        if dumped.cold_bytes > 0 {
+        if tag != ITEM_SEGMENT {
             out.u64(dumped.cold_bytes);
+        }
+        if tag == ITEM_SEGMENT_EFFORT {
+            out.u64(dumped.fast_bytes);
         }
         payloads.cut(false);
     }
@@ -546,14 +554,18 @@ pub(crate) fn decode_chunk_payload(
                 });
                 directory.end = end;
             }
-            tag @ (ITEM_SEGMENT | ITEM_SEGMENT_COLD) => {
+            tag @ (ITEM_SEGMENT | ITEM_SEGMENT_COLD | ITEM_SEGMENT_EFFORT) => {
                 let segment = input.u32()? as usize;
                 let dumped = DumpedSegment {
                     seq: input.u64()?,
                     fill_bytes: input.u64()?,
                     max_version: input.u64()?,
                     cold_bytes: match tag {
-                        ITEM_SEGMENT_COLD => input.u64()?,
+                        ITEM_SEGMENT => 0,
+                        _ => input.u64()?,
+                    },
+                    fast_bytes: match tag {
+                        ITEM_SEGMENT_EFFORT => input.u64()?,
                         _ => 0,
                     },
                 };
@@ -915,6 +927,11 @@ mod tests {
                 0
             } else {
                 u64::from(i) * 4096
+            },
+            fast_bytes: if i.is_multiple_of(3) {
+                0
+            } else {
+                u64::from(i) * 512
             },
         };
         let payloads = encode_chunk_dump(&map, (0..7).map(|i| (SegmentId(i), dumped(i))), 4096);

@@ -294,6 +294,7 @@ mod tests {
                 fill_bytes: 8192,
                 max_version: 10,
                 cold_bytes: 0,
+                fast_bytes: 0,
             },
         )];
         let directory = crate::dump::encode_directory(

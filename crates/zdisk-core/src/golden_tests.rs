@@ -31,16 +31,17 @@ const UUID: [u8; 16] = [
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
 ];
 
-/// A version 8 root of a 64 MiB file volume with one snapshot and one
-/// clone of it, written cleanly. (Version 7 roots have the same layout
+/// A version 9 root of a 64 MiB file volume with one snapshot and one
+/// clone of it, written cleanly. (Version 8 roots have the same layout;
+/// version 9 only marks records written at fast effort. Version 7 roots have the same layout
 /// without the snapshot's `volume` and the clone list, version 6 without
 /// the snapshot list, versions 3 to 5 without the `dedup` byte either:
 /// `meta.rs` tests that they still decode.)
 #[rustfmt::skip]
-const ROOT_V8: &[u8] = &[
+const ROOT_V9: &[u8] = &[
     b'Z', b'D', b'I', b'S', b'K', b'M', b'T', b'1', // magic
-    0x08, 0x00, 0x00, 0x00,                         // format_version 8
-    0xfe, 0x01, 0x00, 0x00,                         // total_length 510
+    0x09, 0x00, 0x00, 0x00,                         // format_version 9
+    0x08, 0x02, 0x00, 0x00,                         // total_length 520
     0x07, 0, 0, 0, 0, 0, 0, 0,                      // generation 7
     0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, // uuid
     0x18, 0x19, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e, 0x1f,
@@ -79,7 +80,7 @@ const ROOT_V8: &[u8] = &[
     0x09, 0x00, 0x00, 0x00,                         //     segment 9
     0x01, 0x00, 0x00, 0x00,                         //   copy 1: 1 segment
     0x0a, 0x00, 0x00, 0x00,                         //     segment 10
-    0x18, 0x00,                                     // counters: 24, (id u16, value u64) each
+    0x19, 0x00,                                     // counters: 25, (id u16, value u64) each
     0x01, 0x00, 0x01, 0, 0, 0, 0, 0, 0, 0,          //   1 host_write_bytes = 1
     0x02, 0x00, 0x02, 0, 0, 0, 0, 0, 0, 0,          //   2 host_read_bytes = 2
     0x03, 0x00, 0x03, 0, 0, 0, 0, 0, 0, 0,          //   3 media_write_bytes = 3
@@ -104,6 +105,7 @@ const ROOT_V8: &[u8] = &[
     0x17, 0x00, 0x17, 0, 0, 0, 0, 0, 0, 0,          //   23 dedup_blocks = 23
     0x18, 0x00, 0x18, 0, 0, 0, 0, 0, 0, 0,          //   24 dedup_saved_bytes = 24
     0x19, 0x00, 0x19, 0, 0, 0, 0, 0, 0, 0,          //   25 dedup_index_write_bytes = 25
+    0x1a, 0x00, 0x1a, 0, 0, 0, 0, 0, 0, 0,          //   26 host_write_fast_bytes = 26
     0x01, 0x00,                                     // snapshot_count 1
     0x02, 0x00,                                     //   space 2
     0x00, 0x00,                                     //   volume 0 (the image's)
@@ -120,7 +122,7 @@ const ROOT_V8: &[u8] = &[
     b'v', b'm',                                     //   name "vm"
     CRC_ROOT[0], CRC_ROOT[1], CRC_ROOT[2], CRC_ROOT[3], // crc: CRC32C of every byte above
 ];
-const CRC_ROOT: [u8; 4] = 0xb176_2d1au32.to_le_bytes();
+const CRC_ROOT: [u8; 4] = 0x23ce_cbd0u32.to_le_bytes();
 
 fn root_fields() -> Root {
     let mut counters = Counters::default();
@@ -222,6 +224,7 @@ fn counter_id(name: &str) -> u64 {
         "dedup_blocks" => 23,
         "dedup_saved_bytes" => 24,
         "dedup_index_write_bytes" => 25,
+        "host_write_fast_bytes" => 26,
         other => panic!("counter {other} has no id in docs/format.md"),
     }
 }
@@ -252,13 +255,14 @@ fn counter_mut<'a>(counters: &'a mut Counters, name: &str) -> &'a mut u64 {
         "dedup_blocks" => &mut counters.dedup_blocks,
         "dedup_saved_bytes" => &mut counters.dedup_saved_bytes,
         "dedup_index_write_bytes" => &mut counters.dedup_index_write_bytes,
+        "host_write_fast_bytes" => &mut counters.host_write_fast_bytes,
         other => panic!("counter {other} is not in this test"),
     }
 }
 
 #[test]
-fn root_v8_decodes_to_its_fields() {
-    let root = Root::decode(ROOT_V8).expect("the golden root decodes");
+fn root_v9_decodes_to_its_fields() {
+    let root = Root::decode(ROOT_V9).expect("the golden root decodes");
     assert_eq!(root, root_fields());
     for (name, _) in Counters::DOCS {
         assert_eq!(
@@ -270,14 +274,14 @@ fn root_v8_decodes_to_its_fields() {
 }
 
 #[test]
-fn root_v8_fields_encode_to_the_golden_bytes() {
-    assert_eq!(root_fields().encode(), ROOT_V8);
+fn root_v9_fields_encode_to_the_golden_bytes() {
+    assert_eq!(root_fields().encode(), ROOT_V9);
 }
 
 #[test]
 fn a_root_with_any_byte_changed_is_refused() {
-    for at in [0, 8, 12, 16, 100, ROOT_V8.len() - 1] {
-        let mut bytes = ROOT_V8.to_vec();
+    for at in [0, 8, 12, 16, 100, ROOT_V9.len() - 1] {
+        let mut bytes = ROOT_V9.to_vec();
         bytes[at] ^= 0x01;
         assert!(Root::decode(&bytes).is_err(), "byte {at} flipped");
     }
@@ -546,6 +550,13 @@ const DIRECTORY_RAW: &[u8] = &[
     0x00, 0x10, 0, 0, 0, 0, 0, 0,                   //   fill_bytes 4096
     0xe9, 0x03, 0, 0, 0, 0, 0, 0,                   //   max_version 1001
     0x00, 0x08, 0, 0, 0, 0, 0, 0,                   //   cold_bytes 2048
+    0x07,                                           // item 7: segment with fast-effort data (format 9)
+    0x06, 0x00, 0x00, 0x00,                         //   id 6
+    0x2c, 0, 0, 0, 0, 0, 0, 0,                      //   seq 44
+    0x00, 0x30, 0, 0, 0, 0, 0, 0,                   //   fill_bytes 12288
+    0xea, 0x03, 0, 0, 0, 0, 0, 0,                   //   max_version 1002
+    0x00, 0x00, 0, 0, 0, 0, 0, 0,                   //   cold_bytes 0
+    0x00, 0x2c, 0, 0, 0, 0, 0, 0,                   //   fast_bytes 11264
     0x00,                                           // item 0: end
 ];
 
@@ -567,6 +578,7 @@ fn directory_segments() -> Vec<(SegmentId, DumpedSegment)> {
                 fill_bytes: 8192,
                 max_version: 1000,
                 cold_bytes: 0,
+                fast_bytes: 0,
             },
         ),
         (
@@ -576,6 +588,17 @@ fn directory_segments() -> Vec<(SegmentId, DumpedSegment)> {
                 fill_bytes: 4096,
                 max_version: 1001,
                 cold_bytes: 2048,
+                fast_bytes: 0,
+            },
+        ),
+        (
+            SegmentId(6),
+            DumpedSegment {
+                seq: 44,
+                fill_bytes: 12288,
+                max_version: 1002,
+                cold_bytes: 0,
+                fast_bytes: 11264,
             },
         ),
     ]
@@ -624,7 +647,7 @@ fn a_golden_directory_decodes_to_its_items() {
         assert_eq!(segments[segment.0 as usize], Some(dumped), "{segment:?}");
     }
     let listed = segments.iter().filter(|s| s.is_some()).count();
-    assert_eq!(listed, 2, "only the listed segments");
+    assert_eq!(listed, 3, "only the listed segments");
 }
 
 #[test]

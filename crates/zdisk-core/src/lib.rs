@@ -50,6 +50,6 @@ pub use volume::{
     default_dedup_cache_bytes, default_map_cache_bytes, BlockKind, CheckReport, CloneDevice,
     CloneInfo, CloneMapped, CloneVolume, Compacted, CreateOptions, DedupIndex, DedupRunStats,
     DedupSummary, DeletedClone, DeletedSnapshot, IdleBudget, LockProfile, OpenOptions, OpenReport,
-    Random, Recompress, Snapshot, SnapshotDevice, SnapshotInfo, Volume, WriteEstimate,
+    Random, Recompress, Snapshot, SnapshotDevice, SnapshotInfo, Volume, WriteEffort, WriteEstimate,
     WriteEstimator, DEFAULT_DEDUP,
 };

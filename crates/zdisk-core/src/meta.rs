@@ -34,8 +34,11 @@ pub use crate::media::META_MAGIC;
 /// to scan. Version 7 adds snapshots (the root's registry, record kind 9).
 /// Version 8 adds clones: each snapshot in the registry names its volume,
 /// clones follow the snapshots, and kind 9 records carry the changes 3 to
-/// 5, which version 7 would refuse.
-pub const FORMAT_VERSION: u32 = 8;
+/// 5, which version 7 would refuse. Version 9 marks data and unit records
+/// written at fast effort in their codec byte's high bit
+/// (`record::CODEC_FAST_EFFORT`), which version 8 would take for an
+/// unknown codec, and adds a dump item for segments holding them.
+pub const FORMAT_VERSION: u32 = 9;
 /// The oldest format this code still opens (and upgrades on its first
 /// root; version 1 has no units, and its staging areas are zeros; a
 /// version 1 or 2 dump loads into a map in RAM, which the first
@@ -661,12 +664,12 @@ mod tests {
             bytes[total - 4..].copy_from_slice(&crc.to_le_bytes());
             Root::decode(&bytes)
         };
-        assert_eq!(FORMAT_VERSION, 8);
-        assert_eq!(with_version(8).unwrap(), root);
-        for version in [2, 3, 4, 5, 6, 7] {
+        assert_eq!(FORMAT_VERSION, 9);
+        assert_eq!(with_version(9).unwrap(), root);
+        for version in [2, 3, 4, 5, 6, 7, 8] {
             assert_eq!(with_version(version).unwrap(), root, "version {version}");
         }
-        for version in [0, 9] {
+        for version in [0, 10] {
             let error = with_version(version).unwrap_err();
             assert!(error.contains("format version"), "{error}");
         }

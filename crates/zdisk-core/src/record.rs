@@ -125,11 +125,17 @@ impl RecordKind {
     }
 }
 
+/// The codec byte's high bit (format 9): the data or unit record was
+/// written at fast effort (issue #27), and the cold-data pass rewrites it
+/// first. The low seven bits are the [`crate::codec::CodecId`].
+pub const CODEC_FAST_EFFORT: u8 = 0x80;
+
 /// A decoded record header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecordHeader {
     pub kind: RecordKind,
-    /// A [`crate::codec::CodecId`] for data records; 0 otherwise.
+    /// A [`crate::codec::CodecId`] for data records, with
+    /// [`CODEC_FAST_EFFORT`] set if written at fast effort; 0 otherwise.
     pub codec: u8,
     /// Low 32 bits of the sequence number of the segment incarnation.
     pub seg_seq: u32,
@@ -187,6 +193,17 @@ impl std::fmt::Display for RecordError {
 }
 
 impl RecordHeader {
+    /// The codec a data or unit record's payload is compressed with.
+    pub fn codec_id(&self) -> Option<crate::codec::CodecId> {
+        crate::codec::CodecId::from_u8(self.codec & !CODEC_FAST_EFFORT)
+    }
+
+    /// True if this data or unit record was written at fast effort.
+    pub fn fast_effort(&self) -> bool {
+        self.codec & CODEC_FAST_EFFORT != 0
+            && matches!(self.kind, RecordKind::Data | RecordKind::Unit)
+    }
+
     /// Total bytes the record occupies, alignment padding included.
     pub fn record_len(&self) -> u64 {
         record_len_for_payload(self.payload_len as usize)

@@ -54,6 +54,10 @@ pub(crate) struct SegmentInfo {
     /// Bytes appended by the cold-data pass (stronger codec): a segment
     /// mostly of these is not worth recompressing again.
     pub cold_bytes: u64,
+    /// Bytes of data and unit records written at fast effort (issue #27,
+    /// the codec byte's `CODEC_FAST_EFFORT`): the cold-data pass rewrites
+    /// the segments that hold them first.
+    pub fast_bytes: u64,
 }
 
 impl SegmentInfo {
@@ -74,6 +78,7 @@ impl SegmentInfo {
             range_bytes: 0,
             killed_gen: 0,
             cold_bytes: 0,
+            fast_bytes: 0,
         }
     }
 }
@@ -360,6 +365,9 @@ impl SegmentTable {
         if matches!(header.kind, RecordKind::Data | RecordKind::Unit) {
             debug_assert!(blocks >= 1, "a data record without blocks");
             self.members[segment.index()].push(header.lba, blocks);
+        }
+        if header.fast_effort() {
+            info.fast_bytes += header.record_len();
         }
     }
 

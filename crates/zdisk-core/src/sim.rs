@@ -37,7 +37,7 @@ use crate::gc::GcPolicy;
 use crate::media::{CrashConfig, Media, MemMedia};
 use crate::meta::MediaKind;
 use crate::units::{BLOCK_SIZE, BLOCK_SIZE_U64};
-use crate::volume::{CreateOptions, OpenOptions, Random, Recompress, Volume};
+use crate::volume::{CreateOptions, OpenOptions, Random, Recompress, Volume, WriteEffort};
 
 /// Where a run draws its choices from: a seeded generator, or a fuzzer's
 /// input ([`FuzzInput`]).
@@ -596,6 +596,14 @@ fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
             0 => Recompress::Off,
             1 => Recompress::Idle,
             _ => Recompress::Gc,
+        },
+        // How hard writes compress (issue #27): one request at a time
+        // keeps adaptive effort full, so fast effort (marked records, the
+        // pass's order, their counts through crashes) runs in a third.
+        write_effort: match (seed / 9) % 3 {
+            1 => WriteEffort::Fast,
+            2 => WriteEffort::Full,
+            _ => WriteEffort::Adaptive,
         },
         // The map paged out at every release of the state lock (every
         // clean leaf evicted), through a small cache, or all in RAM, each

@@ -10,7 +10,9 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use zdisk_core::media::{CrashConfig, Media, MemMedia};
 use zdisk_core::meta::MediaKind;
-use zdisk_core::{BlockDevice, Codec, CreateOptions, OpenOptions, Recompress, Volume, BLOCK_SIZE};
+use zdisk_core::{
+    BlockDevice, Codec, CreateOptions, OpenOptions, Recompress, Volume, WriteEffort, BLOCK_SIZE,
+};
 
 const BLOCK: u64 = BLOCK_SIZE as u64;
 const SEGMENT: u64 = 1 << 20;
@@ -302,4 +304,117 @@ fn data_being_read_is_not_cold() {
         after.mapped_bytes
     );
     assert_reads(&volume, &model, "after recompression");
+}
+
+/// Writes blocks `range` as text, 16 blocks a request, into `model`.
+fn write_text(volume: &Volume, model: &mut [u8], range: std::ops::Range<u64>, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for first in range.step_by(16) {
+        let data = text(&mut rng, 16 * BLOCK_SIZE);
+        volume.write(first * BLOCK, &data, false).expect("write");
+        let at = (first * BLOCK) as usize;
+        model[at..at + data.len()].copy_from_slice(&data);
+    }
+    volume.flush().expect("flush");
+}
+
+#[test]
+fn writes_at_fast_effort_are_counted_survive_restarts_and_are_rewritten_first() {
+    let media = media();
+    let with = |effort: WriteEffort| OpenOptions {
+        write_effort: effort,
+        ..options(Recompress::Idle)
+    };
+    // Older data at full effort, newer at fast effort: the pass's usual
+    // order (oldest first) would take the full-effort segments first.
+    let volume = create(&media, with(WriteEffort::Full));
+    let mut model = vec![0u8; (WRITTEN_BLOCKS * BLOCK) as usize];
+    write_text(&volume, &mut model, 0..WRITTEN_BLOCKS / 2, 21);
+    let full = volume.stats();
+    assert_eq!(full.write_effort, "full");
+    assert_eq!(full.host_write_fast_bytes, 0);
+    assert_eq!(full.fast_stored_bytes, 0);
+    assert_eq!(full.recompress_expected_saving_bytes, None);
+    volume.close().expect("close");
+    drop(volume);
+
+    let media = Arc::new(media.reopen());
+    let volume =
+        Volume::open(media.clone() as Arc<dyn Media>, with(WriteEffort::Fast)).expect("open");
+    write_text(&volume, &mut model, WRITTEN_BLOCKS / 2..WRITTEN_BLOCKS, 22);
+    let fast = volume.stats();
+    assert_eq!(fast.write_effort, "fast");
+    let fast_written = WRITTEN_BLOCKS / 2 * BLOCK;
+    assert_eq!(fast.host_write_fast_bytes, fast_written);
+    assert!(fast.fast_stored_bytes > 0);
+    assert!(fast.fast_stored_bytes <= fast.recompress_pending_bytes);
+    assert!(fast.recompress_pending_bytes <= fast.stored_bytes);
+    // Fast effort stores more for the same kind of data.
+    let full_per_block = full.stored_bytes as f64 / (WRITTEN_BLOCKS / 2) as f64;
+    let fast_per_block =
+        (fast.stored_bytes - full.stored_bytes) as f64 / (WRITTEN_BLOCKS / 2) as f64;
+    assert!(
+        fast_per_block > full_per_block,
+        "{fast_per_block} vs {full_per_block}"
+    );
+    assert_reads(&volume, &model, "after fast writes");
+
+    // A crash: replay finds the marked records again.
+    volume.halt();
+    drop(volume);
+    let mut rng = SmallRng::seed_from_u64(5);
+    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
+    let volume =
+        Volume::open(crashed.clone() as Arc<dyn Media>, with(WriteEffort::Full)).expect("recover");
+    let recovered = volume.stats();
+    // Counters are as of the last root; the marks are in the log.
+    assert!(recovered.host_write_fast_bytes <= fast_written);
+    assert_eq!(
+        recovered.fast_stored_bytes, fast.fast_stored_bytes,
+        "replay counts the marks"
+    );
+    assert_reads(&volume, &model, "after a crash");
+    // A clean restart: the dump keeps them.
+    volume.close().expect("close");
+    drop(volume);
+    let media = Arc::new(crashed.reopen());
+    let volume =
+        Volume::open(media.clone() as Arc<dyn Media>, with(WriteEffort::Full)).expect("reopen");
+    assert_eq!(
+        volume.stats().fast_stored_bytes,
+        fast.fast_stored_bytes,
+        "the dump counts them"
+    );
+
+    // The pass rewrites every fast-effort byte before the older data.
+    let mut steps = 0;
+    while volume.stats().fast_stored_bytes > 0 {
+        assert!(
+            volume.idle_step().expect("idle step"),
+            "the pass stopped with fast data left"
+        );
+        steps += 1;
+        assert!(steps < 500, "the idle pass does not converge");
+    }
+    let midway = volume.stats();
+    assert!(
+        midway.recompress_pending_bytes >= full.stored_bytes / 2,
+        "the full-effort data went first: {} of {} bytes left",
+        midway.recompress_pending_bytes,
+        full.stored_bytes
+    );
+    let expected = midway
+        .recompress_expected_saving_bytes
+        .expect("known once the pass rewrote something");
+    assert!(expected > 0 && expected < midway.recompress_pending_bytes);
+    idle_until_done(&volume);
+    let done = volume.stats();
+    assert_eq!(done.recompress_pending_bytes, 0);
+    assert_eq!(done.recompress_expected_saving_bytes, Some(0));
+    assert!(
+        done.stored_bytes < full.stored_bytes,
+        "the pass made it all smaller than even full effort"
+    );
+    assert_reads(&volume, &model, "after the idle pass");
+    volume.halt();
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use zdisk_core::units::parse_size;
-use zdisk_core::{Codec, GcPolicy, Recompress};
+use zdisk_core::{Codec, GcPolicy, Recompress, WriteEffort};
 use zdisk_nbd::TlsMode;
 
 pub fn size_arg(text: &str) -> Result<u64, String> {
@@ -20,6 +20,10 @@ pub fn codec_arg(text: &str) -> Result<Codec, String> {
 
 pub fn recompress_arg(text: &str) -> Result<Recompress, String> {
     Recompress::parse(text)
+}
+
+pub fn write_effort_arg(text: &str) -> Result<WriteEffort, String> {
+    WriteEffort::parse(text)
 }
 
 pub fn policy_arg(text: &str) -> Result<GcPolicy, String> {
@@ -176,6 +180,14 @@ pub struct ServeArgs {
     /// segments are compacted when idle in every mode, off included.
     #[arg(long, value_parser = recompress_arg)]
     pub recompress: Option<Recompress>,
+    /// How hard writes compress: adaptive (the default: the codec's own
+    /// effort while a core is free, a fast one while every core is
+    /// compressing, which the idle pass rewrites first), full (always the
+    /// codec's own: each byte reaches the medium once, for media where wear
+    /// matters more than a burst's speed) or fast. With --recompress off,
+    /// and on emulated drives, adaptive is full.
+    #[arg(long, value_parser = write_effort_arg)]
+    pub write_effort: Option<WriteEffort>,
     /// Compact mostly dead segments when idle, even with --recompress off:
     /// on (the default) or off (with --recompress off too, no background
     /// work but what free space needs). Never on emulated drives.

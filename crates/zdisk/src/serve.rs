@@ -17,7 +17,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use zdisk_core::units::format_size;
-use zdisk_core::{BlockDevice, OpenOptions, Recompress, Volume};
+use zdisk_core::{BlockDevice, OpenOptions, Recompress, Volume, WriteEffort};
 use zdisk_nbd::{
     BoundListener, ExtraExport, ExtraExports, ListenAddr, Server, ServerConfig, TlsConfig,
     TlsCredentials, TlsMode,
@@ -185,12 +185,23 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
                 .into(),
         );
     }
+    if nand
+        && args
+            .write_effort
+            .is_some_and(|effort| effort != WriteEffort::Full)
+    {
+        return Err(
+            "--write-effort does not apply to an emulated drive: its controller compresses in hardware at line rate, always at full effort"
+                .into(),
+        );
+    }
     let options = OpenOptions {
         read_only: args.read_only,
         codec: args.codec,
         gc_policy: args.gc_policy,
         unit_blocks: args.unit_max,
         recompress: args.recompress.unwrap_or_default(),
+        write_effort: args.write_effort.unwrap_or_default(),
         idle_compact: args.idle_compact,
         map_cache_bytes: args.map_cache,
         dedup: args.dedup,

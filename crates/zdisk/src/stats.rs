@@ -234,6 +234,7 @@ mod tests {
             gc_policy: "cost-benefit".to_string(),
             unit_max_bytes: 8192,
             recompress: "idle".to_string(),
+            write_effort: "adaptive".to_string(),
             map_memory_bytes: 1234,
             map_cache_bytes: 64 << 20,
             map_resident_bytes: 1000,
@@ -310,6 +311,9 @@ mod tests {
             "clone_bytes",
             "dedup_index_bytes",
             "dedup_index_bound_bytes",
+            "recompress_pending_bytes",
+            "fast_stored_bytes",
+            "recompress_expected_saving_bytes",
         ];
         // Counted since the volume opened, not persisted.
         let since_open = [

@@ -505,7 +505,7 @@ fn peers() -> TestResult {
     let scratch = Scratch::new("script-peers");
     let args = vec!["--quick", "--dir", path_arg(&scratch.path)];
     let rows = json_lines(&script_zdisk("peers.py", &args)?);
-    ensure!(rows.len() == 3, "{} peers: {rows:?}", rows.len());
+    ensure!(rows.len() == 4, "{} peers: {rows:?}", rows.len());
     let zdisk = rows
         .iter()
         .find(|r| r["peer"] == "zdisk lz4")
@@ -523,6 +523,22 @@ fn peers() -> TestResult {
         zdisk["corpus_bytes"]
     );
     ensure!(positive(zdisk, "ratio")? > 1.0, "no compression: {zdisk}");
+    // Media bytes per host byte: compression keeps them under 1.
+    for row in rows
+        .iter()
+        .filter(|r| r["peer"].as_str().is_some_and(|p| p.starts_with("zdisk")))
+    {
+        let media = positive(row, "media_per_host")?;
+        ensure!(media < 1.0, "{media} media bytes per host byte: {row}");
+    }
+    let full = rows
+        .iter()
+        .find(|r| r["peer"] == "zdisk lz4/full")
+        .ok_or("no zdisk lz4/full row")?;
+    ensure!(
+        number(full, "fast_bytes")? == 0.0,
+        "--write-effort full wrote fast: {full}"
+    );
     Ok(Completion::Completed)
 }
 

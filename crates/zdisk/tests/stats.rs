@@ -7,6 +7,8 @@
 //! (through `script`, a test of its own) and nowhere else. An idle server gives the dead
 //! space of an overwritten copy back (physical use falls to the stored
 //! bytes), and keeps it with `--recompress off --idle-compact off`.
+//! `serve --write-effort` shows in the stats with the bytes it wrote fast,
+//! and is refused with one line where it does not apply.
 
 mod support;
 
@@ -31,6 +33,10 @@ fn main() {
         (
             "an_idle_server_gives_dead_space_back_unless_told_not_to",
             idle_compaction,
+        ),
+        (
+            "write_effort_is_chosen_shown_and_refused_where_it_does_not_apply",
+            write_effort,
         ),
     ];
     let trials = tests
@@ -320,5 +326,70 @@ fn idle_compaction() -> TestResult {
         }
         server.stop()?;
     }
+    Ok(Completion::Completed)
+}
+
+fn zdisk_ok(args: &[&str]) -> Result<(), Failed> {
+    run(zdisk_bin().to_str().unwrap(), args).map(|_| ())
+}
+
+fn write_effort() -> TestResult {
+    if let Some(skip) = skip_unless(require_tools(&["nbdcopy"])) {
+        return skip;
+    }
+    let scratch = Scratch::new("stats-effort");
+    let image = scratch.join("effort.zdisk");
+    let image_arg = image.to_str().unwrap();
+    zdisk_ok(&["create", image_arg, "--logical", "64M"])?;
+    let source = scratch.join("data.bin");
+    std::fs::write(&source, pseudo_random(16 << 20, 3))?;
+    let copy = |server: &Server| {
+        run(
+            "nbdcopy",
+            &["--flush", source.to_str().unwrap(), &server.uri()],
+        )
+    };
+    let sock = scratch.join("nbd.sock");
+    let mut server = Server::start(&image, &sock, &["--write-effort", "fast"])?;
+    copy(&server)?;
+    let fast = stats_json(&image)?;
+    server.stop()?;
+    ensure!(fast["write_effort"] == "fast", "{fast}");
+    ensure!(
+        number(&fast, "host_write_fast_bytes")? == 16 << 20,
+        "{fast}"
+    );
+    let pending = number(&fast, "recompress_pending_bytes")?;
+    let marked = number(&fast, "fast_stored_bytes")?;
+    ensure!(marked > 0 && marked <= pending, "{fast}");
+    ensure!(fast["recompress_expected_saving_bytes"].is_null(), "{fast}");
+
+    let mut server = Server::start(&image, &sock, &["--write-effort", "full"])?;
+    copy(&server)?;
+    let full = stats_json(&image)?;
+    server.stop()?;
+    ensure!(full["write_effort"] == "full", "{full}");
+    ensure!(
+        number(&full, "host_write_fast_bytes")? == 16 << 20,
+        "full effort wrote nothing fast: {full}"
+    );
+    // Without the idle pass, adaptive effort is full effort.
+    let mut server = Server::start(&image, &sock, &["--recompress", "off"])?;
+    let off = stats_json(&image)?;
+    server.stop()?;
+    ensure!(off["write_effort"] == "full", "{off}");
+    ensure!(number(&off, "recompress_pending_bytes")? == 0, "{off}");
+
+    one_line_error(
+        &["serve", image_arg, "--write-effort", "hard"],
+        "use adaptive, full or fast",
+    )?;
+    let nand = scratch.join("nand.zdisk");
+    let nand_arg = nand.to_str().unwrap();
+    zdisk_ok(&["create", nand_arg, "--nand", "tiny"])?;
+    one_line_error(
+        &["serve", nand_arg, "--write-effort", "fast"],
+        "does not apply to an emulated drive",
+    )?;
     Ok(Completion::Completed)
 }

@@ -86,6 +86,7 @@ fn encode_state(
                 fill_bytes: info.fill_bytes,
                 max_version: info.max_version,
                 cold_bytes: info.cold_bytes,
+                fast_bytes: info.fast_bytes,
             };
             (segment, dumped)
         });

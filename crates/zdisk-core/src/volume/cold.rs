@@ -29,10 +29,10 @@ use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::codec::{decompress_exact, Codec, CodecId};
+use crate::codec::{decompress_exact, Codec};
 use crate::error::Result;
 use crate::record::{decode_unit, RecordKey, RecordKind};
-use crate::segments::SegmentState;
+use crate::segments::{SegmentInfo, SegmentState};
 use crate::units::{SegmentId, BLOCK_SIZE};
 
 use super::clean::{victim_of, Cleaning};
@@ -220,6 +220,43 @@ pub(crate) enum IdleChoice {
 /// of it lives, else, when it may `recompress`, the one with the oldest
 /// data not yet rewritten by the cold-data pass (at most half of its live
 /// bytes are) and not read lately (`read_recently`).
+/// True if the pass would still recompress a segment like this: it holds
+/// live data, and less than half of it is the pass's own.
+fn awaits_recompression(info: &SegmentInfo) -> bool {
+    info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2
+}
+
+/// What the cold-data pass has yet to do, from the segment table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Pending {
+    /// Live stored bytes in segments it has yet to recompress.
+    pub bytes: u64,
+    /// Of those, the bytes written at fast effort, estimated per segment
+    /// as its live share of what was appended fast.
+    pub fast_bytes: u64,
+}
+
+/// What the cold-data pass has yet to rewrite (nothing if it is off).
+pub(crate) fn pending(state: &State, recompress: bool) -> Pending {
+    let mut pending = Pending::default();
+    if !recompress {
+        return pending;
+    }
+    let in_use =
+        |info: &&SegmentInfo| matches!(info.state, SegmentState::Open | SegmentState::Sealed);
+    for (_, info) in state.space().table().iter() {
+        if !in_use(&info) || !awaits_recompression(info) {
+            continue;
+        }
+        pending.bytes += info.live_bytes;
+        if info.fast_bytes > 0 && info.fill_bytes > 0 {
+            let share = info.fast_bytes as u128 * info.live_bytes as u128 / info.fill_bytes as u128;
+            pending.fast_bytes += (share as u64).min(info.live_bytes);
+        }
+    }
+    pending
+}
+
 pub(crate) fn idle_choice(
     state: &State,
     recompress: bool,
@@ -236,11 +273,12 @@ pub(crate) fn idle_choice(
     let emptiest = sealed()
         .filter(|(_, info)| info.live_bytes <= half)
         .min_by_key(|(_, info)| info.live_bytes);
+    // What was written at fast effort first (issue #27), then the oldest.
     let oldest_warm = sealed()
         .filter(|_| recompress)
-        .filter(|(_, info)| info.live_bytes > 0 && info.cold_bytes < info.live_bytes / 2)
+        .filter(|(_, info)| awaits_recompression(info))
         .filter(|(segment, _)| !read_recently(*segment))
-        .min_by_key(|(_, info)| info.max_version);
+        .min_by_key(|(_, info)| (info.fast_bytes == 0, info.max_version));
     match emptiest.or(oldest_warm) {
         // Nothing a recovery would replay is copied (`Volume::clean_one_by`
         // says why).
@@ -436,7 +474,7 @@ pub(crate) fn plan_recompress(
         }
         let raw = match &unit {
             Some(unit) => decompress_unit(header, unit.data, unit.count()),
-            None => CodecId::from_u8(header.codec).and_then(|id| {
+            None => header.codec_id().and_then(|id| {
                 let mut block = vec![0u8; BLOCK_SIZE];
                 decompress_exact(id, payload, &mut block)
                     .ok()

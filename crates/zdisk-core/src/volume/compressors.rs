@@ -18,8 +18,67 @@
 //! priority only matters when the cores are contended; alone, the writer
 //! runs as fast as before.
 
+use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+use crate::codec::Effort;
+
+/// How hard host writes compress (issue #27; `serve --write-effort`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WriteEffort {
+    /// Full effort while compression keeps up; fast effort while every
+    /// core is compressing ([`effort_for`]). The cold-data pass rewrites
+    /// what was written fast first, so only the speed of a burst depends
+    /// on it, not the ratio the volume ends up with. Without the pass
+    /// (`--recompress off`, and on emulated drives) it is `Full`.
+    #[default]
+    Adaptive,
+    /// Always the codec's own effort: every byte is written once, for
+    /// media where wear matters more than a burst's speed.
+    Full,
+    /// Always fast effort (for measuring it, and for tests).
+    Fast,
+}
+
+impl WriteEffort {
+    pub fn parse(text: &str) -> Result<WriteEffort, String> {
+        match text {
+            "adaptive" => Ok(WriteEffort::Adaptive),
+            "full" => Ok(WriteEffort::Full),
+            "fast" => Ok(WriteEffort::Fast),
+            other => Err(format!(
+                "unknown write effort {other:?}: use adaptive, full or fast"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for WriteEffort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WriteEffort::Adaptive => "adaptive",
+            WriteEffort::Full => "full",
+            WriteEffort::Fast => "fast",
+        })
+    }
+}
+
+/// The effort a write takes under `policy` when `compressing` requests,
+/// this one included, are compressing on a machine of `cpus` cores. A
+/// function of that queue state alone, so a run that replays the same
+/// queue (the simulator's, one request at a time) makes the same choice.
+/// Adaptive writes go fast once the requests compressing are as many as
+/// the cores: no core is idle, so full effort would only queue writes
+/// behind the compressor.
+pub(crate) fn effort_for(policy: WriteEffort, compressing: usize, cpus: usize) -> Effort {
+    match policy {
+        WriteEffort::Full => Effort::Full,
+        WriteEffort::Fast => Effort::Fast,
+        WriteEffort::Adaptive if compressing >= cpus.max(1) => Effort::Fast,
+        WriteEffort::Adaptive => Effort::Full,
+    }
+}
 
 /// Requests at least this many blocks long may be split.
 pub(crate) const PARALLEL_MIN_BLOCKS: usize = 32;
@@ -54,23 +113,43 @@ pub(crate) fn cpus() -> usize {
     })
 }
 
-/// Counts the requests compressing now, to tell idle cores from busy ones.
+/// Counts the requests compressing now, to tell idle cores from busy ones,
+/// and chooses each write's effort from that count.
 #[derive(Debug, Default)]
 pub(crate) struct Compressors {
     active: AtomicUsize,
+    policy: WriteEffort,
 }
 
 impl Compressors {
-    /// Runs `work` for a request of `blocks` blocks. `work(parts)` gets how
-    /// many parts to split into (1: compress on this thread); with more
-    /// than one it runs on the compression pool.
-    pub fn compress<T: Send>(&self, blocks: usize, work: impl FnOnce(usize) -> T + Send) -> T {
+    pub fn new(policy: WriteEffort) -> Compressors {
+        Compressors {
+            active: AtomicUsize::new(0),
+            policy,
+        }
+    }
+
+    /// The policy writes follow.
+    pub fn policy(&self) -> WriteEffort {
+        self.policy
+    }
+
+    /// Runs `work` for a request of `blocks` blocks. `work(parts, effort)`
+    /// gets how many parts to split into (1: compress on this thread) and
+    /// the effort to compress at; with more than one part it runs on the
+    /// compression pool.
+    pub fn compress<T: Send>(
+        &self,
+        blocks: usize,
+        work: impl FnOnce(usize, Effort) -> T + Send,
+    ) -> T {
         let others = self.active.fetch_add(1, Ordering::AcqRel);
+        let effort = effort_for(self.policy, others + 1, cpus());
         let idle = cpus().saturating_sub(others);
         let result = if blocks >= PARALLEL_MIN_BLOCKS {
-            pool().install(|| work(idle.max(1)))
+            pool().install(|| work(idle.max(1), effort))
         } else {
-            work(1)
+            work(1, effort)
         };
         self.active.fetch_sub(1, Ordering::AcqRel);
         result
@@ -103,17 +182,40 @@ mod tests {
     fn large_writes_compress_on_threads_of_lower_priority() {
         let mine = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
         let compressors = Compressors::default();
-        let (theirs, name) = compressors.compress(PARALLEL_MIN_BLOCKS, |_| {
+        let (theirs, name) = compressors.compress(PARALLEL_MIN_BLOCKS, |_, _| {
             let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
             let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
             (nice, std::thread::current().name().map(String::from))
         });
         assert!(name.unwrap_or_default().starts_with("zdisk-compress-"));
         assert_eq!(theirs, (mine + COMPRESS_NICE).min(19));
-        let small = compressors.compress(1, |_| std::thread::current().name().map(String::from));
+        let small = compressors.compress(1, |_, _| std::thread::current().name().map(String::from));
         assert!(
             !small.unwrap_or_default().starts_with("zdisk-compress-"),
             "small writes stay home"
         );
+    }
+
+    #[test]
+    fn adaptive_effort_goes_fast_only_when_every_core_is_compressing() {
+        use WriteEffort::*;
+        for cpus in [1, 2, 4, 8] {
+            for compressing in 1..=2 * cpus {
+                let adaptive = effort_for(Adaptive, compressing, cpus);
+                let busy = compressing >= cpus;
+                assert_eq!(adaptive == Effort::Fast, busy, "{compressing} on {cpus}");
+                assert_eq!(effort_for(Full, compressing, cpus), Effort::Full);
+                assert_eq!(effort_for(Fast, compressing, cpus), Effort::Fast);
+            }
+        }
+        // One request at a time (the simulator's queue) compresses fully
+        // wherever there is a second core.
+        assert_eq!(effort_for(Adaptive, 1, 2), Effort::Full);
+        for text in ["adaptive", "full", "fast"] {
+            assert_eq!(WriteEffort::parse(text).unwrap().to_string(), text);
+        }
+        assert!(WriteEffort::parse("hard")
+            .unwrap_err()
+            .contains("adaptive, full or fast"));
     }
 }

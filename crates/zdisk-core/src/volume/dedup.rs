@@ -38,7 +38,7 @@ use std::sync::{Mutex, MutexGuard};
 use rayon::prelude::*;
 
 use crate::dedup::{encoded_len, ChapterId, DedupConfig, DedupIndex, Hit, Lookup};
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, BATCH_BLOCKS};
 use crate::map::Location;
 use crate::record::{decode_record, record_len_for_payload, RecordKind, CHAPTER_PAYLOAD_MAX};
 use crate::units::{Lba, BLOCK_SIZE};
@@ -165,20 +165,30 @@ impl Volume {
     pub(super) fn find_stored(&self, data: &[u8]) -> Option<Vec<Found>> {
         let dedup = self.dedup.as_ref()?;
         let count = data.len() / BLOCK_SIZE;
-        let fingerprint = |block: &[u8]| {
-            if is_zero(block) {
-                None
-            } else {
-                Some(Fingerprint::of(block))
-            }
+        // Zero blocks have none; the others are hashed in batches.
+        let fingerprints_of = |blocks: &[u8]| -> Vec<Option<Fingerprint>> {
+            let zero: Vec<bool> = blocks.chunks_exact(BLOCK_SIZE).map(is_zero).collect();
+            let nonzero: Vec<&[u8]> = blocks
+                .chunks_exact(BLOCK_SIZE)
+                .zip(&zero)
+                .filter_map(|(block, &zero)| (!zero).then_some(block))
+                .collect();
+            let mut hashed = Fingerprint::of_blocks(&nonzero).into_iter();
+            zero.iter()
+                .map(|&zero| (!zero).then(|| hashed.next().expect("one per block")))
+                .collect()
         };
-        let fingerprints: Vec<Option<Fingerprint>> = self.compressors.compress(count, |parts| {
-            if parts == 1 {
-                data.chunks_exact(BLOCK_SIZE).map(fingerprint).collect()
-            } else {
-                data.par_chunks_exact(BLOCK_SIZE).map(fingerprint).collect()
-            }
-        });
+        let fingerprints: Vec<Option<Fingerprint>> =
+            self.compressors.compress(count, |parts, _| {
+                if parts == 1 {
+                    fingerprints_of(data)
+                } else {
+                    let per = count.div_ceil(parts).div_ceil(BATCH_BLOCKS) * BATCH_BLOCKS;
+                    data.par_chunks(per * BLOCK_SIZE)
+                        .flat_map_iter(fingerprints_of)
+                        .collect()
+                }
+            });
         let mut found = Vec::with_capacity(count);
         let mut new_here: HashMap<Fingerprint, usize> = HashMap::new();
         let mut index = dedup.lock().expect("dedup index lock");

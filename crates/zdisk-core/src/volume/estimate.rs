@@ -24,7 +24,7 @@ use std::collections::HashSet;
 
 use serde::Serialize;
 
-use crate::codec::{Codec, CodecId};
+use crate::codec::{Codec, CodecId, Effort};
 use crate::fingerprint::Fingerprint;
 use crate::units::{Lba, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -83,6 +83,7 @@ impl WriteEstimate {
 #[derive(Debug, Clone)]
 pub struct WriteEstimator {
     codec: Codec,
+    effort: Effort,
     unit_blocks: u64,
     total: WriteEstimate,
     deduplicated: WriteEstimate,
@@ -95,10 +96,16 @@ impl WriteEstimator {
         assert!(unit_blocks >= 1, "a unit holds at least one block");
         WriteEstimator {
             codec,
+            effort: Effort::Full,
             unit_blocks: unit_blocks.into(),
             total: WriteEstimate::default(),
             deduplicated: WriteEstimate::default(),
         }
+    }
+
+    /// Estimates writes at `effort` (issue #27) instead of full effort.
+    pub fn with_effort(self, effort: Effort) -> WriteEstimator {
+        WriteEstimator { effort, ..self }
     }
 
     /// Adds one write request of whole blocks at block `first`, as
@@ -171,7 +178,14 @@ impl WriteEstimator {
             data.len().is_multiple_of(BLOCK_SIZE),
             "a write of whole blocks"
         );
-        let batch = prepare(self.codec, data, first.0, self.unit_blocks, &[]);
+        let batch = prepare(
+            self.codec,
+            self.effort,
+            data,
+            first.0,
+            self.unit_blocks,
+            &[],
+        );
         let mut write = WriteEstimate {
             logical_bytes: data.len() as u64,
             ..WriteEstimate::default()

@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use crate::codec::{
     compress_whole_blocks, decompress_block, decompress_exact, decompress_prefix, Codec, CodecId,
-    RunPiece,
+    Effort, RunPiece,
 };
 use crate::dedup::Hit;
 use crate::error::{Error, Result};
@@ -31,7 +31,7 @@ use crate::map::{key_block, table_key, Entry, Location, Slot, TABLE_BASE};
 use crate::media::{HostDirection, ReadRange};
 use crate::record::{
     decode_record, decode_unit, record_len_for_payload, unit_prefix_head, RecordKey, RecordKind,
-    RefMember, RANGE_PAYLOAD_LEN, REF_MEMBERS_MAX,
+    RefMember, CODEC_FAST_EFFORT, RANGE_PAYLOAD_LEN, REF_MEMBERS_MAX,
 };
 use crate::units::{Lba, SegmentId, BLOCK_SIZE, BLOCK_SIZE_U64};
 
@@ -124,15 +124,29 @@ impl Found {
 pub(super) struct Batch {
     arena: Vec<u8>,
     pub(super) blocks: Vec<Prepared>,
+    /// The effort they were compressed at.
+    effort: Effort,
+}
+
+impl Batch {
+    /// The codec byte of a record of this batch compressed with `codec`:
+    /// marked if compressed at fast effort.
+    fn codec_byte(&self, codec: CodecId) -> u8 {
+        match self.effort {
+            Effort::Full => codec as u8,
+            Effort::Fast => codec as u8 | CODEC_FAST_EFFORT,
+        }
+    }
 }
 
 /// Compresses `data`, whole blocks starting at block `first`: runs of
 /// non-zero blocks within each aligned window of `unit_blocks` are tried
 /// as one unit; what does not compress as a unit, and runs of one block,
-/// are compressed block by block. Blocks `found` marks (dedup found them
-/// stored; empty: none) are left out, and end a run.
+/// are compressed block by block, all at `effort`. Blocks `found` marks
+/// (dedup found them stored; empty: none) are left out, and end a run.
 pub(super) fn prepare(
     codec: Codec,
+    effort: Effort,
     data: &[u8],
     first: u64,
     unit_blocks: u64,
@@ -144,6 +158,7 @@ pub(super) fn prepare(
     let mut batch = Batch {
         arena: Vec::with_capacity(data.len() / 2),
         blocks: Vec::with_capacity(count),
+        effort,
     };
     let mut scratch = Vec::with_capacity(BLOCK_SIZE + 64);
     let block = |index: usize| &data[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE];
@@ -168,7 +183,7 @@ pub(super) fn prepare(
         }
         let blocks = end - index;
         let run = &data[index * BLOCK_SIZE..end * BLOCK_SIZE];
-        compress_whole_blocks(codec, run, &mut scratch, |piece| {
+        compress_whole_blocks(codec, effort, run, &mut scratch, |piece| {
             let start = batch.arena.len();
             match piece {
                 RunPiece::Unit { codec, data } => {
@@ -681,9 +696,9 @@ impl Volume {
             .as_ref()
             .map(|found| found.iter().map(Found::is_found).collect())
             .unwrap_or_default();
-        let batches = self.compressors.compress(count, |parts| {
+        let batches = self.compressors.compress(count, |parts, effort| {
             if parts == 1 {
-                return vec![prepare(codec, data, first.0, unit_blocks, &skip)];
+                return vec![prepare(codec, effort, data, first.0, unit_blocks, &skip)];
             }
             // Parts end on unit windows, so that no unit is cut in two.
             let cuts = split_on_windows(first.0, count, parts, unit_blocks);
@@ -691,10 +706,27 @@ impl Volume {
                 .map(|cut| {
                     let part = &data[cut[0] * BLOCK_SIZE..cut[1] * BLOCK_SIZE];
                     let skip = skip.get(cut[0]..cut[1]).unwrap_or(&[]);
-                    prepare(codec, part, first.0 + cut[0] as u64, unit_blocks, skip)
+                    prepare(
+                        codec,
+                        effort,
+                        part,
+                        first.0 + cut[0] as u64,
+                        unit_blocks,
+                        skip,
+                    )
                 })
                 .collect()
         });
+        let fast_blocks: usize = batches
+            .iter()
+            .filter(|batch| batch.effort == Effort::Fast)
+            .flat_map(|batch| &batch.blocks)
+            .filter(|block| matches!(block, Prepared::Data { .. } | Prepared::Unit { .. }))
+            .map(Prepared::blocks)
+            .sum();
+        if fast_blocks > 0 {
+            self.tally(Tally::HostWriteFast((fast_blocks * BLOCK_SIZE) as u64));
+        }
         let new_blocks = found.as_ref().map_or(0, |found| {
             found.iter().filter(|f| matches!(f, Found::New(_))).count() as u64
         });
@@ -917,7 +949,8 @@ impl Applier<'_> {
                 self.flush_zeros(state)?;
                 self.flush_refs(state)?;
                 let payload = &batch.arena[*start..*start + *len];
-                state.apply_write(lba, *codec as u8, payload, *crc, self.floor)?;
+                let codec = batch.codec_byte(*codec);
+                state.apply_write(lba, codec, payload, *crc, self.floor)?;
                 self.note_new(lba, 1);
             }
             Prepared::Unit {
@@ -930,7 +963,8 @@ impl Applier<'_> {
                 self.flush_zeros(state)?;
                 self.flush_refs(state)?;
                 let payload = &batch.arena[*start..*start + *len];
-                state.apply_unit(lba, *codec as u8, payload, *crc, self.floor)?;
+                let codec = batch.codec_byte(*codec);
+                state.apply_unit(lba, codec, payload, *crc, self.floor)?;
                 self.note_new(lba, *blocks);
             }
         }
@@ -994,7 +1028,7 @@ impl Applier<'_> {
                 let at = self.index_of(lba) * BLOCK_SIZE;
                 let block = &self.data[at..at + BLOCK_SIZE];
                 let codec = self.volume.settings.codec;
-                let batch = prepare(codec, block, lba.0, 1, &[]);
+                let batch = prepare(codec, Effort::Full, block, lba.0, 1, &[]);
                 match &batch.blocks[..] {
                     [Prepared::Data {
                         codec,
@@ -1320,7 +1354,8 @@ pub(crate) fn decode_block(
             header.kind, header.lba, header.version
         )));
     }
-    let codec = CodecId::from_u8(header.codec)
+    let codec = header
+        .codec_id()
         .ok_or_else(|| damaged(format!("unknown codec {}", header.codec)))?;
     decompress_block(codec, payload, out).map_err(damaged)
 }
@@ -1439,7 +1474,7 @@ pub(crate) fn decode_into(
     if good.is_empty() {
         return;
     }
-    let Some(codec) = CodecId::from_u8(header.codec) else {
+    let Some(codec) = header.codec_id() else {
         let reason = format!("unknown codec {}", header.codec);
         failed.extend(good.iter().map(|w| (w.index, damaged(w, reason.clone()))));
         return;

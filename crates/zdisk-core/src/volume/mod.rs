@@ -55,6 +55,7 @@ pub use crate::snapshots::{CloneVolume, Snapshot};
 pub use check::CheckReport;
 pub use clone::{CloneDevice, CloneInfo, CloneMapped, DeletedClone};
 pub use cold::{IdleBudget, Recompress};
+pub use compressors::WriteEffort;
 pub use dedup::DedupRunStats;
 pub use estimate::{BlockKind, DedupIndex, DedupSummary, WriteEstimate, WriteEstimator};
 pub use guard::LockProfile;
@@ -296,7 +297,15 @@ impl Volume {
             // alone, once.
             options.recompress = Recompress::Off;
             options.idle_compact = false;
+            // It compresses in hardware at line rate: always full effort.
+            options.write_effort = WriteEffort::Full;
         }
+        // Fast writes are a loan the cold-data pass pays back; without
+        // the pass, adaptive writes keep full effort.
+        let write_effort = match (options.write_effort, options.recompress) {
+            (WriteEffort::Adaptive, Recompress::Off) => WriteEffort::Full,
+            (policy, _) => policy,
+        };
         let geometry = media.geometry();
         let segment_count = geometry.segment_count as u64;
         let gc_low = options
@@ -355,7 +364,7 @@ impl Volume {
             cold: cold::ColdPass::new(geometry.segment_count, options.clock.monotonic()),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
-            compressors: compressors::Compressors::default(),
+            compressors: compressors::Compressors::new(write_effort),
             dedup,
             options,
         }
@@ -539,6 +548,7 @@ impl Volume {
         let (map_leaves, map_paged_leaves) = state.map().leaf_counts();
         let segment_size = self.geometry.segment_size_bytes;
         let usage = segment_usage(&state, segment_size);
+        let pending = cold::pending(&state, self.options.recompress != Recompress::Off);
         let meta_bytes = self
             .media
             .physical_size_bytes()
@@ -588,6 +598,17 @@ impl Volume {
             recompress_saved_bytes: counters
                 .recompress_in_bytes
                 .saturating_sub(counters.recompress_out_bytes),
+            write_effort: self.compressors.policy().to_string(),
+            host_write_fast_bytes: counters.host_write_fast_bytes,
+            recompress_pending_bytes: pending.bytes,
+            fast_stored_bytes: pending.fast_bytes,
+            recompress_expected_saving_bytes: (counters.recompress_in_bytes > 0).then(|| {
+                let saved = counters
+                    .recompress_in_bytes
+                    .saturating_sub(counters.recompress_out_bytes);
+                (pending.bytes as u128 * saved as u128 / counters.recompress_in_bytes as u128)
+                    as u64
+            }),
             damaged_blocks: counts.damaged_blocks,
             // The references to shared contents count as the map's.
             map_memory_bytes: state.map().memory_bytes() + state.shared().heap_bytes(),

@@ -25,7 +25,7 @@
 //! record stale: that record is rewritten again, under the lock, from the
 //! blocks still live.
 
-use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, RunPiece};
+use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, Effort, RunPiece};
 use crate::error::Result;
 use crate::map::{key_block, key_space, table_key, Location, Slot, TABLE_BASE};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
@@ -208,7 +208,7 @@ pub(super) fn split_raw(record: &Rewritten) -> Vec<(LiveExtent, Vec<u8>)> {
 
 /// A unit's blocks, decompressed; `None` if they do not decompress.
 pub(super) fn decompress_unit(header: &RecordHeader, data: &[u8], count: usize) -> Option<Vec<u8>> {
-    let id = CodecId::from_u8(header.codec)?;
+    let id = header.codec_id()?;
     let mut blocks = vec![0u8; count * BLOCK_SIZE];
     decompress_exact(id, data, &mut blocks).ok()?;
     Some(blocks)
@@ -269,30 +269,36 @@ pub(crate) fn compress_run(
     debug_assert_eq!(bytes.len(), run.len() * BLOCK_SIZE);
     let mut rewritten = Vec::new();
     let mut scratch = Vec::new();
-    compress_whole_blocks(codec, bytes, &mut scratch, |piece| match piece {
-        RunPiece::Unit { codec: id, data } => rewritten.push(Rewritten {
-            first: run[0].0,
-            codec: id,
-            data: data.to_vec(),
-            versions: versions.to_vec(),
-            sources: run.iter().map(|&(_, loc, _)| loc).collect(),
-            raw: bytes.to_vec(),
-            cold,
-        }),
-        RunPiece::Block {
-            index,
-            codec: id,
-            data,
-        } => rewritten.push(Rewritten {
-            first: run[index].0,
-            codec: id,
-            data: data.to_vec(),
-            versions: vec![versions[index]],
-            sources: vec![run[index].1],
-            raw: bytes[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].to_vec(),
-            cold,
-        }),
-    });
+    compress_whole_blocks(
+        codec,
+        Effort::Full,
+        bytes,
+        &mut scratch,
+        |piece| match piece {
+            RunPiece::Unit { codec: id, data } => rewritten.push(Rewritten {
+                first: run[0].0,
+                codec: id,
+                data: data.to_vec(),
+                versions: versions.to_vec(),
+                sources: run.iter().map(|&(_, loc, _)| loc).collect(),
+                raw: bytes.to_vec(),
+                cold,
+            }),
+            RunPiece::Block {
+                index,
+                codec: id,
+                data,
+            } => rewritten.push(Rewritten {
+                first: run[index].0,
+                codec: id,
+                data: data.to_vec(),
+                versions: vec![versions[index]],
+                sources: vec![run[index].1],
+                raw: bytes[index * BLOCK_SIZE..(index + 1) * BLOCK_SIZE].to_vec(),
+                cold,
+            }),
+        },
+    );
     rewritten
 }
 

@@ -20,6 +20,7 @@ use crate::gc::GcPolicy;
 use crate::meta::MediaKind;
 
 use super::cold::{IdleBudget, Recompress};
+use super::compressors::WriteEffort;
 
 use super::space;
 
@@ -71,6 +72,8 @@ pub struct OpenOptions {
     pub unit_blocks: Option<u8>,
     /// When the cold-data pass rewrites cold data with a stronger codec.
     pub recompress: Recompress,
+    /// How hard host writes compress (issue #27).
+    pub write_effort: WriteEffort,
     /// How long without host requests makes the volume idle
     /// (for `Recompress::Idle` and idle-time compaction).
     pub idle_after: Duration,
@@ -159,6 +162,7 @@ impl Default for OpenOptions {
             gc_policy: None,
             unit_blocks: None,
             recompress: Recompress::Idle,
+            write_effort: WriteEffort::Adaptive,
             idle_after: Duration::from_secs(5),
             idle_compact: true,
             idle_budget: IdleBudget::default(),

@@ -226,6 +226,7 @@ impl<'a> Recovery<'a> {
                 fill_bytes: dumped.map_or(0, |d| d.fill_bytes.min(segment_size)),
                 max_version: dumped.map_or(0, |d| d.max_version),
                 cold_bytes: dumped.map_or(0, |d| d.cold_bytes),
+                fast_bytes: dumped.map_or(0, |d| d.fast_bytes),
                 ..SegmentInfo::free()
             })
             .collect();
@@ -420,6 +421,9 @@ impl<'a> Recovery<'a> {
                 let len = header.record_len() as u32;
                 if is_cold_unit(&header, payload) {
                     self.infos[segment.index()].cold_bytes += len as u64;
+                }
+                if header.fast_effort() {
+                    self.infos[segment.index()].fast_bytes += len as u64;
                 }
                 let members = versions.len() as u8;
                 for (member, &version) in versions.iter().enumerate() {

@@ -1252,6 +1252,7 @@ impl State {
             Tally::HostRead(bytes) => counters.host_read_bytes += bytes,
             Tally::HostTrim(bytes) => counters.host_trim_bytes += bytes,
             Tally::HostZero(bytes) => counters.host_zero_bytes += bytes,
+            Tally::HostWriteFast(bytes) => counters.host_write_fast_bytes += bytes,
             Tally::MediaRead(bytes) => counters.media_read_bytes += bytes,
             Tally::GcRead(bytes) => counters.gc_read_bytes += bytes,
             Tally::Flush => counters.flushes += 1,

@@ -257,7 +257,7 @@ fn classify(
         };
         header.kind == kind && (shared || lba.0.checked_sub(loc.member as u64) == Some(named))
     });
-    let codec = header.and_then(|header| CodecId::from_u8(header.codec));
+    let codec = header.and_then(|header| header.codec_id());
     let raw = match codec {
         Some(codec) => codec == CodecId::Raw,
         // Unknown: a lone record as long as a raw block is one.

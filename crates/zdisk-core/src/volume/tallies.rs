@@ -19,6 +19,8 @@ pub(crate) enum Tally {
     HostRead(u64),
     HostTrim(u64),
     HostZero(u64),
+    /// Of a host write, this many bytes were compressed at fast effort.
+    HostWriteFast(u64),
     /// Bytes read from the medium for host reads.
     MediaRead(u64),
     /// Bytes the cleaner read from a victim.
@@ -43,6 +45,7 @@ struct Shard {
     host_read_bytes: AtomicU64,
     host_trim_bytes: AtomicU64,
     host_zero_bytes: AtomicU64,
+    host_write_fast_bytes: AtomicU64,
     media_read_bytes: AtomicU64,
     flushes: AtomicU64,
     damaged_blocks_found: AtomicU64,
@@ -78,6 +81,7 @@ impl Tallies {
             Tally::HostRead(bytes) => add(&shard.host_read_bytes, bytes),
             Tally::HostTrim(bytes) => add(&shard.host_trim_bytes, bytes),
             Tally::HostZero(bytes) => add(&shard.host_zero_bytes, bytes),
+            Tally::HostWriteFast(bytes) => add(&shard.host_write_fast_bytes, bytes),
             Tally::MediaRead(bytes) => add(&shard.media_read_bytes, bytes),
             Tally::Flush => add(&shard.flushes, 1),
             Tally::DamageFound => add(&shard.damaged_blocks_found, 1),
@@ -95,6 +99,7 @@ impl Tallies {
             base.host_read_bytes += get(&shard.host_read_bytes);
             base.host_trim_bytes += get(&shard.host_trim_bytes);
             base.host_zero_bytes += get(&shard.host_zero_bytes);
+            base.host_write_fast_bytes += get(&shard.host_write_fast_bytes);
             base.media_read_bytes += get(&shard.media_read_bytes);
             base.flushes += get(&shard.flushes);
             base.damaged_blocks_found += get(&shard.damaged_blocks_found);
