@@ -293,29 +293,6 @@ pub const LZ4_FAST_ACCELERATION: i32 = 32;
 /// volume's own level, if that is lower still).
 pub const ZSTD_FAST_LEVEL: i32 = -5;
 
-// liblz4 (linked by lz4-sys) compresses with a caller's state: set up
-// once per thread, then only reset between inputs. `LZ4_compress_fast`
-// instead clears a 16 KiB state on its stack for every input, which cost
-// 1.8% of the server's samples when writes took the fast effort.
-extern "C" {
-    fn LZ4_sizeofState() -> std::ffi::c_int;
-    fn LZ4_initStream(buffer: *mut std::ffi::c_void, size: usize) -> *mut std::ffi::c_void;
-    fn LZ4_compress_fast_extState_fastReset(
-        state: *mut std::ffi::c_void,
-        source: *const std::ffi::c_char,
-        dest: *mut std::ffi::c_char,
-        source_size: std::ffi::c_int,
-        dest_capacity: std::ffi::c_int,
-        acceleration: std::ffi::c_int,
-    ) -> std::ffi::c_int;
-}
-
-thread_local! {
-    /// This thread's LZ4 compression state (8-byte aligned, as liblz4
-    /// asks), initialised on first use.
-    static LZ4_STATE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
-}
-
 /// LZ4-compresses `input` into `output` with liblz4, the library that
 /// decodes it too; None if the result would not fit in `limit` bytes.
 /// liblz4 gives up as soon as it would pass the limit, so a block that is
@@ -326,32 +303,18 @@ fn lz4_into(input: &[u8], output: &mut Vec<u8>, limit: usize, acceleration: i32)
     let capacity = i32::try_from(limit).ok()?;
     output.clear();
     output.reserve(limit);
-    let written = LZ4_STATE.with(|state| {
-        let mut state = state.borrow_mut();
-        if state.is_empty() {
-            // SAFETY: a pure function.
-            let size = unsafe { LZ4_sizeofState() } as usize;
-            state.resize(size.div_ceil(8), 0);
-            // SAFETY: the buffer is `size` bytes or more, 8-byte aligned.
-            let done = unsafe { LZ4_initStream(state.as_mut_ptr().cast(), state.len() * 8) };
-            assert!(!done.is_null(), "liblz4 refused its state buffer");
-        }
-        // SAFETY: the state was initialised above (the fast reset only
-        // needs that once); liblz4 reads `source_len` bytes from `input`
-        // and writes at most `capacity` bytes at `output`'s start, whose
-        // capacity is at least `limit`; it returns how many it wrote, or 0
-        // if they would not fit.
-        unsafe {
-            LZ4_compress_fast_extState_fastReset(
-                state.as_mut_ptr().cast(),
-                input.as_ptr().cast(),
-                output.as_mut_ptr().cast(),
-                source_len,
-                capacity,
-                acceleration,
-            )
-        }
-    });
+    // SAFETY: liblz4 reads `source_len` bytes from `input` and writes at
+    // most `capacity` bytes at `output`'s start, whose capacity is at least
+    // `limit`; it returns how many it wrote, or 0 if they would not fit.
+    let written = unsafe {
+        lz4::liblz4::LZ4_compress_fast(
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            source_len,
+            capacity,
+            acceleration,
+        )
+    };
     let written = usize::try_from(written).ok().filter(|&n| n > 0)?;
     debug_assert!(written <= limit);
     // SAFETY: liblz4 initialised these `written` bytes.
