@@ -153,9 +153,10 @@ impl Codec {
     /// itself. Fast effort: lz4 and DEFLATE take LZ4 at
     /// [`LZ4_FAST_ACCELERATION`] (DEFLATE's fastest level is no match for
     /// it), zstd takes level [`ZSTD_FAST_LEVEL`], none stays none.
+    /// Deferred: none, whatever the codec.
     fn method(self, effort: Effort) -> Method {
         match (self, effort) {
-            (Codec::None, _) => Method::None,
+            (Codec::None, _) | (_, Effort::Deferred) => Method::None,
             (Codec::Lz4, Effort::Full) => Method::Lz4 {
                 acceleration: LZ4_ACCELERATION,
             },
@@ -264,14 +265,17 @@ pub fn entropy_bits_per_byte(data: &[u8]) -> f64 {
 
 /// How hard a host write compresses (issue #27). A volume's codec says
 /// what its data is compressed with at `Full` effort; at `Fast` effort a
-/// write takes the cheaper setting [`Codec::at_effort`] names, and its
-/// records are marked (`record::CODEC_FAST_EFFORT`) so that the cold-data
-/// pass rewrites them first.
+/// write takes a cheaper setting of LZ4 or zstd (`Codec::method`); a
+/// `Deferred` write is stored raw, its compression left to the idle pass.
+/// Records written below full effort are marked
+/// (`record::CODEC_FAST_EFFORT`) so that the cold-data pass rewrites them
+/// first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Effort {
     #[default]
     Full,
     Fast,
+    Deferred,
 }
 
 impl Effort {
@@ -279,6 +283,7 @@ impl Effort {
         match self {
             Effort::Full => "full",
             Effort::Fast => "fast",
+            Effort::Deferred => "deferred",
         }
     }
 }
@@ -380,7 +385,8 @@ pub enum RunPiece<'a> {
     /// The whole run as one unit: its blocks' compressed bytes (the
     /// unit's prefix is the caller's to write).
     Unit { codec: CodecId, data: &'a [u8] },
-    /// Block `index` of the run, compressed alone.
+    /// Block `index` of the run, compressed alone (or, raw, the block
+    /// itself).
     Block {
         index: usize,
         codec: CodecId,
@@ -414,13 +420,15 @@ pub fn compress_whole_blocks(
             return;
         }
     }
+    let method = codec.method(effort);
     for (index, block) in run.chunks_exact(BLOCK_SIZE).enumerate() {
-        let id = compress_block_with(codec, effort, block, scratch, true);
-        emit(RunPiece::Block {
-            index,
-            codec: id,
-            data: scratch,
-        });
+        // A block stored raw is handed over as it came, not copied.
+        let (codec, data) =
+            match compress_limited(method, block, scratch, COMPRESSED_PAYLOAD_MAX, true) {
+                Some(id) => (id, &scratch[..]),
+                None => (CodecId::Raw, block),
+            };
+        emit(RunPiece::Block { index, codec, data });
     }
 }
 

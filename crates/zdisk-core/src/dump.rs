@@ -34,7 +34,7 @@ use crate::map::{
 use crate::media::Media;
 use crate::meta::DumpRef;
 use crate::record::{
-    decode_record, encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
+    append_record, decode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind,
     MAP_CHUNK_PAYLOAD_MAX, RECORD_ALIGN, UNIT_BLOCKS_MAX, UNIT_PAYLOAD_MAX,
 };
 use crate::snapshots::SNAPSHOTS_MAX;
@@ -55,7 +55,7 @@ const ITEM_PAGE: u8 = 5;
 /// 0, its offset and the generation that wrote it (format 4).
 const ITEM_KEPT_PAGE: u8 = 6;
 /// A segment with the bytes the cold-data pass wrote into it and the
-/// bytes written at fast effort (format 9).
+/// bytes written below full effort (format 9).
 const ITEM_SEGMENT_EFFORT: u8 = 7;
 
 const FORM_UNIFORM: u8 = 0;
@@ -656,15 +656,7 @@ pub(crate) fn build_segment(
             payload_len: payload.len() as u32,
             crc: 0,
         };
-        let start = image.len();
-        image.resize(start + record_len_for_payload(payload.len()) as usize, 0);
-        encode_record(
-            &mut image[start..],
-            header,
-            payload,
-            crc32c::crc32c(payload),
-            key,
-        );
+        append_record(&mut image, header, payload, crc32c::crc32c(payload), key);
     }
     let padded = (image.len() as u64).div_ceil(page_size) * page_size;
     image.resize(padded.max(page_size) as usize, 0);

@@ -54,7 +54,7 @@ pub(crate) struct SegmentInfo {
     /// Bytes appended by the cold-data pass (stronger codec): a segment
     /// mostly of these is not worth recompressing again.
     pub cold_bytes: u64,
-    /// Bytes of data and unit records written at fast effort (issue #27,
+    /// Bytes of data and unit records written below full effort (issue #27,
     /// the codec byte's `CODEC_FAST_EFFORT`): the cold-data pass rewrites
     /// the segments that hold them first.
     pub fast_bytes: u64,

@@ -85,7 +85,7 @@ counters! {
     23 => dedup_blocks: "Blocks written whose content was stored already: shared, not stored again.",
     24 => dedup_saved_bytes: "Stored bytes those blocks did not take: the stored share of each content they share.",
     25 => dedup_index_write_bytes: "Bytes of dedup index chapters written to the medium (counted in media_write_bytes too).",
-    26 => host_write_fast_bytes: "Of host_write_bytes, the bytes compressed at fast effort because compression could not keep up (issue #27).",
+    26 => host_write_fast_bytes: "Of host_write_bytes, the bytes written below full effort (compressed fast, or stored raw for the idle pass) because compression could not keep up (issue #27).",
 }
 
 /// Number of segments in each state.
@@ -181,13 +181,15 @@ pub struct Stats {
     /// Stored bytes the cold-data pass saved (before minus after, over
     /// everything it rewrote, some of which may since have been overwritten).
     pub recompress_saved_bytes: u64,
-    /// How hard host writes compress: adaptive, full or fast (issue #27).
+    /// How hard host writes compress: adaptive, full, fast or deferred
+    /// (issue #27).
     pub write_effort: String,
-    /// Of `host_write_bytes`, the bytes compressed at fast effort.
+    /// Of `host_write_bytes`, the bytes written below full effort (fast,
+    /// or raw for the idle pass).
     pub host_write_fast_bytes: u64,
     /// Stored bytes the cold-data pass has yet to rewrite.
     pub recompress_pending_bytes: u64,
-    /// Of those, bytes written at fast effort (estimated per segment): the
+    /// Of those, bytes written below full effort (estimated per segment): the
     /// pass rewrites them first.
     pub fast_stored_bytes: u64,
     /// What rewriting `recompress_pending_bytes` is expected to save, at
@@ -380,12 +382,12 @@ pub const FIELDS: &[Field] = &[
     shown("recompress", "name", "the cold-data pass's mode: off, idle or gc"),
     shown("recompressed_bytes", "bytes", "logical bytes the cold-data pass has rewritten"),
     shown("recompress_saved_bytes", "bytes", "stored bytes the cold-data pass saved (before minus after)"),
-    shown("write_effort", "name", "how hard host writes compress (serve --write-effort): adaptive (fast effort while every core is compressing, else full), full or fast; emulated drives and --recompress off keep full"),
-    shown("host_write_fast_bytes", "bytes", "of host_write_bytes, the bytes compressed at fast effort (lz4 at a higher acceleration, zstd at a negative level), which the cold-data pass rewrites first"),
+    shown("write_effort", "name", "how hard host writes compress (serve --write-effort): adaptive (full effort while a core is idle, fast while every core is compressing, raw for the idle pass while twice as many requests are and a quarter of the medium is free), full, fast or deferred; emulated drives and --recompress off keep full"),
+    shown("host_write_fast_bytes", "bytes", "of host_write_bytes, the bytes written below full effort: compressed at fast effort (lz4 at a higher acceleration, zstd at a negative level) or stored raw for the idle pass, which rewrites them first"),
     field("recompress_pending_bytes", "bytes", "stored bytes the cold-data pass has yet to rewrite: live data in segments it has not recompressed (0 with --recompress off)",
         Gauge("Stored bytes the cold-data pass has yet to rewrite."), |s| s.recompress_pending_bytes as f64),
-    field("fast_stored_bytes", "bytes", "of those, the bytes written at fast effort (estimated per segment from its live share), which the pass rewrites first",
-        Gauge("Stored bytes written at fast effort and not yet rewritten."), |s| s.fast_stored_bytes as f64),
+    field("fast_stored_bytes", "bytes", "of those, the bytes written below full effort (estimated per segment from its live share), which the pass rewrites first",
+        Gauge("Stored bytes written below full effort and not yet rewritten."), |s| s.fast_stored_bytes as f64),
     field("recompress_expected_saving_bytes", "bytes", "what rewriting recompress_pending_bytes should save, at the ratio the pass's rewrites have had so far (recompress_saved_bytes over what they took before); null until it has rewritten something",
         Gauge("Stored bytes the cold-data pass is expected to save still."), |s| s.recompress_expected_saving_bytes.map_or(f64::NAN, |b| b as f64)),
     field("damaged_blocks", "blocks", "blocks whose data is damaged: reads fail with EIO until they are rewritten, trimmed or repaired",

@@ -320,6 +320,18 @@ fn write_text(volume: &Volume, model: &mut [u8], range: std::ops::Range<u64>, se
 
 #[test]
 fn writes_at_fast_effort_are_counted_survive_restarts_and_are_rewritten_first() {
+    cheap_writes_are_counted_survive_restarts_and_are_rewritten_first(WriteEffort::Fast);
+}
+
+/// Deferred writes are stored raw, marked like fast ones, and rewritten
+/// first just the same.
+#[test]
+fn deferred_writes_are_stored_raw_counted_survive_restarts_and_are_rewritten_first() {
+    cheap_writes_are_counted_survive_restarts_and_are_rewritten_first(WriteEffort::Deferred);
+}
+
+/// Half the blocks written at full effort, then half at `cheap` effort.
+fn cheap_writes_are_counted_survive_restarts_and_are_rewritten_first(cheap: WriteEffort) {
     let media = media();
     let with = |effort: WriteEffort| OpenOptions {
         write_effort: effort,
@@ -339,11 +351,10 @@ fn writes_at_fast_effort_are_counted_survive_restarts_and_are_rewritten_first() 
     drop(volume);
 
     let media = Arc::new(media.reopen());
-    let volume =
-        Volume::open(media.clone() as Arc<dyn Media>, with(WriteEffort::Fast)).expect("open");
+    let volume = Volume::open(media.clone() as Arc<dyn Media>, with(cheap)).expect("open");
     write_text(&volume, &mut model, WRITTEN_BLOCKS / 2..WRITTEN_BLOCKS, 22);
     let fast = volume.stats();
-    assert_eq!(fast.write_effort, "fast");
+    assert_eq!(fast.write_effort, cheap.to_string());
     let fast_written = WRITTEN_BLOCKS / 2 * BLOCK;
     assert_eq!(fast.host_write_fast_bytes, fast_written);
     assert!(fast.fast_stored_bytes > 0);
@@ -357,6 +368,10 @@ fn writes_at_fast_effort_are_counted_survive_restarts_and_are_rewritten_first() 
         fast_per_block > full_per_block,
         "{fast_per_block} vs {full_per_block}"
     );
+    if cheap == WriteEffort::Deferred {
+        // Raw: a whole block and a record header each.
+        assert!(fast_per_block >= (BLOCK + 32) as f64, "{fast_per_block}");
+    }
     assert_reads(&volume, &model, "after fast writes");
 
     // A crash: replay finds the marked records again.

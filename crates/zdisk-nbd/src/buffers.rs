@@ -23,7 +23,7 @@ use std::sync::Mutex;
 /// server CPU per byte than with 16. Kept
 /// buffers are what the same connection had in flight at once, so this
 /// raises idle memory, never the peak.
-const KEPT_PER_CONNECTION: usize = 16;
+const KEPT_PER_CONNECTION: usize = 64;
 /// Smaller buffers cost little to zero; larger ones are not kept.
 const KEPT_BYTES_MIN: usize = 64 << 10;
 const KEPT_BYTES_MAX: usize = 4 << 20;

@@ -28,7 +28,7 @@
 //!   [`serve`] waits until every dispatched request has been answered.
 
 use std::collections::VecDeque;
-use std::io::{self, Read};
+use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -37,8 +37,12 @@ use crate::budget::{InFlight, InFlightLimits, MemoryBudget};
 use crate::buffers::Buffers;
 use crate::reply::{error_reply, execute};
 use crate::request::{validate, Command, Session};
-use crate::session::{discard, read_message, ConnLog, SessionEnd};
+use crate::session::{discard, ConnLog, RequestStream, SessionEnd};
 use crate::wire::*;
+
+/// After a write this long, the next header is read alone (see
+/// [`RequestStream::read_header`]).
+const DIRECT_HEADER_AFTER_BYTES: usize = 64 * 1024;
 
 /// Rejected requests logged per connection before the log goes quiet about
 /// them (the closing line still counts them all).
@@ -371,12 +375,14 @@ impl Drop for Permit {
 /// every dispatched request has been answered and closes the outbox.
 /// `stopping` is polled before each request and while waiting for budget;
 /// once true, no further request is read.
-pub(crate) fn serve<R: Read + ?Sized>(
+pub(crate) fn serve<R: RequestStream + ?Sized>(
     reader: &mut R,
     connection: &Arc<Connection>,
     dispatch: &dyn Dispatch,
     stopping: &dyn Fn() -> bool,
 ) -> SessionEnd {
+    // The last request was a large write: read the next header alone.
+    let mut direct = false;
     let end = loop {
         if stopping() {
             break SessionEnd::Shutdown;
@@ -385,7 +391,7 @@ pub(crate) fn serve<R: Read + ?Sized>(
             break end;
         }
         let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
-        let read = read_message(reader, &mut header_bytes);
+        let read = reader.read_header(&mut header_bytes, direct);
         // A read cut short by shutdown or by a failed send is reported as
         // that, not as the client's doing.
         if !matches!(read, Ok(true)) {
@@ -401,6 +407,9 @@ pub(crate) fn serve<R: Read + ?Sized>(
             Ok(false) => break SessionEnd::ClientClosed,
             Err(error) => break error.into(),
         }
+        direct = parse_request_header(&header_bytes).is_ok_and(|header| {
+            header.command == NBD_CMD_WRITE && header.length as usize >= DIRECT_HEADER_AFTER_BYTES
+        });
         match handle_request(reader, connection, dispatch, &header_bytes, stopping) {
             Ok(true) => {}
             Ok(false) => break SessionEnd::ClientDisconnect,
@@ -414,7 +423,7 @@ pub(crate) fn serve<R: Read + ?Sized>(
 
 /// Handles one request whose header has been read. Returns `Ok(false)` for
 /// NBD_CMD_DISC.
-fn handle_request<R: Read + ?Sized>(
+fn handle_request<R: RequestStream + ?Sized>(
     reader: &mut R,
     connection: &Arc<Connection>,
     dispatch: &dyn Dispatch,
@@ -438,7 +447,7 @@ fn handle_request<R: Read + ?Sized>(
             let payload = match command {
                 Command::Write { length, .. } => {
                     let mut payload = connection.buffers.take(length as usize);
-                    reader.read_exact(&mut payload)?;
+                    reader.read_payload(&mut payload)?;
                     payload
                 }
                 _ => Vec::new(),

@@ -182,10 +182,12 @@ pub struct ServeArgs {
     pub recompress: Option<Recompress>,
     /// How hard writes compress: adaptive (the default: the codec's own
     /// effort while a core is free, a fast one while every core is
-    /// compressing, which the idle pass rewrites first), full (always the
-    /// codec's own: each byte reaches the medium once, for media where wear
-    /// matters more than a burst's speed) or fast. With --recompress off,
-    /// and on emulated drives, adaptive is full.
+    /// compressing, and none, storing raw, while twice as many requests
+    /// are and a quarter of the medium is free; the idle pass rewrites
+    /// such writes first), full (always the codec's own: each byte reaches
+    /// the medium once, for media where wear matters more than a burst's
+    /// speed), fast or deferred (always raw). With --recompress off, and on
+    /// emulated drives, adaptive is full.
     #[arg(long, value_parser = write_effort_arg)]
     pub write_effort: Option<WriteEffort>,
     /// Compact mostly dead segments when idle, even with --recompress off:

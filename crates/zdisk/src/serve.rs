@@ -222,6 +222,12 @@ fn open_or_create(args: &ServeArgs, existing: bool) -> Result<Arc<Volume>, Strin
                 report.duration
             );
         }
+        if report.cells_rebuilt > 0 {
+            log::warn!(
+                "recovery rebuilt {} shared contents from their own records: the records that first shared them were gone",
+                report.cells_rebuilt
+            );
+        }
         volume
     } else {
         if args.read_only {

@@ -506,10 +506,12 @@ fn peers() -> TestResult {
     let args = vec!["--quick", "--dir", path_arg(&scratch.path)];
     let rows = json_lines(&script_zdisk("peers.py", &args)?);
     ensure!(rows.len() == 4, "{} peers: {rows:?}", rows.len());
+    // At full effort every block is compressed; the adaptive row may
+    // have stored most of the copy raw for the idle pass (deferred).
     let zdisk = rows
         .iter()
-        .find(|r| r["peer"] == "zdisk lz4")
-        .ok_or("no zdisk lz4 row")?;
+        .find(|r| r["peer"] == "zdisk lz4/full")
+        .ok_or("no zdisk lz4/full row")?;
     for row in &rows {
         for key in ["write_mb_s", "seq_read_mb_s", "randread_4k_mb_s"] {
             positive(row, key)?;
@@ -523,21 +525,22 @@ fn peers() -> TestResult {
         zdisk["corpus_bytes"]
     );
     ensure!(positive(zdisk, "ratio")? > 1.0, "no compression: {zdisk}");
-    // Media bytes per host byte: compression keeps them under 1.
-    for row in rows
+    // Media bytes per host byte: compression keeps them under 1 at full
+    // effort; a raw (deferred) block costs its 32-byte header more.
+    let media = positive(zdisk, "media_per_host")?;
+    ensure!(media < 1.0, "{media} media bytes per host byte: {zdisk}");
+    let adaptive = rows
         .iter()
-        .filter(|r| r["peer"].as_str().is_some_and(|p| p.starts_with("zdisk")))
-    {
-        let media = positive(row, "media_per_host")?;
-        ensure!(media < 1.0, "{media} media bytes per host byte: {row}");
-    }
-    let full = rows
-        .iter()
-        .find(|r| r["peer"] == "zdisk lz4/full")
-        .ok_or("no zdisk lz4/full row")?;
+        .find(|r| r["peer"] == "zdisk lz4")
+        .ok_or("no zdisk lz4 row")?;
+    let media = positive(adaptive, "media_per_host")?;
     ensure!(
-        number(full, "fast_bytes")? == 0.0,
-        "--write-effort full wrote fast: {full}"
+        media < 1.05,
+        "{media} media bytes per host byte: {adaptive}"
+    );
+    ensure!(
+        number(zdisk, "fast_bytes")? == 0.0,
+        "--write-effort full wrote fast: {zdisk}"
     );
     Ok(Completion::Completed)
 }

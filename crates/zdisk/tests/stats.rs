@@ -373,6 +373,23 @@ fn write_effort() -> TestResult {
         number(&full, "host_write_fast_bytes")? == 16 << 20,
         "full effort wrote nothing fast: {full}"
     );
+    // Deferred: other data (the same would be found stored), raw.
+    std::fs::write(&source, pseudo_random(16 << 20, 4))?;
+    let mut server = Server::start(&image, &sock, &["--write-effort", "deferred"])?;
+    copy(&server)?;
+    let deferred = stats_json(&image)?;
+    server.stop()?;
+    ensure!(deferred["write_effort"] == "deferred", "{deferred}");
+    ensure!(
+        number(&deferred, "host_write_fast_bytes")? == 32 << 20,
+        "{deferred}"
+    );
+    // Raw and marked: at least the 16 MiB written (less a segment's share
+    // for the per-segment estimate, where older dead records share one).
+    ensure!(
+        number(&deferred, "fast_stored_bytes")? >= 15 << 20,
+        "raw, marked: {deferred}"
+    );
     // Without the idle pass, adaptive effort is full effort.
     let mut server = Server::start(&image, &sock, &["--recompress", "off"])?;
     let off = stats_json(&image)?;
@@ -382,7 +399,7 @@ fn write_effort() -> TestResult {
 
     one_line_error(
         &["serve", image_arg, "--write-effort", "hard"],
-        "use adaptive, full or fast",
+        "use adaptive, full, fast or deferred",
     )?;
     let nand = scratch.join("nand.zdisk");
     let nand_arg = nand.to_str().unwrap();

@@ -231,7 +231,7 @@ fn awaits_recompression(info: &SegmentInfo) -> bool {
 pub(crate) struct Pending {
     /// Live stored bytes in segments it has yet to recompress.
     pub bytes: u64,
-    /// Of those, the bytes written at fast effort, estimated per segment
+    /// Of those, the bytes written below full effort, estimated per segment
     /// as its live share of what was appended fast.
     pub fast_bytes: u64,
 }

@@ -19,7 +19,7 @@
 //! runs as fast as before.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::codec::Effort;
@@ -27,10 +27,10 @@ use crate::codec::Effort;
 /// How hard host writes compress (issue #27; `serve --write-effort`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WriteEffort {
-    /// Full effort while compression keeps up; fast effort while every
-    /// core is compressing ([`effort_for`]). The cold-data pass rewrites
-    /// what was written fast first, so only the speed of a burst depends
-    /// on it, not the ratio the volume ends up with. Without the pass
+    /// Full effort while compression keeps up, cheaper as requests queue
+    /// for the cores ([`effort_for`]). The cold-data pass rewrites what was
+    /// written cheaply first, so only the speed of a burst depends on it,
+    /// not the ratio the volume ends up with. Without the pass
     /// (`--recompress off`, and on emulated drives) it is `Full`.
     #[default]
     Adaptive,
@@ -39,6 +39,9 @@ pub enum WriteEffort {
     Full,
     /// Always fast effort (for measuring it, and for tests).
     Fast,
+    /// Always stored raw for the idle pass (for measuring it, and for
+    /// tests).
+    Deferred,
 }
 
 impl WriteEffort {
@@ -47,8 +50,9 @@ impl WriteEffort {
             "adaptive" => Ok(WriteEffort::Adaptive),
             "full" => Ok(WriteEffort::Full),
             "fast" => Ok(WriteEffort::Fast),
+            "deferred" => Ok(WriteEffort::Deferred),
             other => Err(format!(
-                "unknown write effort {other:?}: use adaptive, full or fast"
+                "unknown write effort {other:?}: use adaptive, full, fast or deferred"
             )),
         }
     }
@@ -60,22 +64,42 @@ impl fmt::Display for WriteEffort {
             WriteEffort::Adaptive => "adaptive",
             WriteEffort::Full => "full",
             WriteEffort::Fast => "fast",
+            WriteEffort::Deferred => "deferred",
         })
     }
 }
 
+/// An adaptive write may be deferred only while at least this share of
+/// the medium's segments is free (one in `DEFER_FREE_SHARE`): a raw write
+/// takes about twice the room of a compressed one until the idle pass
+/// comes, and must not be what fills a thin volume's medium.
+pub(crate) const DEFER_FREE_SHARE: u64 = 4;
+
 /// The effort a write takes under `policy` when `compressing` requests,
-/// this one included, are compressing on a machine of `cpus` cores. A
-/// function of that queue state alone, so a run that replays the same
-/// queue (the simulator's, one request at a time) makes the same choice.
-/// Adaptive writes go fast once the requests compressing are as many as
-/// the cores: no core is idle, so full effort would only queue writes
-/// behind the compressor.
-pub(crate) fn effort_for(policy: WriteEffort, compressing: usize, cpus: usize) -> Effort {
+/// this one included, are compressing on a machine of `cpus` cores, with
+/// `roomy` true while the medium has room to defer
+/// ([`DEFER_FREE_SHARE`]). A function of that state alone, so a run that
+/// replays the same queue (the simulator's, one request at a time) makes
+/// the same choice. Adaptive writes:
+/// - compress at full effort while a core is idle;
+/// - at fast effort once the requests compressing are as many as the
+///   cores: full effort would only queue writes behind the compressor;
+/// - are stored raw, their compression deferred to the idle pass, once
+///   they are twice as many (every core has a request waiting for it),
+///   while the medium has room; at fast effort when it has not.
+pub(crate) fn effort_for(
+    policy: WriteEffort,
+    compressing: usize,
+    cpus: usize,
+    roomy: bool,
+) -> Effort {
+    let cpus = cpus.max(1);
     match policy {
         WriteEffort::Full => Effort::Full,
         WriteEffort::Fast => Effort::Fast,
-        WriteEffort::Adaptive if compressing >= cpus.max(1) => Effort::Fast,
+        WriteEffort::Deferred => Effort::Deferred,
+        WriteEffort::Adaptive if compressing >= 2 * cpus && roomy => Effort::Deferred,
+        WriteEffort::Adaptive if compressing >= cpus => Effort::Fast,
         WriteEffort::Adaptive => Effort::Full,
     }
 }
@@ -119,6 +143,8 @@ pub(crate) fn cpus() -> usize {
 pub(crate) struct Compressors {
     active: AtomicUsize,
     policy: WriteEffort,
+    /// The medium has room for deferred writes ([`Compressors::note_room`]).
+    roomy: AtomicBool,
 }
 
 impl Compressors {
@@ -126,7 +152,15 @@ impl Compressors {
         Compressors {
             active: AtomicUsize::new(0),
             policy,
+            roomy: AtomicBool::new(false),
         }
+    }
+
+    /// Notes how many of the medium's `segments` are `free` (after each
+    /// write, under the state lock): whether adaptive writes may defer.
+    pub fn note_room(&self, free: u64, segments: u64) {
+        self.roomy
+            .store(free * DEFER_FREE_SHARE >= segments, Ordering::Relaxed);
     }
 
     /// The policy writes follow.
@@ -144,7 +178,8 @@ impl Compressors {
         work: impl FnOnce(usize, Effort) -> T + Send,
     ) -> T {
         let others = self.active.fetch_add(1, Ordering::AcqRel);
-        let effort = effort_for(self.policy, others + 1, cpus());
+        let roomy = self.roomy.load(Ordering::Relaxed);
+        let effort = effort_for(self.policy, others + 1, cpus(), roomy);
         let idle = cpus().saturating_sub(others);
         let result = if blocks >= PARALLEL_MIN_BLOCKS {
             pool().install(|| work(idle.max(1), effort))
@@ -197,25 +232,57 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_effort_goes_fast_only_when_every_core_is_compressing() {
+    fn adaptive_effort_goes_fast_when_every_core_is_compressing_and_defers_beyond() {
         use WriteEffort::*;
         for cpus in [1, 2, 4, 8] {
-            for compressing in 1..=2 * cpus {
-                let adaptive = effort_for(Adaptive, compressing, cpus);
-                let busy = compressing >= cpus;
-                assert_eq!(adaptive == Effort::Fast, busy, "{compressing} on {cpus}");
-                assert_eq!(effort_for(Full, compressing, cpus), Effort::Full);
-                assert_eq!(effort_for(Fast, compressing, cpus), Effort::Fast);
+            for compressing in 1..=3 * cpus {
+                for roomy in [false, true] {
+                    let adaptive = effort_for(Adaptive, compressing, cpus, roomy);
+                    let expected = if compressing >= 2 * cpus && roomy {
+                        Effort::Deferred
+                    } else if compressing >= cpus {
+                        Effort::Fast
+                    } else {
+                        Effort::Full
+                    };
+                    assert_eq!(adaptive, expected, "{compressing} on {cpus}, {roomy}");
+                    for (policy, effort) in [
+                        (Full, Effort::Full),
+                        (Fast, Effort::Fast),
+                        (Deferred, Effort::Deferred),
+                    ] {
+                        assert_eq!(effort_for(policy, compressing, cpus, roomy), effort);
+                    }
+                }
             }
         }
         // One request at a time (the simulator's queue) compresses fully
         // wherever there is a second core.
-        assert_eq!(effort_for(Adaptive, 1, 2), Effort::Full);
-        for text in ["adaptive", "full", "fast"] {
+        assert_eq!(effort_for(Adaptive, 1, 2, true), Effort::Full);
+        for text in ["adaptive", "full", "fast", "deferred"] {
             assert_eq!(WriteEffort::parse(text).unwrap().to_string(), text);
         }
         assert!(WriteEffort::parse("hard")
             .unwrap_err()
-            .contains("adaptive, full or fast"));
+            .contains("adaptive, full, fast or deferred"));
+    }
+
+    #[test]
+    fn deferring_needs_a_quarter_of_the_segments_free() {
+        let compressors = Compressors::new(WriteEffort::Adaptive);
+        let busy = 2 * cpus();
+        let effort_now = |compressors: &Compressors| {
+            effort_for(
+                compressors.policy(),
+                busy,
+                cpus(),
+                compressors.roomy.load(Ordering::Relaxed),
+            )
+        };
+        assert_eq!(effort_now(&compressors), Effort::Fast, "unknown room: no");
+        compressors.note_room(25, 100);
+        assert_eq!(effort_now(&compressors), Effort::Deferred);
+        compressors.note_room(24, 100);
+        assert_eq!(effort_now(&compressors), Effort::Fast);
     }
 }

@@ -203,7 +203,8 @@ impl WriteEstimator {
                     in_zero_run = true;
                     continue;
                 }
-                Prepared::Data {
+                Prepared::Raw { .. }
+                | Prepared::Data {
                     codec: CodecId::Raw,
                     ..
                 } => write.incompressible_bytes += bytes,

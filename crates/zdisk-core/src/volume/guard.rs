@@ -421,9 +421,12 @@ impl Volume {
 
     /// Performs `writes`, the claim `locked` just made, with the lock
     /// released; retires them and returns the lock taken again.
-    fn perform_claim<'a>(&'a self, locked: Locked<'a>, writes: &[PageWrite]) -> Locked<'a> {
+    fn perform_claim<'a>(&'a self, locked: Locked<'a>, writes: Vec<PageWrite>) -> Locked<'a> {
         drop(locked);
-        let (through, failure) = self.perform(writes);
+        let (through, failure) = self.perform(&writes);
+        // Dropped before the queue lets go of them, so that their buffers
+        // come back for reuse.
+        drop(writes);
         let mut locked = self.raw_lock();
         locked.page_writes_done(through, failure.as_ref());
         self.page_written.notify();
@@ -438,7 +441,7 @@ impl Volume {
         loop {
             if claim {
                 if let Some(writes) = locked.claim_page_writes() {
-                    locked = self.perform_claim(locked, &writes);
+                    locked = self.perform_claim(locked, writes);
                     continue;
                 }
             }
@@ -458,7 +461,7 @@ impl Volume {
         let mut locked = self.raw_lock();
         while locked.pages_written_through() < ticket {
             if let Some(writes) = locked.claim_page_writes() {
-                locked = self.perform_claim(locked, &writes);
+                locked = self.perform_claim(locked, writes);
             } else {
                 locked = locked.wait(self, &self.page_written);
             }
@@ -528,7 +531,7 @@ fn log_writer_loop(volume: Weak<Volume>) {
         let mut locked = volume_ref.raw_lock();
         loop {
             if let Some(writes) = locked.claim_page_writes() {
-                locked = volume_ref.perform_claim(locked, &writes);
+                locked = volume_ref.perform_claim(locked, writes);
                 continue;
             }
             if volume_ref.stop.load(Ordering::SeqCst) {

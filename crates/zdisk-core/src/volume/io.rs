@@ -72,6 +72,11 @@ pub(super) enum Prepared {
         len: usize,
         crc: u32,
     },
+    /// A block stored raw: its payload is the request's own bytes, never
+    /// copied into the batch.
+    Raw {
+        crc: u32,
+    },
     Unit {
         codec: CodecId,
         start: usize,
@@ -96,6 +101,7 @@ impl Prepared {
             // counted whole: at most this.
             Prepared::Found => record_len_for_payload(4 + 16),
             Prepared::Data { len, .. } | Prepared::Unit { len, .. } => record_len_for_payload(*len),
+            Prepared::Raw { .. } => record_len_for_payload(BLOCK_SIZE),
         }
     }
 }
@@ -130,11 +136,11 @@ pub(super) struct Batch {
 
 impl Batch {
     /// The codec byte of a record of this batch compressed with `codec`:
-    /// marked if compressed at fast effort.
+    /// marked if written below full effort.
     fn codec_byte(&self, codec: CodecId) -> u8 {
         match self.effort {
             Effort::Full => codec as u8,
-            Effort::Fast => codec as u8 | CODEC_FAST_EFFORT,
+            Effort::Fast | Effort::Deferred => codec as u8 | CODEC_FAST_EFFORT,
         }
     }
 }
@@ -200,6 +206,13 @@ pub(super) fn prepare(
                         blocks,
                     });
                 }
+                RunPiece::Block {
+                    codec: CodecId::Raw,
+                    data,
+                    ..
+                } => batch.blocks.push(Prepared::Raw {
+                    crc: crc32c::crc32c(data),
+                }),
                 RunPiece::Block { codec, data, .. } => {
                     batch.arena.extend_from_slice(data);
                     batch.blocks.push(Prepared::Data {
@@ -719,9 +732,14 @@ impl Volume {
         });
         let fast_blocks: usize = batches
             .iter()
-            .filter(|batch| batch.effort == Effort::Fast)
+            .filter(|batch| batch.effort != Effort::Full)
             .flat_map(|batch| &batch.blocks)
-            .filter(|block| matches!(block, Prepared::Data { .. } | Prepared::Unit { .. }))
+            .filter(|block| {
+                matches!(
+                    block,
+                    Prepared::Data { .. } | Prepared::Raw { .. } | Prepared::Unit { .. }
+                )
+            })
             .map(Prepared::blocks)
             .sum();
         if fast_blocks > 0 {
@@ -787,6 +805,10 @@ impl Volume {
             }
         }
         apply.finish(&mut state)?;
+        self.compressors.note_room(
+            state.free_segment_count(),
+            u64::from(self.geometry.segment_count),
+        );
         debug_assert_eq!(lba, first.0 + count as u64, "every block was applied");
         Ok(())
     }
@@ -953,6 +975,14 @@ impl Applier<'_> {
                 state.apply_write(lba, codec, payload, *crc, self.floor)?;
                 self.note_new(lba, 1);
             }
+            Prepared::Raw { crc } => {
+                self.flush_zeros(state)?;
+                self.flush_refs(state)?;
+                let payload = self.block_data(lba);
+                let codec = batch.codec_byte(CodecId::Raw);
+                state.apply_write(lba, codec, payload, *crc, self.floor)?;
+                self.note_new(lba, 1);
+            }
             Prepared::Unit {
                 codec,
                 start,
@@ -973,6 +1003,12 @@ impl Applier<'_> {
 
     fn index_of(&self, lba: Lba) -> usize {
         (lba.0 - self.first.0) as usize
+    }
+
+    /// The bytes the request writes to block `lba`.
+    fn block_data(&self, lba: Lba) -> &[u8] {
+        let at = self.index_of(lba) * BLOCK_SIZE;
+        &self.data[at..at + BLOCK_SIZE]
     }
 
     /// Queues new blocks `lba..lba+blocks` for the index.
@@ -1025,8 +1061,7 @@ impl Applier<'_> {
             Dedup::Gone => {
                 self.flush_refs(state)?;
                 self.stale += 1;
-                let at = self.index_of(lba) * BLOCK_SIZE;
-                let block = &self.data[at..at + BLOCK_SIZE];
+                let block = self.block_data(lba);
                 let codec = self.volume.settings.codec;
                 let batch = prepare(codec, Effort::Full, block, lba.0, 1, &[]);
                 match &batch.blocks[..] {
@@ -1038,6 +1073,9 @@ impl Applier<'_> {
                     }] => {
                         let payload = &batch.arena[*start..*start + *len];
                         state.apply_write(lba, *codec as u8, payload, *crc, self.floor)?;
+                    }
+                    [Prepared::Raw { crc }] => {
+                        state.apply_write(lba, CodecId::Raw as u8, block, *crc, self.floor)?;
                     }
                     other => {
                         unreachable!("a non-zero block alone compresses alone: {}", other.len())

@@ -324,6 +324,8 @@ impl Volume {
             options.write_batch_bytes,
             recovered,
         );
+        let compressors = compressors::Compressors::new(write_effort);
+        compressors.note_room(state.free_segment_count(), segment_count);
         state.set_map_cache_bytes(options.map_cache_bytes.unwrap_or_else(|| {
             options::default_map_cache_bytes(root.superblock.logical_size_bytes)
         }));
@@ -364,7 +366,7 @@ impl Volume {
             cold: cold::ColdPass::new(geometry.segment_count, options.clock.monotonic()),
             gc_low_free_segments: gc_low,
             gc_high_free_segments: gc_high,
-            compressors: compressors::Compressors::new(write_effort),
+            compressors,
             dedup,
             options,
         }

@@ -20,7 +20,7 @@
 //! log is not scanned at all, nor are the staging slots: a clean shutdown
 //! pads instead of staging.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -74,6 +74,10 @@ pub struct OpenReport {
     /// segments, and written back in place unless the volume was opened
     /// read-only.
     pub staged_sectors: u64,
+    /// Shared contents whose cell replay rebuilt from the content's own
+    /// record, the record that first shared it being gone (see
+    /// `Recovery::replay_ref`).
+    pub cells_rebuilt: u64,
     #[serde(skip)]
     pub duration: Duration,
 }
@@ -145,6 +149,9 @@ struct Recovery<'a> {
     /// Reference records replayed (`count` blocks from `first`, versions
     /// from `version`).
     refs: Vec<ReplayedRange>,
+    /// Where each host block version replayed was written: a reference
+    /// whose content's cell is missing finds the content here.
+    replayed_contents: HashMap<u64, Location>,
     shared: SharedCounts,
     /// The snapshots, as the root's dump has them and as replayed records
     /// changed them since.
@@ -245,6 +252,7 @@ impl<'a> Recovery<'a> {
             next_version: checkpoint.next_version.max(checkpoint.version_reserved),
             ranges: Vec::new(),
             refs: Vec::new(),
+            replayed_contents: HashMap::new(),
             shared: SharedCounts::default(),
             snapshots: checkpoint.snapshots.clone(),
             snapshot_segments: HashSet::new(),
@@ -443,6 +451,9 @@ impl<'a> Recovery<'a> {
                     } else {
                         self.replay_block(lba, Slot::Data(loc), version)?;
                     }
+                    if !cells {
+                        self.replayed_contents.insert(version, loc);
+                    }
                     if version >= self.root.checkpoint.next_version && versions_seen.insert(version)
                     {
                         self.counters.host_write_bytes += BLOCK_SIZE_U64;
@@ -506,8 +517,12 @@ impl<'a> Recovery<'a> {
     /// not flushed (the crash lost the earlier record that shared its
     /// content, as it may lose any unflushed write), or the block changed
     /// since anyway (the content went with its last reference before the
-    /// checkpoint). A flushed reference always finds its content: the
-    /// records before it were flushed with it.
+    /// checkpoint). A flushed reference finds its content: the records
+    /// before it were flushed with it. If the one that first shared it is
+    /// gone all the same (its segment died and was reused under a newer
+    /// root, and recovery fell back to the older root because the newer
+    /// one rotted), the cell is rebuilt from the content's own record when
+    /// replay met it.
     fn replay_ref(
         &mut self,
         seq: u64,
@@ -581,6 +596,18 @@ impl<'a> Recovery<'a> {
                         },
                         member.content,
                     );
+                    stored = true;
+                }
+            }
+            if !stored {
+                // The record that first shared the content (making its
+                // cell) may be gone: all of its segment died and was
+                // reused once a newer root no longer needed it, and that
+                // root rotted. The content's own record, replayed here
+                // under its unique version, is still the content.
+                if let Some(&loc) = self.replayed_contents.get(&member.content) {
+                    self.map.set(cell, Slot::Data(loc), member.content);
+                    self.report.cells_rebuilt += 1;
                     stored = true;
                 }
             }

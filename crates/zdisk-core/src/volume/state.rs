@@ -33,7 +33,7 @@ use crate::map::{
 use crate::media::{Media, MediaGeometry, SECTOR_BYTES};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
 use crate::record::{
-    encode_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
+    append_record, record_len_for_payload, RecordHeader, RecordKey, RecordKind, RANGE_PAYLOAD_LEN,
 };
 use crate::segments::SegmentState;
 use crate::stats::Counters;
@@ -905,15 +905,8 @@ impl State {
             "record overruns segment {segment}"
         );
         header.seg_seq = stream.seq as u32;
-        let start = stream.buf.len();
-        stream.buf.resize(start + len as usize, 0);
-        encode_record(
-            &mut stream.buf[start..],
-            header,
-            payload,
-            payload_crc,
-            &self.key,
-        );
+        append_record(&mut stream.buf, header, payload, payload_crc, &self.key);
+        debug_assert_eq!(stream.write_offset(), offset + len);
         let blocks = match header.kind {
             RecordKind::Data => 1,
             RecordKind::Unit => payload[0] as u64,
@@ -925,6 +918,11 @@ impl State {
             self.write_whole_pages(kind)?;
         }
         Ok(Location::record(segment, offset as u32, len as u32))
+    }
+
+    /// Segments free now.
+    pub(crate) fn free_segment_count(&self) -> u64 {
+        self.space.free_count()
     }
 
     // --- Streams and barriers.
@@ -957,7 +955,13 @@ impl State {
         let stream = &mut self.streams[kind as usize];
         let segment = stream.segment.expect("stream has an open segment");
         let offset = stream.base_offset;
-        let tail = stream.buf[len..].to_vec();
+        // The next batch's buffer, sized so that appends do not grow it.
+        let mut tail = self
+            .outbound
+            .spare_buffer()
+            .unwrap_or_else(|| Vec::with_capacity(self.write_batch_bytes * 2));
+        let stream = &mut self.streams[kind as usize];
+        tail.extend_from_slice(&stream.buf[len..]);
         let mut data = std::mem::replace(&mut stream.buf, tail);
         data.truncate(len);
         stream.base_offset += len as u64;
