@@ -7,14 +7,14 @@
 //! [`media::LockChecked`](crate::media::LockChecked) wraps a volume's
 //! medium in debug builds and panics on any medium I/O made while a mark
 //! is set, so the tests, the crash simulator and the fuzzers fail on the
-//! first violation. Release builds compile all of it away, unless the
-//! `lock-checks` feature is on: the workspace's release test build turns
-//! it on, so the release tests check too.
+//! first violation. Release builds compile all of it away, unless built
+//! with `--cfg zdisk_lock_checks` (RUSTFLAGS): .ci/test builds the release
+//! tests so, so they check too.
 
-#[cfg(any(debug_assertions, feature = "lock-checks"))]
+#[cfg(any(debug_assertions, zdisk_lock_checks))]
 use std::cell::Cell;
 
-#[cfg(any(debug_assertions, feature = "lock-checks"))]
+#[cfg(any(debug_assertions, zdisk_lock_checks))]
 thread_local! {
     /// The names of the marked locks this thread holds, innermost last.
     static HELD: Cell<[Option<&'static str>; 4]> = const { Cell::new([None; 4]) };
@@ -22,10 +22,10 @@ thread_local! {
 
 /// A mark that the current thread holds the lock named `name`, for as
 /// long as the mark lives. Zero-sized and free in release builds without
-/// `lock-checks`.
+/// `zdisk_lock_checks`.
 #[must_use = "the mark lasts as long as the value"]
 pub struct Held {
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     name: &'static str,
 }
 
@@ -33,7 +33,7 @@ impl Held {
     /// Marks `name` as held by this thread.
     #[inline]
     pub fn mark(name: &'static str) -> Held {
-        #[cfg(any(debug_assertions, feature = "lock-checks"))]
+        #[cfg(any(debug_assertions, zdisk_lock_checks))]
         HELD.with(|held| {
             let mut names = held.get();
             let free = names
@@ -45,7 +45,7 @@ impl Held {
         });
         let _ = name;
         Held {
-            #[cfg(any(debug_assertions, feature = "lock-checks"))]
+            #[cfg(any(debug_assertions, zdisk_lock_checks))]
             name,
         }
     }
@@ -54,7 +54,7 @@ impl Held {
 impl Drop for Held {
     #[inline]
     fn drop(&mut self) {
-        #[cfg(any(debug_assertions, feature = "lock-checks"))]
+        #[cfg(any(debug_assertions, zdisk_lock_checks))]
         HELD.with(|held| {
             let mut names = held.get();
             let at = names
@@ -68,14 +68,14 @@ impl Drop for Held {
 }
 
 /// The marked lock this thread holds, if any (always `None` in release
-/// builds without `lock-checks`).
+/// builds without `zdisk_lock_checks`).
 #[inline]
 pub fn held_lock() -> Option<&'static str> {
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     {
         HELD.with(|held| held.get().iter().rev().flatten().next().copied())
     }
-    #[cfg(not(any(debug_assertions, feature = "lock-checks")))]
+    #[cfg(not(any(debug_assertions, zdisk_lock_checks)))]
     {
         None
     }
@@ -91,7 +91,7 @@ pub fn assert_none_held(what: &str) {
     }
 }
 
-#[cfg(all(test, any(debug_assertions, feature = "lock-checks")))]
+#[cfg(all(test, any(debug_assertions, zdisk_lock_checks)))]
 mod tests {
     use super::*;
 

@@ -599,17 +599,15 @@ fn options(codec: Codec, policy: GcPolicy, origin: Origin) -> OpenOptions {
         },
         // How hard writes compress (issue #27): one request at a time
         // keeps adaptive effort full, so fast effort (marked records, the
-        // pass's order, their counts through crashes) runs in a third.
-        // ZDISK_SIM_WRITE_EFFORT forces one policy on every seed: with
-        // `deferred`, seed 1832 still loses a snapshot's block in
-        // recovery (an ordering hazard of cleaning and replay the raw
-        // writes' trajectory reaches; see docs/testing.md), so deferred
-        // writes are not in the CI rotation yet.
+        // pass's order, their counts through crashes) and deferred raw
+        // writes (larger records, fuller media) each run in a quarter.
+        // ZDISK_SIM_WRITE_EFFORT forces one policy on every seed.
         write_effort: match std::env::var("ZDISK_SIM_WRITE_EFFORT") {
             Ok(policy) => WriteEffort::parse(&policy).expect("ZDISK_SIM_WRITE_EFFORT"),
-            Err(_) => match (seed / 9) % 3 {
+            Err(_) => match (seed / 9) % 4 {
                 1 => WriteEffort::Fast,
                 2 => WriteEffort::Full,
+                3 => WriteEffort::Deferred,
                 _ => WriteEffort::Adaptive,
             },
         },

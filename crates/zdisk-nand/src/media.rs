@@ -593,7 +593,7 @@ mod tests {
         drop(order);
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     #[should_panic(expected = "a NAND store read while holding the nand lock")]
     fn store_io_under_the_model_lock_panics() {
@@ -603,7 +603,7 @@ mod tests {
         let _ = drive.store.read(0, 0, &mut buf);
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     #[should_panic(expected = "a NAND store read while holding the state lock")]
     fn a_read_under_a_callers_marked_lock_panics() {
@@ -613,7 +613,7 @@ mod tests {
         let _ = drive.read(SegmentId(0), 0, &mut buf);
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     #[should_panic(expected = "a modelled wait while holding the state lock")]
     fn a_real_time_wait_under_a_marked_lock_panics() {

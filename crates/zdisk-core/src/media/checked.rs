@@ -25,10 +25,10 @@ pub struct LockChecked {
 }
 
 impl LockChecked {
-    /// `inner` wrapped in debug builds (and with `lock-checks`); `inner`
+    /// `inner` wrapped in debug builds (and with `zdisk_lock_checks`); `inner`
     /// itself in release builds.
     pub fn wrap(inner: Arc<dyn Media>) -> Arc<dyn Media> {
-        if cfg!(any(debug_assertions, feature = "lock-checks")) {
+        if cfg!(any(debug_assertions, zdisk_lock_checks)) {
             Arc::new(LockChecked { inner })
         } else {
             inner

@@ -32,7 +32,7 @@ use super::guard::StateGuard;
 use super::moves::{apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
-use super::state::{State, StreamKind, Tally};
+use super::state::{State, Tally};
 use super::Volume;
 
 /// Room kept for small records a cleaning step may add beyond the live
@@ -105,7 +105,7 @@ fn relocation_need(state: &State, victim: SegmentId, extra_bytes: u64) -> Need {
     let bytes = space.segment(victim).live_bytes + extra_bytes;
     let segments = match bytes {
         0 => 0,
-        _ => state.segments_needed(StreamKind::Gc, bytes + RELOCATION_SLACK_BYTES),
+        _ => state.gc_segments_needed(bytes + RELOCATION_SLACK_BYTES, copies_after(state, victim)),
     };
     Need {
         writer: Writer::Cleaner,
@@ -113,6 +113,31 @@ fn relocation_need(state: &State, victim: SegmentId, extra_bytes: u64) -> Need {
         versions: space.table().member_count(victim) + 1,
         bytes: 0,
     }
+}
+
+/// The incarnation the copies of `victim` must follow in replay order
+/// (`State::copies_follow`): its own if a retained root would replay it,
+/// else 0 (no recovery replays the original, only the copy).
+fn copies_after(state: &State, victim: SegmentId) -> u64 {
+    match state.needed_by_recovery(victim) {
+        true => state.space().segment(victim).seq,
+        false => 0,
+    }
+}
+
+/// Runs `copy`, the relocation of `victim`'s live records, with the GC
+/// stream held to segments its copies may go to (`copies_after`), and
+/// lets it append anywhere again afterwards, failed or not.
+fn copying<T>(
+    state: &mut State,
+    victim: SegmentId,
+    copy: impl FnOnce(&mut State) -> Result<T>,
+) -> Result<T> {
+    let after = copies_after(state, victim);
+    state.copies_follow(after);
+    let result = copy(state);
+    state.copies_follow(0);
+    result
 }
 
 /// The bytes of the record at `loc` in the runs read from its victim.
@@ -213,8 +238,10 @@ impl Volume {
         // checkpoints (two at most, for both roots) to put it behind every
         // root; victims behind them are chosen first (`choose_victim`).
         // With few free segments (`roomy`), or if no checkpoint fits, it is
-        // cleaned at once: the order then matters only if the newest root
-        // is lost too.
+        // cleaned at once, and its copies go to a GC segment opened after
+        // it (`State::copies_follow`): the GC stream's open segment may be
+        // older than the victim, and a copy there would be replayed, by
+        // the newest root too, ahead of what its original followed.
         for _ in 0..2 {
             let unsettled = {
                 let state = self.lock();
@@ -442,7 +469,9 @@ impl Volume {
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(victim.fill_bytes));
-                let refs = relocate_scanned(&mut state, segment, &bytes, &scan)?;
+                let refs = copying(&mut state, segment, |state| {
+                    relocate_scanned(state, segment, &bytes, &scan)
+                })?;
                 checkpoint_first = scan.first_error.is_some() || refs;
                 (state, before)
             }
@@ -453,7 +482,7 @@ impl Volume {
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(read_bytes));
-                apply(&mut state, moves)?;
+                copying(&mut state, segment, |state| apply(state, moves))?;
                 (state, before)
             }
         };
@@ -496,7 +525,7 @@ impl Volume {
             .collect();
         let ranges = moves_ranges(&moves);
         let mut state = self.make_resident(self.lock(), &ranges)?;
-        apply(&mut state, moves)?;
+        copying(&mut state, victim.segment, |state| apply(state, moves))?;
         Ok(state)
     }
 

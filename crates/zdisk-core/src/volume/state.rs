@@ -144,6 +144,10 @@ pub(crate) struct State {
     /// after the clean checkpoint's snapshot, and barriers pad instead of
     /// staging, since recovery reads no staging slot after a clean root.
     closing: bool,
+    /// While the cleaner relocates a victim a retained root would replay:
+    /// its incarnation. The GC stream then appends only to a segment
+    /// opened after it (`State::copies_follow`); 0 otherwise.
+    copies_after_seq: u64,
 }
 
 /// What a State starts from: recovery's findings.
@@ -189,6 +193,7 @@ impl State {
             roots: start.roots,
             failed: None,
             closing: false,
+            copies_after_seq: 0,
         }
     }
 
@@ -317,9 +322,33 @@ impl State {
     /// Segments an append of `bytes` to a stream would open beyond its
     /// current one.
     pub(crate) fn segments_needed(&self, kind: StreamKind, bytes: u64) -> u64 {
+        self.segments_needed_from(self.stream_room(kind), bytes)
+    }
+
+    /// [`State::segments_needed`] for the GC stream, for copies that must
+    /// land in a segment opened after incarnation `after` (0: anywhere;
+    /// see [`State::copies_follow`]): an older open segment's room does
+    /// not count.
+    pub(crate) fn gc_segments_needed(&self, bytes: u64, after: u64) -> u64 {
+        let room = match self.gc_opened_before(after) {
+            true => 0,
+            false => self.stream_room(StreamKind::Gc),
+        };
+        self.segments_needed_from(room, bytes)
+    }
+
+    /// True if the GC stream's open segment was opened before incarnation
+    /// `seq`.
+    fn gc_opened_before(&self, seq: u64) -> bool {
+        let stream = &self.streams[StreamKind::Gc as usize];
+        stream.segment.is_some() && stream.seq < seq
+    }
+
+    /// Segments an append of `bytes` opens beyond `room` left in the open one.
+    fn segments_needed_from(&self, room: u64, bytes: u64) -> u64 {
         // Each segment may waste up to one record at its end.
         let longest = self.space.max_record_len();
-        let room = self.stream_room(kind).saturating_sub(longest);
+        let room = room.saturating_sub(longest);
         if bytes <= room {
             return 0;
         }
@@ -873,6 +902,18 @@ impl State {
         self.append(stream, header, payload, crc32c::crc32c(payload), floor)
     }
 
+    /// Copies the cleaner appends from now on land in a GC segment opened
+    /// after incarnation `seq` (0: anywhere). Recovery replays segments in
+    /// sequence order, so a copy of a record in a segment a retained root
+    /// replays must come after it, as the original did after everything
+    /// written before it: a copy in a GC segment opened earlier would be
+    /// replayed ahead of the snapshot records, writes and trims that
+    /// preceded its original (a zero range replayed before the snapshot it
+    /// followed hides the data that snapshot keeps).
+    pub(crate) fn copies_follow(&mut self, seq: u64) {
+        self.copies_after_seq = seq;
+    }
+
     fn append_gc(&mut self, header: RecordHeader, payload: &[u8]) -> Result<Location> {
         let loc = self.append(StreamKind::Gc, header, payload, crc32c::crc32c(payload), 0)?;
         self.counters.gc_write_bytes += loc.len as u64;
@@ -893,7 +934,8 @@ impl State {
         self.check_writable()?;
         let len = header.record_len();
         debug_assert!(len <= self.segment_size_bytes());
-        if self.stream_room(kind) < len {
+        let too_old = kind == StreamKind::Gc && self.gc_opened_before(self.copies_after_seq);
+        if too_old || self.stream_room(kind) < len {
             self.open_segment(kind, floor)?;
         }
         let segment_size = self.segment_size_bytes();

@@ -293,7 +293,7 @@ mod tests {
     use std::sync::{mpsc, Condvar};
     use std::time::Duration;
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     use zdisk_core::held::Held;
     use zdisk_core::media::MemMedia;
 
@@ -462,7 +462,7 @@ mod tests {
         media.close().expect("close");
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     fn the_tier_locks_are_marked_while_held() {
         let (media, _gated) = tiered("marks");
@@ -477,7 +477,7 @@ mod tests {
         assert_eq!(zdisk_core::held::held_lock(), None);
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     #[should_panic(expected = "a medium read while holding the state lock")]
     fn a_cache_read_under_a_marked_lock_panics() {
@@ -488,7 +488,7 @@ mod tests {
         let _ = media.read(SegmentId(0), 0, &mut buf);
     }
 
-    #[cfg(any(debug_assertions, feature = "lock-checks"))]
+    #[cfg(any(debug_assertions, zdisk_lock_checks))]
     #[test]
     #[should_panic(expected = "reading an evicted segment while holding the state lock")]
     fn a_bucket_read_under_a_marked_lock_panics() {

@@ -410,7 +410,7 @@ impl SegmentTable {
     }
 
     /// Tests (of the lock checks): makes `segment` evicted as if it had been.
-    #[cfg(all(test, any(debug_assertions, feature = "lock-checks")))]
+    #[cfg(all(test, any(debug_assertions, zdisk_lock_checks)))]
     pub(super) fn force_evicted(&mut self, segment: u32, seq32: u32, writer: u64, len: u64) {
         self.set_empty(segment);
         self.segs[segment as usize] = Seg::Evicted { seq32, writer, len };
