@@ -474,19 +474,43 @@ class Ext4OnExport:
         teardown.push("mount", self.unmount)
 
     def unmount(self):
-        if mounted(self.mnt):
-            run(["umount", self.mnt])
+        unmount(self.mnt, ["umount"])
+
+    def read_only(self):
+        """Whether the kernel has made the filesystem read-only: ext4 does
+        so on an I/O error from the export (the mount's options in
+        /proc/self/mounts then say `ro` or `emergency_ro`)."""
+        options = mount_options(self.mnt)
+        return options is not None and bool({"ro", "emergency_ro"} & set(options))
 
     def _unfuse(self):
         # Even if nbdfuse has died (its server gone), its mount stays until
         # unmounted.
-        if mounted(self.raw):
-            run(["fusermount3", "-u", self.raw])
+        unmount(self.raw, ["fusermount3", "-u"])
         try:
             self.fuse.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.fuse.kill()
             self.fuse.wait()
+
+
+def unmount(path, command, tries=10):
+    """Unmounts `path` with `command` (umount, or fusermount3 -u), trying
+    again for a while if it is busy (a process still closing files on it,
+    a loop device still letting go of it), then lazily (the kernel detaches
+    it once nothing uses it), so that one failed step of a teardown does
+    not leave a mount behind, nor whatever serves it waiting on it. Raises
+    if it had to be lazy, after doing so."""
+    for _ in range(tries):
+        if not mounted(path):
+            return
+        if subprocess.run([*command, path], capture_output=True).returncode == 0:
+            return
+        time.sleep(1)
+    if mounted(path):
+        lazy = [*command, "-z" if command[0] == "fusermount3" else "-l", path]
+        subprocess.run(lazy, capture_output=True)
+        raise Failure(f"{path} stayed busy for {tries} s; unmounted lazily ({' '.join(lazy)})")
 
 
 def btrfs_mount(teardown, work, size_bytes):
@@ -553,10 +577,21 @@ def nonzero_blocks(image):
 
 def mounted(path):
     """Whether something is mounted on `path` (a directory or a file)."""
+    return mount_options(path) is not None
+
+
+def mount_options(path):
+    """The options of the newest mount on `path` (a directory or a file),
+    as a list; None if nothing is mounted there."""
     path = os.path.realpath(path)
+    found = None
     with open("/proc/self/mounts") as mounts:
-        # Spaces in mount points are written as \040.
-        return any(line.split()[1].replace("\\040", " ") == path for line in mounts)
+        for line in mounts:
+            fields = line.split()
+            # Spaces in mount points are written as \040.
+            if fields[1].replace("\\040", " ") == path:
+                found = fields[3].split(",")
+    return found
 
 
 class Ceph:

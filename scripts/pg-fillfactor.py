@@ -266,7 +266,7 @@ class Run:
             nbdkit = subprocess.Popen(["nbdkit", "--foreground", "--exit-with-parent", "-U", sock,
                                        "file", self.backing], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True)
-            teardown.push("nbdkit", lambda: harness.stop_process(nbdkit, seconds=300))
+            teardown.push("nbdkit", lambda: harness.stop_process(nbdkit, seconds=60))
             harness.wait_for(lambda: os.path.exists(sock) or nbdkit.poll() is not None, "nbdkit")
             if nbdkit.poll() is not None:
                 raise harness.Failure(f"nbdkit exited with {nbdkit.returncode}")
@@ -280,6 +280,7 @@ class Run:
             uri = self.server.uri
         fs = harness.Ext4OnExport(teardown, uri, work, mkfs_options=args.mkfs_options.split(),
                                   mount_options=args.mount_options)
+        self.fs = fs
         self.mnt = fs.mnt
         data = os.path.join(self.mnt, "pgdata")
         sockdir = os.path.join(work, "pgsock")
@@ -294,6 +295,12 @@ class Run:
         return self.server.stats() if self.server else {}
 
     def sizes(self):
+        # Taken after the load and after the timed run: a filesystem the
+        # kernel made read-only on an I/O error has figures that mean
+        # nothing, whatever PostgreSQL and pgbench said.
+        if self.fs.read_only():
+            raise harness.Failure(f"{self.result['label']}: ext4 on the export went read-only "
+                                  "after an I/O error (see dmesg)")
         # The baseline holds the same files: its breakdown would repeat zdisk's.
         return sizes(self.db, self.mnt, self.server, self.backing,
                      self.args.breakdown and self.server is not None)

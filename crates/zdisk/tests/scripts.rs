@@ -936,6 +936,15 @@ fn pg_fillfactor() -> TestResult {
             path_arg(&scratch.path),
         ],
     )?;
+    // Its teardown leaves no mount behind (a stale ext4 or FUSE mount once
+    // kept the baseline's nbdkit waiting 300 s on its connection).
+    let mounts = std::fs::read_to_string("/proc/self/mounts")
+        .map_err(|e| format!("/proc/self/mounts: {e}"))?;
+    let left: Vec<&str> = mounts
+        .lines()
+        .filter(|line| line.contains(path_arg(&scratch.path)))
+        .collect();
+    ensure!(left.is_empty(), "mounts left behind: {left:?}");
     let text = std::fs::read_to_string(&json).map_err(|e| format!("{}: {e}", json.display()))?;
     let runs = text
         .lines()
