@@ -343,17 +343,20 @@ fn write_effort() -> TestResult {
     zdisk_ok(&["create", image_arg, "--logical", "64M"])?;
     let source = scratch.join("data.bin");
     std::fs::write(&source, pseudo_random(16 << 20, 3))?;
-    let copy = |server: &Server| {
+    let sock = scratch.join("nbd.sock");
+    // Serves the image at `effort`, copies `source` in, and returns the
+    // stats once the server has stopped.
+    let copy_at = |effort: &str| -> Result<serde_json::Value, Failed> {
+        let mut server = Server::start(&image, &sock, &["--write-effort", effort])?;
         run(
             "nbdcopy",
             &["--flush", source.to_str().unwrap(), &server.uri()],
-        )
+        )?;
+        let stats = stats_json(&image)?;
+        server.stop()?;
+        Ok(stats)
     };
-    let sock = scratch.join("nbd.sock");
-    let mut server = Server::start(&image, &sock, &["--write-effort", "fast"])?;
-    copy(&server)?;
-    let fast = stats_json(&image)?;
-    server.stop()?;
+    let fast = copy_at("fast")?;
     ensure!(fast["write_effort"] == "fast", "{fast}");
     ensure!(
         number(&fast, "host_write_fast_bytes")? == 16 << 20,
@@ -364,10 +367,7 @@ fn write_effort() -> TestResult {
     ensure!(marked > 0 && marked <= pending, "{fast}");
     ensure!(fast["recompress_expected_saving_bytes"].is_null(), "{fast}");
 
-    let mut server = Server::start(&image, &sock, &["--write-effort", "full"])?;
-    copy(&server)?;
-    let full = stats_json(&image)?;
-    server.stop()?;
+    let full = copy_at("full")?;
     ensure!(full["write_effort"] == "full", "{full}");
     ensure!(
         number(&full, "host_write_fast_bytes")? == 16 << 20,
@@ -375,10 +375,7 @@ fn write_effort() -> TestResult {
     );
     // Deferred: other data (the same would be found stored), raw.
     std::fs::write(&source, pseudo_random(16 << 20, 4))?;
-    let mut server = Server::start(&image, &sock, &["--write-effort", "deferred"])?;
-    copy(&server)?;
-    let deferred = stats_json(&image)?;
-    server.stop()?;
+    let deferred = copy_at("deferred")?;
     ensure!(deferred["write_effort"] == "deferred", "{deferred}");
     ensure!(
         number(&deferred, "host_write_fast_bytes")? == 32 << 20,

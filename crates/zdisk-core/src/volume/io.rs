@@ -734,12 +734,8 @@ impl Volume {
             .iter()
             .filter(|batch| batch.effort != Effort::Full)
             .flat_map(|batch| &batch.blocks)
-            .filter(|block| {
-                matches!(
-                    block,
-                    Prepared::Data { .. } | Prepared::Raw { .. } | Prepared::Unit { .. }
-                )
-            })
+            // Every stored block: zeros and found blocks store nothing.
+            .filter(|block| !matches!(block, Prepared::Zero | Prepared::Found))
             .map(Prepared::blocks)
             .sum();
         if fast_blocks > 0 {
