@@ -119,6 +119,14 @@ pub(crate) fn key_space(key: u64) -> Option<u16> {
     (key < TABLE_BASE).then_some((key >> SPACE_SHIFT) as u16)
 }
 
+/// True if `key` is a block's key in another key space than the one the
+/// record key `named` names: a snapshot keeps that entry (a member in the
+/// record's own space is its own; a table cell is no kept entry).
+pub(crate) fn kept_apart(named: u64, key: u64) -> bool {
+    let named = key_space(named).unwrap_or(0);
+    key_space(key).is_some_and(|space| space != named)
+}
+
 /// The block a key of any key space names.
 pub(crate) fn key_block(key: u64) -> u64 {
     key & (SPACE_BLOCKS - 1)

@@ -69,8 +69,8 @@ use column::alloc_bytes;
 /// [`Map::dirty_over_cache`].
 const DIRTY_SLACK_BYTES: u64 = 1 << 20;
 pub(crate) use entry::{
-    key_block, key_space, space_key, table_content, table_key, Chunk, Entry, Location, MapCounts,
-    RangeState, Slot, CHUNK_BLOCKS, SPACE_BLOCKS, TABLE_BASE, VERSION_MAX,
+    kept_apart, key_block, key_space, space_key, table_content, table_key, Chunk, Entry, Location,
+    MapCounts, RangeState, Slot, CHUNK_BLOCKS, SPACE_BLOCKS, TABLE_BASE, VERSION_MAX,
 };
 use entry::{CHUNK_MASK, CHUNK_SHIFT};
 pub(crate) use fault::{Fault, FaultPin, ReadLeaf};

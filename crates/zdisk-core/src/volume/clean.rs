@@ -20,19 +20,22 @@
 //! a live record that fails verification becomes a `Damaged` map entry
 //! (reads fail with EIO) backed by a `Damaged` record in the log.
 
+use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
 use crate::media::ReadRange;
-use crate::record::{range_count, RecordHeader, RecordKind};
+use crate::record::{range_count, RecordHeader, RecordKey, RecordKind};
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move};
+use super::moves::{
+    any_kept, apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move,
+};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
-use super::state::{State, Tally};
+use super::state::{record_versions, State, Tally};
 use super::Volume;
 
 /// Room kept for small records a cleaning step may add beyond the live
@@ -49,7 +52,7 @@ const SETTLING_SPARE_SEGMENTS: u64 = 8;
 
 /// True if free segments leave room for the checkpoints that settle a
 /// victim: below that, the cleaner takes the best victim as it is.
-fn roomy(state: &State) -> bool {
+pub(super) fn roomy(state: &State) -> bool {
     state.space().free_count() >= state.floor(Writer::Cleaner) + SETTLING_SPARE_SEGMENTS
 }
 
@@ -200,8 +203,8 @@ enum Contents {
 struct Relocated<'a> {
     state: StateGuard<'a>,
     relocated_bytes: u64,
-    /// Range records lost to damage could not be relocated: only a
-    /// checkpoint makes them unnecessary.
+    /// Range records lost to damage could not be relocated, or records
+    /// a snapshot followed were: only a checkpoint makes them unnecessary.
     checkpoint_first: bool,
 }
 
@@ -446,8 +449,7 @@ impl Volume {
         contents: Contents,
     ) -> Result<Option<Relocated<'a>>> {
         let segment = victim.segment;
-        let mut checkpoint_first = false;
-        let (mut state, gc_written_before) = match contents {
+        let (mut state, gc_written_before, checkpoint_first) = match contents {
             Contents::Scanned { bytes, scan } => {
                 // Trim and zero records come on top of the live data: make
                 // sure everything fits before changing anything.
@@ -469,11 +471,11 @@ impl Volume {
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(victim.fill_bytes));
+                let (key, codec) = (&self.record_key, self.settings.codec);
                 let refs = copying(&mut state, segment, |state| {
-                    relocate_scanned(state, segment, &bytes, &scan)
+                    relocate_scanned(state, victim, &bytes, &scan, key, codec)
                 })?;
-                checkpoint_first = scan.first_error.is_some() || refs;
-                (state, before)
+                (state, before, scan.first_error.is_some() || refs)
             }
             Contents::Live { moves, read_bytes } => {
                 let ranges = moves_ranges(&moves);
@@ -482,8 +484,12 @@ impl Volume {
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(read_bytes));
+                let follows = moves
+                    .iter()
+                    .flat_map(move_versions)
+                    .any(|version| snapshot_follows(&state, version));
                 copying(&mut state, segment, |state| apply(state, moves))?;
-                (state, before)
+                (state, before, follows)
             }
         };
         if state.space().segment(segment).live_bytes > 0 {
@@ -530,7 +536,9 @@ impl Volume {
     }
 
     /// Step 4: the victim is retired; if damage hid range records a
-    /// recovery might need, it waits for a checkpoint, written at once.
+    /// recovery might need, or a snapshot followed its records, it waits
+    /// for a checkpoint, written at once if there is room (else the
+    /// ladder's checkpoint rung frees it: `Space::checkpoint_frees_space`).
     fn release_victim(&self, victim: &Victim, relocated: Relocated<'_>) -> Result<()> {
         let Relocated {
             mut state,
@@ -544,7 +552,10 @@ impl Volume {
         }
         if checkpoint_first {
             // Also releases the victim for the next barrier.
-            self.checkpoint_locked(false)?;
+            match self.checkpoint_locked(false) {
+                Ok(()) | Err(Error::NoSpace { .. }) => {}
+                Err(other) => return Err(other),
+            }
         }
         Ok(())
     }
@@ -572,19 +583,32 @@ fn scanned_ranges(header: &RecordHeader, payload: &[u8]) -> Vec<(Lba, u64)> {
 /// the durable checkpoint needs it). Returns true if the victim holds a
 /// reference record: those are never copied (replayed after the records
 /// written after them, they could find their content's owner overwritten),
-/// so the victim waits for a checkpoint instead.
+/// so the victim waits for a checkpoint instead. So it does if it holds a
+/// range record, or live data, older than a snapshot
+/// (`snapshot_follows`).
+///
+/// A record with a member a snapshot keeps is rewritten as `plan_record`
+/// plans it (with `key` and `codec`), never copied unchanged: the copy
+/// would name the volume's (or clone's) block, and a replay that applies
+/// the snapshot's deletion first (its record in a host segment older than
+/// the copy's) took it for a write of that block after a trim the
+/// checkpoint knew only as a hole.
 fn relocate_scanned(
     state: &mut State,
-    segment: SegmentId,
+    victim: &Victim,
     bytes: &[u8],
     scan: &ScanResult,
+    key: &RecordKey,
+    codec: Codec,
 ) -> Result<bool> {
+    let segment = victim.segment;
     let mut refs = false;
     for record in &scan.records {
         let header = record.header;
         let payload = &bytes[record.payload.clone()];
         match header.kind {
-            // Copied whole, with whichever of its blocks still live there.
+            // Copied whole, with whichever of its blocks still live there;
+            // rewritten if a snapshot keeps one of them.
             RecordKind::Data | RecordKind::Unit => {
                 let blocks = match header.kind {
                     RecordKind::Unit => payload[0],
@@ -597,7 +621,15 @@ fn relocate_scanned(
                     0,
                     blocks,
                 );
-                state.relocate(here, header, payload)?;
+                let live = live_members(state, here, &header, payload)?;
+                refs |= live.iter().any(|&(_, _, v)| snapshot_follows(state, v));
+                if any_kept(&header, &live) {
+                    let read = &bytes[record.offset as usize..];
+                    let planned = plan_record(key, victim.seq as u32, Some(read), &live, codec);
+                    apply(state, vec![planned])?;
+                } else {
+                    state.relocate(here, header, payload)?;
+                }
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                 let count = range_count(payload);
@@ -608,6 +640,7 @@ fn relocate_scanned(
                 {
                     state.relocate_range(header, payload)?;
                 }
+                refs |= snapshot_follows(state, header.version);
             }
             // Snapshot records a replay still needs hold the victim as
             // reference records do, until a checkpoint.
@@ -616,4 +649,61 @@ fn relocate_scanned(
         }
     }
     Ok(refs)
+}
+
+/// The members of the data or unit record `header` (member 0 at `here`)
+/// that the map still points at there: the key of the entry naming each
+/// (its block, its cell, or its key in a snapshot's space), its location,
+/// its version.
+fn live_members(
+    state: &mut State,
+    here: Location,
+    header: &RecordHeader,
+    payload: &[u8],
+) -> Result<Vec<LiveExtent>> {
+    let versions = record_versions(header, payload);
+    let keys = state.member_keys(header.lba, &versions)?;
+    let members = versions.len() as u8;
+    Ok(versions
+        .iter()
+        .enumerate()
+        .filter_map(|(member, &version)| {
+            let loc = here.with_member_of(member as u8, members);
+            let entry = state.map().get(keys[member]);
+            (entry.slot() == Slot::Data(loc) && entry.version() == version).then_some((
+                keys[member],
+                loc,
+                version,
+            ))
+        })
+        .collect())
+}
+
+/// True if a snapshot was taken after version `version`. A recovery from
+/// a root that replays a record at that version meets it before the
+/// snapshot's record and the writes after that, and keeps for the
+/// snapshot what the record left (a zero range whose blocks are newer
+/// now, data the snapshot keeps); a copy of the record may come after
+/// them in replay order, a range whose blocks are all newer is not copied
+/// at all. So the victim holding it must stay until a checkpoint.
+fn snapshot_follows(state: &State, version: u64) -> bool {
+    state
+        .snapshots()
+        .list()
+        .iter()
+        .any(|snapshot| snapshot.version > version)
+}
+
+/// The versions of the blocks `planned` moves.
+fn move_versions(planned: &Move) -> Vec<u64> {
+    match planned {
+        Move::Copy {
+            header, payload, ..
+        } => record_versions(header, payload),
+        Move::Rewrite(records, _) => records
+            .iter()
+            .flat_map(|record| record.versions.iter().copied())
+            .collect(),
+        Move::Damaged(_) => Vec::new(),
+    }
 }

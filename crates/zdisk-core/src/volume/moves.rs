@@ -27,7 +27,7 @@
 
 use crate::codec::{compress_whole_blocks, decompress_exact, Codec, CodecId, Effort, RunPiece};
 use crate::error::Result;
-use crate::map::{key_block, key_space, table_key, Location, Slot, TABLE_BASE};
+use crate::map::{kept_apart, key_block, table_key, Location, Slot, TABLE_BASE};
 use crate::record::{decode_record, decode_unit, RecordHeader, RecordKey, RecordKind};
 use crate::units::{Lba, BLOCK_SIZE};
 
@@ -110,10 +110,7 @@ pub(crate) fn plan_record(
     // for a write of that block after a trim whose version the checkpoint
     // forgot. It is rewritten naming its key in the snapshot's space
     // instead. A member in the key space the record names is its own.
-    let named = key_space(header.lba).unwrap_or(0);
-    let kept = live
-        .iter()
-        .any(|&(key, _, _)| key.0 < TABLE_BASE && key_space(key.0) != Some(named));
+    let kept = any_kept(&header, live);
     match header.kind {
         RecordKind::Data => {
             let (key, _, version) = live[0];
@@ -157,6 +154,14 @@ pub(crate) fn plan_record(
         }
         _ => damaged(),
     }
+}
+
+/// True if a snapshot keeps one of `live`, members of the record
+/// `header`: its entry is in another key space than the one the record
+/// names (a member in that space is its own; a cell is no kept entry).
+pub(crate) fn any_kept(header: &RecordHeader, live: &[LiveExtent]) -> bool {
+    live.iter()
+        .any(|&(key, _, _)| kept_apart(header.lba, key.0))
 }
 
 /// True if the entry at `key` may name member `member` (at `version`) of
@@ -343,17 +348,16 @@ pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
             } => {
                 if state.relocate(from, header, &payload)? {
                     moved += super::state::record_versions(&header, &payload).len() as u64;
-                } else if header.kind == RecordKind::Unit {
-                    // Some of its blocks died since the plan: the rest go
-                    // as a rewrite.
-                    let unit = decode_unit(&header, &payload)
-                        .expect("a unit that passed its checksum decodes");
-                    if let Some(blocks) = decompress_unit(&header, unit.data, unit.count()) {
-                        let keys = state.member_keys(header.lba, &unit.versions)?;
-                        let still = still_live(state, &keys, &unit.versions, |member| {
-                            from.with_member_of(member as u8, unit.count() as u8)
-                        });
-                        let records = rewrite_live(&blocks, &unit.versions, &still, codec, false);
+                } else if let Some((versions, blocks)) = members(&header, &payload) {
+                    // Some of its blocks died since the plan, or a snapshot
+                    // taken since keeps one (`State::relocate` copies no
+                    // kept member): what is still live goes as a rewrite.
+                    let keys = state.member_keys(header.lba, &versions)?;
+                    let still = still_live(state, &keys, &versions, |member| {
+                        from.with_member_of(member as u8, versions.len() as u8)
+                    });
+                    if !still.is_empty() {
+                        let records = rewrite_live(&blocks, &versions, &still, codec, false);
                         moved += apply_rewrites(state, records, codec)?;
                     }
                 }
@@ -370,6 +374,22 @@ pub(crate) fn apply(state: &mut State, moves: Vec<Move>) -> Result<u64> {
         }
     }
     Ok(moved)
+}
+
+/// The versions and decompressed blocks of the data or unit record
+/// `header` (which passed its checksum), or `None` if it does not
+/// decompress.
+fn members(header: &RecordHeader, payload: &[u8]) -> Option<(Vec<u64>, Vec<u8>)> {
+    match header.kind {
+        RecordKind::Data => Some((vec![header.version], decompress_unit(header, payload, 1)?)),
+        RecordKind::Unit => {
+            let unit =
+                decode_unit(header, payload).expect("a unit that passed its checksum decodes");
+            let blocks = decompress_unit(header, unit.data, unit.count())?;
+            Some((unit.versions, blocks))
+        }
+        _ => None,
+    }
 }
 
 /// Appends planned rewrites; one whose blocks did not all stay live is

@@ -28,7 +28,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::map::{
-    Fault, FaultPin, Location, Map, PageLoc, PageStore, RangeState, ReadLeaf, Slot, SnapshotPage,
+    kept_apart, Fault, FaultPin, Location, Map, PageLoc, PageStore, RangeState, ReadLeaf, Slot,
+    SnapshotPage,
 };
 use crate::media::{Media, MediaGeometry, SECTOR_BYTES};
 use crate::meta::{OpenSegmentPos, RetainedRoot};
@@ -657,10 +658,13 @@ impl State {
     /// Moves the data or unit record `header`, read back from `from` (the
     /// location of any of its blocks), to the GC stream unchanged (same
     /// payload, codec and versions), and points its blocks at the copy —
-    /// only if every one of its blocks still lives there. Otherwise it
-    /// copies nothing and returns false: a copy appended now must not carry
-    /// a block that died since (a trimmed block's record, replayed after a
-    /// checkpoint that no longer knows the trim's version, would come back).
+    /// only if every one of its blocks still lives there, and no snapshot
+    /// keeps one. Otherwise it copies nothing and returns false: a copy
+    /// appended now must not carry a block that died since (a trimmed
+    /// block's record, replayed after a checkpoint that no longer knows the
+    /// trim's version, would come back), nor name the volume's block for an
+    /// entry a snapshot taken since the plan keeps (the caller rewrites it
+    /// under the snapshot's key: `moves::apply`).
     pub(crate) fn relocate(
         &mut self,
         from: Location,
@@ -669,9 +673,13 @@ impl State {
     ) -> Result<bool> {
         let versions = record_versions(&header, payload);
         let keys = self.member_keys(header.lba, &versions)?;
-        if !self.all_live_at(&keys, &versions, |member| {
-            from.with_member_of(member as u8, versions.len() as u8)
-        }) {
+        // A member a snapshot keeps is never copied unchanged (moves.rs,
+        // `plan_record`): a snapshot taken since the plan may keep one.
+        if keys.iter().any(|key| kept_apart(header.lba, key.0))
+            || !self.all_live_at(&keys, &versions, |member| {
+                from.with_member_of(member as u8, versions.len() as u8)
+            })
+        {
             return Ok(false);
         }
         let moved = self.append_gc(header, payload)?;
