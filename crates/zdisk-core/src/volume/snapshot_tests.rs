@@ -981,3 +981,60 @@ fn a_copy_planned_before_a_snapshot_kept_its_block_is_rewritten() {
     let report = volume.check(true).unwrap();
     assert!(report.is_clean(), "{report:?}");
 }
+
+/// A victim a retained root replays, cleaned at once (short of space),
+/// holding a content that a reference record in a later host segment
+/// shares: the copy goes to a GC segment opened after that host segment
+/// (it must follow the victim), so replay meets the reference before the
+/// copy. Reused before a checkpoint, the victim took the content with it
+/// and the reference found nothing: the deduplicated block read its old
+/// contents after a power cut (simulator seed 3346, beyond CI's 2000). The
+/// victim must wait for a checkpoint, whose dump names the copy.
+#[test]
+fn a_reference_replayed_before_the_copy_of_its_content_still_finds_it() {
+    let (media, volume) = create(64 * 1024, 40, true);
+    let (owner, sharer) = (BLOCKS - 230, BLOCKS - 240);
+    volume.write(at(sharer), &content(7778), false).unwrap();
+    let (victim, sealed) = fill_around_scanned_victim(&volume, |volume| {
+        // Written after the newest checkpoint: only replay finds it.
+        volume.checkpoint().unwrap();
+        volume.write(at(owner), &content(7777), false).unwrap();
+        segment_of(volume, owner)
+    });
+    // The host stream has moved on from the victim: the duplicate's
+    // reference record lands in a later segment.
+    volume.write(at(sharer), &content(7777), false).unwrap();
+    assert!(
+        volume.stats().dedup_found > 0,
+        "the duplicate was not found"
+    );
+    volume.flush().unwrap();
+    {
+        let state = volume.lock();
+        assert!(
+            state.needed_by_recovery(victim),
+            "no root replays the victim"
+        );
+        assert!(!roomy(&state), "the cleaner would wait for checkpoints");
+    }
+    assert!(volume.clean_one(32 * 1024).unwrap());
+    assert!(!sealed(&volume), "segment {victim} was not cleaned");
+    // Free once the copy is durable (and a checkpoint, written at once,
+    // names it); then its reuse erases it.
+    volume.flush().unwrap();
+    let state = volume.lock().space().segment(victim).state;
+    assert_eq!(state, SegmentState::Free, "segment {victim}");
+    media.erase_segment(victim).unwrap();
+    volume.flush().unwrap();
+    drop(volume);
+    let mut rng = SmallRng::seed_from_u64(1);
+    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
+    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    for block in [owner, sharer] {
+        volume.read(at(block), &mut buf).unwrap();
+        assert!(buf == content(7777), "block {block} after a power cut");
+    }
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}

@@ -88,11 +88,13 @@ fn thin_volume_fills_then_trim_gives_space_back() {
     assert!(report.is_clean(), "{report:?}");
 }
 
-/// A volume filled to what incompressible data can occupy, overwritten
-/// until its spare area is gone, then checkpointed for the first time
-/// (so no older dump is released to make up for the new one): random 4 KiB
-/// overwrites must still never fail. The cleaner takes no more segments
-/// than it gives back, so it may always run, below its floor included.
+/// A volume filled to what incompressible data can occupy and overwritten
+/// until its spare area is gone, with no checkpoint asked for: its first
+/// ones come when the cleaner, short of space, copies out of segments
+/// recovery replays (no older dump is released to make up for the first
+/// one), and one asked for then takes several segments. Random 4 KiB
+/// overwrites must never fail. The cleaner takes no more segments than it
+/// gives back, so it may always run, below its floor included.
 #[test]
 fn a_full_volume_keeps_cleaning_after_its_first_checkpoint() {
     const SEGMENT: u64 = 64 * 1024;
@@ -129,13 +131,11 @@ fn a_full_volume_keeps_cleaning_after_its_first_checkpoint() {
         let lba = rng.gen_range(0..blocks_that_fit);
         write(&volume, lba, &mut rng);
     }
-    let before = volume.stats().segments_by_state;
     volume.checkpoint().unwrap();
     let after = volume.stats().segments_by_state;
-    assert_eq!(before.checkpoint, 0, "no checkpoint before this one");
     assert!(
-        after.checkpoint >= 4 && after.free < before.free,
-        "the dump should take several free segments: {before:?} then {after:?}"
+        after.checkpoint >= 4,
+        "the dump should take several segments: {after:?}"
     );
     for _ in 0..blocks_that_fit {
         let lba = rng.gen_range(0..blocks_that_fit);
