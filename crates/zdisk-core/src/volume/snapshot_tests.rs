@@ -402,6 +402,40 @@ fn segment_of(volume: &Volume, lba: u64) -> SegmentId {
     }
 }
 
+/// Block `lba` as the volume, or its snapshot `snapshot`, reads it.
+fn read_block(volume: &Arc<Volume>, snapshot: Option<&str>, lba: u64) -> Vec<u8> {
+    let mut buf = vec![0xA5u8; BLOCK_SIZE];
+    match snapshot {
+        Some(name) => volume
+            .snapshot_device(name)
+            .unwrap()
+            .read(at(lba), &mut buf),
+        None => volume.read(at(lba), &mut buf),
+    }
+    .unwrap();
+    buf
+}
+
+/// Asserts that the volume's block `lba` reads `expected` and that
+/// `check` finds nothing wrong.
+fn assert_clean_with(volume: &Arc<Volume>, lba: u64, expected: &[u8]) {
+    assert!(
+        read_block(volume, None, lba) == expected,
+        "the volume's block {lba}"
+    );
+    let report = volume.check(true).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+/// Cuts the power under `volume` (dropped), crash model seeded with
+/// `seed`, and opens what the medium kept.
+fn power_cut(media: &MemMedia, volume: Arc<Volume>, seed: u64) -> Arc<Volume> {
+    drop(volume);
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
+    Volume::open(crashed as Arc<dyn Media>, options()).unwrap()
+}
+
 /// Makes a victim that the cleaner scans: `fill` writes its live data
 /// (below block `BLOCKS - 256`, above the filler) and returns its
 /// segment; a trim of the last block adds a range record (a victim a
@@ -437,6 +471,21 @@ fn fill_around_scanned_victim(
     (victim, sealed)
 }
 
+/// Cleans `victim`, which a retained root replays, short of space (the
+/// cleaner cannot wait for checkpoints), and asserts that it did.
+fn clean_at_once(volume: &Volume, victim: SegmentId, sealed: &impl Fn(&Volume) -> bool) {
+    {
+        let state = volume.lock();
+        assert!(
+            state.needed_by_recovery(victim),
+            "no root replays the victim"
+        );
+        assert!(!roomy(&state), "the cleaner would wait for checkpoints");
+    }
+    assert!(volume.clean_one(32 * 1024).unwrap());
+    assert!(!sealed(volume), "segment {victim} was not cleaned");
+}
+
 /// A victim that a retained root still replays and that holds a range
 /// record is scanned when it is cleaned short of space (no checkpoint to
 /// wait for). A data record in it whose entry a snapshot keeps must be
@@ -460,25 +509,13 @@ fn a_scanned_victim_never_copies_a_member_a_snapshot_keeps_unchanged() {
     // block as a hole, without the trim's version.
     volume.trim(at(kept), BLOCK_SIZE_U64, false).unwrap();
     volume.checkpoint().unwrap();
-    {
-        let state = volume.lock();
-        assert!(
-            state.needed_by_recovery(victim),
-            "no root replays the victim"
-        );
-        assert!(!roomy(&state), "the cleaner would wait for checkpoints");
-    }
-    assert!(volume.clean_one(32 * 1024).unwrap());
-    assert!(!sealed(&volume), "segment {victim} was not cleaned");
+    clean_at_once(&volume, victim, &sealed);
     volume.delete_snapshot("s").unwrap();
     volume.flush().unwrap();
     let mut buf = vec![0xA5u8; BLOCK_SIZE];
     volume.read(at(kept), &mut buf).unwrap();
     assert!(is_zero(&buf), "before the power cut");
-    drop(volume);
-    let mut rng = SmallRng::seed_from_u64(1);
-    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
-    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let volume = power_cut(&media, volume, 1);
     buf.fill(0xA5);
     volume.read(at(kept), &mut buf).unwrap();
     assert!(is_zero(&buf), "block {kept}, trimmed, came back");
@@ -554,28 +591,14 @@ fn a_replayed_zero_range_a_snapshot_keeps_outlives_its_victim() {
             .unwrap();
     }
     volume.flush().unwrap();
-    let mut buf = vec![0xA5u8; BLOCK_SIZE];
-    volume
-        .snapshot_device("s")
-        .unwrap()
-        .read(0, &mut buf)
-        .unwrap();
-    assert!(is_zero(&buf), "before the power cut");
-    drop(volume);
-    let mut rng = SmallRng::seed_from_u64(1);
-    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
-    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
-    buf.fill(0xA5);
-    volume
-        .snapshot_device("s")
-        .unwrap()
-        .read(0, &mut buf)
-        .unwrap();
-    assert!(is_zero(&buf), "the snapshot lost the zeros it took");
-    volume.read(0, &mut buf).unwrap();
-    assert!(buf == content(3), "the volume lost its write");
-    let report = volume.check(true).unwrap();
-    assert!(report.is_clean(), "{report:?}");
+    assert!(
+        is_zero(&read_block(&volume, Some("s"), 0)),
+        "before the power cut"
+    );
+    let volume = power_cut(&media, volume, 1);
+    let snapshot = read_block(&volume, Some("s"), 0);
+    assert!(is_zero(&snapshot), "the snapshot lost the zeros it took");
+    assert_clean_with(&volume, 0, &content(3));
 }
 
 /// A settled victim's member a snapshot keeps is rewritten naming the
@@ -646,26 +669,14 @@ fn a_rewritten_kept_member_is_replayed_after_its_snapshot() {
     assert!(volume.clean_one(32 * 1024).unwrap());
     assert!(!sealed(&volume, victim), "segment {victim} was not cleaned");
     volume.flush().unwrap();
-    let mut buf = vec![0u8; BLOCK_SIZE];
-    let snapshot = volume.snapshot_device("s").unwrap();
-    snapshot.read(0, &mut buf).unwrap();
-    assert!(buf == content(1), "before the power cut");
-    drop(snapshot);
-    drop(volume);
-    let mut rng = SmallRng::seed_from_u64(1);
-    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
-    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
-    buf.fill(0xA5);
-    volume
-        .snapshot_device("s")
-        .unwrap()
-        .read(0, &mut buf)
-        .unwrap();
-    assert!(buf == content(1), "the snapshot lost block 0");
-    volume.read(0, &mut buf).unwrap();
-    assert!(buf == content(2), "the volume lost its write");
-    let report = volume.check(true).unwrap();
-    assert!(report.is_clean(), "{report:?}");
+    assert!(
+        read_block(&volume, Some("s"), 0) == content(1),
+        "before the power cut"
+    );
+    let volume = power_cut(&media, volume, 1);
+    let snapshot = read_block(&volume, Some("s"), 0);
+    assert!(snapshot == content(1), "the snapshot lost block 0");
+    assert_clean_with(&volume, 0, &content(2));
 }
 
 #[test]
@@ -887,16 +898,7 @@ fn a_scanned_victim_moves_the_live_member_of_a_partly_dead_unit() {
         other => panic!("block {unit}: {other:?}"),
     }
     volume.checkpoint().unwrap();
-    {
-        let state = volume.lock();
-        assert!(
-            state.needed_by_recovery(victim),
-            "no root replays the victim"
-        );
-        assert!(!roomy(&state), "the cleaner would wait for checkpoints");
-    }
-    assert!(volume.clean_one(32 * 1024).unwrap());
-    assert!(!sealed(&volume), "segment {victim} was not cleaned");
+    clean_at_once(&volume, victim, &sealed);
     let expect = |volume: &Volume, when: &str| {
         let mut buf = vec![0xA5u8; 2 * BLOCK_SIZE];
         volume.read(at(unit), &mut buf).unwrap();
@@ -911,10 +913,7 @@ fn a_scanned_victim_moves_the_live_member_of_a_partly_dead_unit() {
     };
     expect(&volume, "after cleaning");
     volume.flush().unwrap();
-    drop(volume);
-    let mut rng = SmallRng::seed_from_u64(1);
-    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
-    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let volume = power_cut(&media, volume, 1);
     expect(&volume, "after a power cut");
 }
 
@@ -1009,16 +1008,7 @@ fn a_reference_replayed_before_the_copy_of_its_content_still_finds_it() {
         "the duplicate was not found"
     );
     volume.flush().unwrap();
-    {
-        let state = volume.lock();
-        assert!(
-            state.needed_by_recovery(victim),
-            "no root replays the victim"
-        );
-        assert!(!roomy(&state), "the cleaner would wait for checkpoints");
-    }
-    assert!(volume.clean_one(32 * 1024).unwrap());
-    assert!(!sealed(&volume), "segment {victim} was not cleaned");
+    clean_at_once(&volume, victim, &sealed);
     // Free once the copy is durable (and a checkpoint, written at once,
     // names it); then its reuse erases it.
     volume.flush().unwrap();
@@ -1026,10 +1016,7 @@ fn a_reference_replayed_before_the_copy_of_its_content_still_finds_it() {
     assert_eq!(state, SegmentState::Free, "segment {victim}");
     media.erase_segment(victim).unwrap();
     volume.flush().unwrap();
-    drop(volume);
-    let mut rng = SmallRng::seed_from_u64(1);
-    let crashed = Arc::new(media.crash(&mut rng, CrashConfig::default()));
-    let volume = Volume::open(crashed as Arc<dyn Media>, options()).unwrap();
+    let volume = power_cut(&media, volume, 1);
     let mut buf = vec![0u8; BLOCK_SIZE];
     for block in [owner, sharer] {
         volume.read(at(block), &mut buf).unwrap();
