@@ -25,17 +25,15 @@ use crate::error::{Error, Result};
 use crate::gc::GcPolicy;
 use crate::map::{Location, Slot};
 use crate::media::ReadRange;
-use crate::record::{range_count, RecordHeader, RecordKey, RecordKind};
+use crate::record::{range_count, RecordHeader, RecordKind};
 use crate::segments::SegmentState;
 use crate::units::{Lba, SegmentId};
 
 use super::guard::StateGuard;
-use super::moves::{
-    any_kept, apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move,
-};
+use super::moves::{apply, by_record, member_cells, moves_ranges, plan_record, LiveExtent, Move};
 use super::scan::{scan_segment, ScanResult};
 use super::space::{Need, Reach, Writer};
-use super::state::{record_versions, State, Tally};
+use super::state::{State, Tally};
 use super::Volume;
 
 /// Room kept for small records a cleaning step may add beyond the live
@@ -473,9 +471,9 @@ impl Volume {
                 };
                 let before = state.counters().gc_write_bytes;
                 state.tally(Tally::GcRead(victim.fill_bytes));
-                let (key, codec) = (&self.record_key, self.settings.codec);
+                let codec = self.settings.codec;
                 let refs = copying(&mut state, segment, |state| {
-                    relocate_scanned(state, victim, &bytes, &scan, key, codec)
+                    relocate_scanned(state, victim.segment, &bytes, &scan, codec)
                 })?;
                 (state, before, scan.first_error.is_some() || refs)
             }
@@ -592,28 +590,27 @@ fn scanned_ranges(header: &RecordHeader, payload: &[u8]) -> Vec<(Lba, u64)> {
 /// range record older than a snapshot (`snapshot_follows`), copied or not
 /// (and if anything was copied at all: `Volume::relocate_victim`).
 ///
-/// A record with a member a snapshot keeps is rewritten as `plan_record`
-/// plans it (with `key` and `codec`), never copied unchanged: the copy
-/// would name the volume's (or clone's) block, and a replay that applies
-/// the snapshot's deletion first (its record in a host segment older than
-/// the copy's) took it for a write of that block after a trim the
-/// checkpoint knew only as a hole.
+/// A record is copied through `moves::apply`: one with a member a snapshot
+/// keeps, or a dead member, is rewritten from what is live (compressed
+/// with `codec`), never copied unchanged. An unchanged copy of a kept
+/// member would name the volume's (or clone's) block, and a replay that
+/// applies the snapshot's deletion first (its record in a host segment
+/// older than the copy's) took it for a write of that block after a trim
+/// the checkpoint knew only as a hole.
 fn relocate_scanned(
     state: &mut State,
-    victim: &Victim,
+    segment: SegmentId,
     bytes: &[u8],
     scan: &ScanResult,
-    key: &RecordKey,
     codec: Codec,
 ) -> Result<bool> {
-    let segment = victim.segment;
     let mut refs = false;
     for record in &scan.records {
         let header = record.header;
         let payload = &bytes[record.payload.clone()];
         match header.kind {
-            // Copied whole, with whichever of its blocks still live there;
-            // rewritten if a snapshot keeps one of them.
+            // Copied whole if all its blocks live there and no snapshot
+            // keeps one; else what is live is rewritten.
             RecordKind::Data | RecordKind::Unit => {
                 let blocks = match header.kind {
                     RecordKind::Unit => payload[0],
@@ -626,14 +623,13 @@ fn relocate_scanned(
                     0,
                     blocks,
                 );
-                let live = live_members(state, here, &header, payload)?;
-                if any_kept(&header, &live) {
-                    let read = &bytes[record.offset as usize..];
-                    let planned = plan_record(key, victim.seq as u32, Some(read), &live, codec);
-                    apply(state, vec![planned])?;
-                } else {
-                    state.relocate(here, header, payload)?;
-                }
+                let copy = Move::Copy {
+                    from: here,
+                    header,
+                    payload: payload.to_vec(),
+                    codec,
+                };
+                apply(state, vec![copy])?;
             }
             RecordKind::Trim | RecordKind::Zero | RecordKind::Damaged => {
                 let count = range_count(payload);
@@ -653,34 +649,6 @@ fn relocate_scanned(
         }
     }
     Ok(refs)
-}
-
-/// The members of the data or unit record `header` (member 0 at `here`)
-/// that the map still points at there: the key of the entry naming each
-/// (its block, its cell, or its key in a snapshot's space), its location,
-/// its version.
-fn live_members(
-    state: &mut State,
-    here: Location,
-    header: &RecordHeader,
-    payload: &[u8],
-) -> Result<Vec<LiveExtent>> {
-    let versions = record_versions(header, payload);
-    let keys = state.member_keys(header.lba, &versions)?;
-    let members = versions.len() as u8;
-    Ok(versions
-        .iter()
-        .enumerate()
-        .filter_map(|(member, &version)| {
-            let loc = here.with_member_of(member as u8, members);
-            let entry = state.map().get(keys[member]);
-            (entry.slot() == Slot::Data(loc) && entry.version() == version).then_some((
-                keys[member],
-                loc,
-                version,
-            ))
-        })
-        .collect())
 }
 
 /// True if a snapshot was taken after version `version`. A recovery from

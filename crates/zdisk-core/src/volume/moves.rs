@@ -159,7 +159,7 @@ pub(crate) fn plan_record(
 /// True if a snapshot keeps one of `live`, members of the record
 /// `header`: its entry is in another key space than the one the record
 /// names (a member in that space is its own; a cell is no kept entry).
-pub(crate) fn any_kept(header: &RecordHeader, live: &[LiveExtent]) -> bool {
+fn any_kept(header: &RecordHeader, live: &[LiveExtent]) -> bool {
     live.iter()
         .any(|&(key, _, _)| kept_apart(header.lba, key.0))
 }

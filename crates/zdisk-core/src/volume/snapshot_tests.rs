@@ -879,9 +879,7 @@ fn is_zero(buf: &[u8]) -> bool {
 /// A unit in a scanned victim (as above, no snapshot needed) with a
 /// member written again since: its live member must move, rewritten,
 /// before the victim is reused. `State::relocate` copies a record only
-/// while all its members live, so the scan leaves it, and the live bytes
-/// left send the cleaner to the stragglers' path
-/// (`Volume::relocate_stragglers`), which rewrites it.
+/// while all its members live, so `moves::apply` rewrites what is live.
 #[test]
 fn a_scanned_victim_moves_the_live_member_of_a_partly_dead_unit() {
     // Segments large enough for units of two blocks.
